@@ -1,0 +1,37 @@
+"""Packaging for megatron-dapo.
+
+torch is deliberately absent from install_requires' lower bound tricks: the range
+below is satisfied by the CPU wheel (2.13.0) on laptops and CI, and by the CUDA
+build a cluster image already ships, so `pip install -e .` never swaps torch out.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-dapo",
+    version="0.1.0",
+    description="DAPO reinforcement learning on a Megatron-Core actor with SGLang rollouts",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
+    install_requires=[
+        "torch>=2.4,<2.14",
+        "megatron-core>=0.13,<0.18",
+        "pyyaml>=6.0",
+        "sentencepiece>=0.2",
+        "transformers>=4.45",
+        "safetensors>=0.4",
+        "numpy>=1.24",
+        "pyarrow>=14",
+        "wandb>=0.17",
+        "matplotlib>=3.7",
+    ],
+    extras_require={
+        # apex is optional and not on the package index: build it from source when
+        # wanted; megatron-core falls back to torch implementations without it.
+        "gpu": ["transformer-engine[pytorch]>=1.13", "sglang[srt]>=0.4.6"],
+        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
+)
