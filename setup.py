@@ -5,13 +5,15 @@ below is satisfied by the CPU wheel (2.13.0) on laptops and CI, and by the CUDA
 build a cluster image already ships, so `pip install -e .` never swaps torch out.
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="megatron-dapo",
     version="0.1.0",
     description="DAPO reinforcement learning on a Megatron-Core actor with SGLang rollouts",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),

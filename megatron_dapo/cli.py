@@ -1,0 +1,80 @@
+"""`megatron-dapo` command line: one entry point, thin subcommands.
+
+    megatron-dapo config show FILE [key=value ...]      print the resolved config
+    megatron-dapo config validate FILE [key=value ...]  check it, exit 2 if wrong
+
+User mistakes (UserError) print one line to stderr and exit 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from megatron_dapo.errors import EXIT_USER_ERROR, UserError
+
+
+def _config_show(args: argparse.Namespace) -> int:
+    from megatron_dapo.config import load_config, to_yaml
+
+    cfg = load_config(args.file, args.overrides)
+    sys.stdout.write(to_yaml(cfg))
+    return 0
+
+
+def _config_validate(args: argparse.Namespace) -> int:
+    from megatron_dapo.config import load_config
+
+    cfg = load_config(args.file, args.overrides)
+    if args.world_size is not None:
+        dp = cfg.check_world_size(args.world_size, "--world-size")
+        print(f"{args.file}: OK (data-parallel size {dp} at world size {args.world_size})")
+    else:
+        print(f"{args.file}: OK")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that exits 2 with a one-line message (its default is also 2, plus usage)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="megatron-dapo", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    cfg = sub.add_parser("config", help="show or validate an experiment config")
+    cfg_sub = cfg.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    show = cfg_sub.add_parser("show", help="print the resolved config as YAML")
+    show.add_argument("file", help="experiment YAML, e.g. examples/tiny_cpu.yaml")
+    show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.clip_ratio_high=0.28")
+    show.set_defaults(func=_config_show)
+    val = cfg_sub.add_parser("validate", help="check a config; exit 2 with one line if it is wrong")
+    val.add_argument("file")
+    val.add_argument("overrides", nargs="*")
+    val.add_argument("--world-size", type=int, default=None, help="also check the layout against N processes")
+    val.set_defaults(func=_config_validate)
+    return parser
+
+
+def run(argv: list[str] | None, parser: argparse.ArgumentParser | None = None) -> int:
+    """Parse and dispatch; returns the exit code."""
+    parser = parser or build_parser()
+    args = parser.parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+def main(argv: list[str] | None = None) -> None:
+    sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()

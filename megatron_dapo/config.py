@@ -1,0 +1,768 @@
+"""Typed experiment configuration: one dataclass per component, YAML in, YAML out.
+
+YAML is only a way to write these dataclasses. Loading is strict: an unknown key, a
+wrong type or an inconsistent value fails at load time with one line that names the
+key, where it came from (the file or the command line) and the fix, so a typo never
+silently becomes a default in a 128-GPU job. Key names follow verl's where one exists
+(clip_ratio_low, loss_agg_mode, filter_groups.*, gen_batch_size, ppo_mini_batch_size,
+overlong_buffer.*, max_response_length, ...) so a verl DAPO recipe maps over by eye.
+
+Batch sizes count prompts (groups), as in verl: a step trains on
+`data.train_batch_size * rollout.n` responses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_dapo.errors import UserError
+
+
+class ConfigError(UserError):
+    """A user's configuration mistake. `str(err)` is one line: key, source, problem, fix."""
+
+
+class _FieldError(ValueError):
+    """Raised inside __post_init__; the loader adds the dotted path and the source."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key = key
+        self.message = message
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise _FieldError(key, message)
+
+
+# --------------------------------------------------------------------------- model
+
+
+@dataclass(kw_only=True, slots=True)
+class ScratchModelConfig:
+    """A Qwen2-style model initialised from scratch (the embedded CPU run, tests)."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer layers; must divide by the pipeline size."""
+    num_attention_heads: int = 4
+    """Query heads; must divide by the tensor-parallel size."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA query groups); must divide by the tensor-parallel size."""
+    intermediate_size: int = 384
+    """SwiGLU hidden width."""
+    max_position_embeddings: int = 32768
+    """Longest sequence (prompt + response) the rotary tables cover."""
+    rope_theta: float = 10000.0
+    """Rotary base."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the output layer, as small Qwen2 models do."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            _check(getattr(self, name) > 0, name, "must be a positive integer")
+        _check(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
+               f"must be a multiple of num_attention_heads={self.num_attention_heads}")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+               f"must divide num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTWarmStartConfig:
+    """Supervised warm start of the scratch model on worked solutions (embedded run only)."""
+
+    enable: bool = False
+    """Run SFT before RL so the policy starts with non-trivial accuracy; the result is cached."""
+    num_steps: int = 300
+    """Optimizer steps of SFT."""
+    batch_size: int = 32
+    """Sequences per SFT step."""
+    lr: float = 3e-3
+    """Peak learning rate of SFT (cosine decay to 10%)."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_steps >= 0, "num_steps", "must be >= 0")
+        _check(self.batch_size > 0, "batch_size", "must be > 0")
+        _check(self.lr > 0, "lr", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The actor (and rollout) model."""
+
+    hf_checkpoint: str | None = None
+    """HF checkpoint directory (config.json + safetensors). null = build `scratch` (embedded run)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; null = the checkpoint's own, or the embedded task's tokenizer."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Parameter dtype: auto = bf16 with fp32 master weights on GPU, fp32 on CPU."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: auto = Transformer Engine when importable on CUDA, else local."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in backward (full, uniform) to save memory."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocabulary padding multiple (times the tensor-parallel size), as Megatron-LM."""
+    scratch: ScratchModelConfig = field(default_factory=ScratchModelConfig)
+    """Architecture used when hf_checkpoint is null."""
+    sft_warm_start: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
+    """SFT before RL for the scratch model."""
+
+    def __post_init__(self) -> None:
+        _check(self.make_vocab_size_divisible_by > 0, "make_vocab_size_divisible_by", "must be > 0")
+        if self.hf_checkpoint is not None:
+            _check(self.hf_checkpoint != "", "hf_checkpoint", "is empty: give a directory or null")
+
+
+# ------------------------------------------------------------------------ parallel
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the actor is sharded: world = TP x PP x CP x DP."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size (within a node)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; must divide the number of layers."""
+    context_parallel_size: int = 1
+    """Context parallel size (needs Transformer Engine attention: GPU only)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            _check(getattr(self, name) >= 1, name, "must be >= 1")
+        if self.sequence_parallel:
+            _check(self.tensor_model_parallel_size > 1, "sequence_parallel",
+                   "needs tensor_model_parallel_size > 1; set it to false")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size
+
+
+# ------------------------------------------------------------------------- rollout
+
+
+@dataclass(kw_only=True, slots=True)
+class ValKwargsConfig:
+    """Sampling for evaluation (the paper: avg@32 at temperature 1.0, top_p 0.7)."""
+
+    n: int = 1
+    """Samples per validation prompt (avg@n)."""
+    temperature: float = 1.0
+    """Validation temperature (0 = greedy)."""
+    top_p: float = 0.7
+    """Validation nucleus threshold."""
+    top_k: int = -1
+    """Validation top-k (-1 = off)."""
+
+    def __post_init__(self) -> None:
+        _sampling_checks(self.n, self.temperature, self.top_p, self.top_k)
+
+
+def _sampling_checks(n: int, temperature: float, top_p: float, top_k: int) -> None:
+    _check(n >= 1, "n", "must be >= 1")
+    _check(temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+    _check(0 < top_p <= 1, "top_p", "must be in (0, 1]")
+    _check(top_k == -1 or top_k > 0, "top_k", "must be -1 (off) or > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """Generation engines."""
+
+    engine: Literal["local", "sglang"] = "local"
+    """local = the pure-torch engine (CPU, tests); sglang = SGLang servers colocated on the GPUs."""
+    n: int = 16
+    """Responses per prompt (the group size G)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts; the actor scales logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus threshold of training rollouts."""
+    top_k: int = -1
+    """Top-k of training rollouts (-1 = off)."""
+    tensor_model_parallel_size: int = 1
+    """GPUs per SGLang engine; the node's GPUs are split into engines of this size."""
+    gpu_memory_utilization: float = 0.7
+    """SGLang --mem-fraction-static: share of GPU memory for weights + KV cache."""
+    update_weights_bucket_megabytes: int = 512
+    """Weight-sync bucket size; peak extra memory of a sync is about one bucket."""
+    request_timeout_s: float = 3600.0
+    """Timeout of one generation request to an engine."""
+    host: str | None = None
+    """Address SGLang servers bind to; null = this node's address (never 0.0.0.0 unless set)."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling for evaluation."""
+
+    def __post_init__(self) -> None:
+        _sampling_checks(self.n, self.temperature, self.top_p, self.top_k)
+        _check(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", "must be >= 1")
+        _check(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in (0, 1)")
+        _check(self.update_weights_bucket_megabytes > 0, "update_weights_bucket_megabytes", "must be > 0")
+        _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+
+
+# ----------------------------------------------------------------------- algorithm
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+@dataclass(kw_only=True, slots=True)
+class FilterGroupsConfig:
+    """Dynamic sampling: drop groups whose metric has zero spread, generate until full."""
+
+    enable: bool = True
+    """Turn dynamic sampling on (DAPO) or off (GRPO)."""
+    metric: Literal["acc", "score", "seq_reward"] = "acc"
+    """Per-response value whose spread within a group decides keep/drop."""
+    max_num_gen_batches: int = 10
+    """Generation rounds per step before giving up with an error; 0 = unlimited."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = unlimited)")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """DAPO / GRPO policy objective."""
+
+    adv_estimator: Literal["grpo"] = "grpo"
+    """Group-relative advantage (the only estimator DAPO uses)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide by the group's std (GRPO/DAPO); false = Dr.GRPO."""
+    clip_ratio_low: float = 0.2
+    """epsilon_low of Clip-Higher."""
+    clip_ratio_high: float = 0.28
+    """epsilon_high of Clip-Higher (0.2 = symmetric PPO clip)."""
+    clip_ratio_c: float | None = 10.0
+    """Dual-clip bound for negative advantages (> 1), null = off."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    """Loss aggregation: token-mean (DAPO, global over the mini-batch) or the GRPO-style modes."""
+    use_kl_loss: bool = False
+    """Add a KL term against the initial policy (DAPO: off)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL term."""
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
+    """KL estimator."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (0 = off)."""
+    overlong_filtering: bool = False
+    """Mask the loss of truncated responses (finish reason length)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling."""
+
+    def __post_init__(self) -> None:
+        _check(0 < self.clip_ratio_low < 1, "clip_ratio_low", "must be in (0, 1); DAPO uses 0.2")
+        _check(0 < self.clip_ratio_high < 10, "clip_ratio_high", "must be in (0, 10); DAPO uses 0.28")
+        if self.clip_ratio_c is not None:
+            _check(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (or null to disable dual clip)")
+        _check(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
+        if self.kl_loss_coef > 0:
+            _check(self.use_kl_loss, "kl_loss_coef", "is > 0 but use_kl_loss is false; set use_kl_loss=true")
+        _check(self.entropy_coeff >= 0, "entropy_coeff", "must be >= 0")
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass(kw_only=True, slots=True)
+class EmbeddedTaskConfig:
+    """The built-in arithmetic task used when no data files are given."""
+
+    num_train: int = 4000
+    """Training problems generated."""
+    num_val: int = 200
+    """Held-out problems for evaluation."""
+    seed: int = 1234
+    """Generator seed (train and val are disjoint)."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_train > 0, "num_train", "must be > 0")
+        _check(self.num_val > 0, "num_val", "must be > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Prompts and batch sizes (sizes count prompts, i.e. groups)."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Parquet/jsonl files (DAPO-Math-17K schema or {prompt, answer}); empty = the embedded task."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out files; empty = the embedded task's held-out split (or none with train_files)."""
+    max_prompt_length: int = 2048
+    """Longer prompts are dropped (and counted)."""
+    max_response_length: int = 20480
+    """Generation budget per response (L_max)."""
+    train_batch_size: int = 512
+    """Prompt groups per RL step after dynamic sampling."""
+    gen_batch_size: int = 1536
+    """Prompts per generation round (over-sampling for dynamic sampling)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (deterministic from `seed`)."""
+    seed: int = 1
+    """Data order seed."""
+    embedded: EmbeddedTaskConfig = field(default_factory=EmbeddedTaskConfig)
+    """The built-in task."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+        _check(self.max_response_length > 0, "max_response_length", "must be > 0")
+        _check(self.train_batch_size > 0, "train_batch_size", "must be > 0")
+        _check(self.gen_batch_size >= self.train_batch_size, "gen_batch_size",
+               f"must be >= train_batch_size={self.train_batch_size} (each round generates that many prompts)")
+
+
+# --------------------------------------------------------------------------- optim
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warm-up then constant learning rate (the paper's schedule)."""
+
+    lr: float = 1e-6
+    """Learning rate after warm-up."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up (paper: 20 rollout steps x updates per step)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr", "must be > 0")
+        _check(self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        _check(0 <= self.adam_beta1 < 1, "adam_beta1", "must be in [0, 1)")
+        _check(0 <= self.adam_beta2 < 1, "adam_beta2", "must be in [0, 1)")
+        _check(self.adam_eps > 0, "adam_eps", "must be > 0")
+        _check(self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 = off)")
+        _check(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
+
+
+# -------------------------------------------------------------------------- reward
+
+
+@dataclass(kw_only=True, slots=True)
+class OverlongBufferConfig:
+    """Soft overlong punishment: linear penalty over the last `len` tokens before L_max."""
+
+    enable: bool = True
+    """Add the length penalty to the reward."""
+    len: int = 4096
+    """Buffer length L_cache; must be < data.max_response_length."""
+    penalty_factor: float = 1.0
+    """Penalty at L_max (the paper: 1.0)."""
+
+    def __post_init__(self) -> None:
+        _check(self.len > 0, "len", "must be > 0")
+        _check(self.penalty_factor >= 0, "penalty_factor", "must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RewardConfig:
+    """Rule-based reward."""
+
+    reward_fn: str = "math_dapo"
+    """Built-in name or a user 'package.module:function' returning a float or {score, acc}."""
+    num_workers: int = 4
+    """Scoring processes (0 = in-process, no timeout)."""
+    timeout_s: float = 10.0
+    """Per-response scoring timeout; a timeout or crash scores -1 and is counted."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """Overlong reward shaping."""
+
+    def __post_init__(self) -> None:
+        _check(bool(self.reward_fn), "reward_fn", "is empty: use 'math_dapo' or 'package.module:function'")
+        _check(self.num_workers >= 0, "num_workers", "must be >= 0")
+        _check(self.timeout_s > 0, "timeout_s", "must be > 0")
+
+
+# ------------------------------------------------------------------------- trainer
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerConfig:
+    """The RL loop: steps, mini-batching, evaluation, checkpoints, launch shape."""
+
+    total_training_steps: int = 100
+    """RL steps (each: generate, score, filter, update, sync)."""
+    ppo_mini_batch_size: int = 32
+    """Prompt groups per optimizer step; train_batch_size / this = updates per RL step."""
+    ppo_epochs: int = 1
+    """Passes over each RL batch."""
+    max_tokens_per_microbatch: int = 16384
+    """Token budget of one micro-batch per data-parallel rank (prompt + response tokens)."""
+    logprob_chunk_size: int = 1024
+    """Tokens per chunk when computing log-probs/entropy from vocab-parallel logits."""
+    test_freq: int = 5
+    """Evaluate every N steps (0 = never)."""
+    val_before_train: bool = True
+    """Evaluate once before the first step."""
+    save_interval: int = 10
+    """Checkpoint every N steps (0 = only at the end)."""
+    max_checkpoints_to_keep: int = 2
+    """Keep the last K checkpoints (0 = keep all)."""
+    resume: str = "auto"
+    """auto = continue from `latest` in output_dir if present; disable; or a checkpoint path."""
+    output_dir: str = "runs/default"
+    """Run directory: metrics.jsonl, checkpoints/, logs."""
+    project_name: str = "megatron-dapo"
+    """wandb project."""
+    experiment_name: str = "default"
+    """wandb run name."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = CUDA when available, else CPU (with the megatron-core compatibility layer)."""
+    seed: int = 42
+    """Model init, sampling and dropout seed."""
+    nnodes: int = 1
+    """Nodes in the job (checked against the launcher's world size)."""
+    n_gpus_per_node: int | None = None
+    """Processes per node; null = taken from the launcher (WORLD_SIZE / SLURM_NTASKS)."""
+
+    def __post_init__(self) -> None:
+        _check(self.total_training_steps > 0, "total_training_steps", "must be > 0")
+        _check(self.ppo_mini_batch_size > 0, "ppo_mini_batch_size", "must be > 0")
+        _check(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")
+        _check(self.max_tokens_per_microbatch > 0, "max_tokens_per_microbatch", "must be > 0")
+        _check(self.logprob_chunk_size > 0, "logprob_chunk_size", "must be > 0")
+        _check(self.test_freq >= 0, "test_freq", "must be >= 0 (0 = never)")
+        _check(self.save_interval >= 0, "save_interval", "must be >= 0 (0 = only at the end)")
+        _check(self.max_checkpoints_to_keep >= 0, "max_checkpoints_to_keep", "must be >= 0")
+        _check(self.nnodes >= 1, "nnodes", "must be >= 1")
+        if self.n_gpus_per_node is not None:
+            _check(self.n_gpus_per_node >= 1, "n_gpus_per_node", "must be >= 1 or null")
+        _check(bool(self.resume), "resume", "is empty: use auto, disable or a checkpoint path")
+
+
+# ------------------------------------------------------------------------- logging
+
+
+@dataclass(kw_only=True, slots=True)
+class LoggingConfig:
+    """Where metrics go."""
+
+    console: bool = True
+    """One compact line per step and a progress bar."""
+    jsonl: bool = True
+    """Append metrics to <output_dir>/metrics.jsonl."""
+    wandb: bool = False
+    """Log to wandb as well."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline writes under output_dir/wandb; online needs WANDB_API_KEY."""
+
+
+# -------------------------------------------------------------------------- config
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A whole experiment."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        self._cross_checks()
+
+    def _cross_checks(self) -> None:
+        d, t, r, a = self.data, self.trainer, self.rollout, self.algorithm
+        _check(d.train_batch_size % t.ppo_mini_batch_size == 0, "trainer.ppo_mini_batch_size",
+               f"must divide data.train_batch_size={d.train_batch_size} "
+               f"(choose one of {_divisors(d.train_batch_size)})")
+        if a.filter_groups.enable:
+            _check(r.n >= 2, "rollout.n",
+                   "must be >= 2 with algorithm.filter_groups.enable=true (a group of one has no spread)")
+        ob = self.reward.overlong_buffer
+        if ob.enable:
+            _check(ob.len < d.max_response_length, "reward.overlong_buffer.len",
+                   f"must be < data.max_response_length={d.max_response_length}; "
+                   "shrink the buffer or disable it (reward.overlong_buffer.enable=false)")
+        if self.model.hf_checkpoint is None:
+            s = self.model.scratch
+            _check(d.max_prompt_length + d.max_response_length <= s.max_position_embeddings,
+                   "data.max_response_length",
+                   f"prompt + response ({d.max_prompt_length}+{d.max_response_length}) exceeds "
+                   f"model.scratch.max_position_embeddings={s.max_position_embeddings}")
+        p = self.parallel
+        if p.context_parallel_size > 1:
+            _check(t.device != "cpu", "parallel.context_parallel_size",
+                   "needs Transformer Engine attention on CUDA; set it to 1 with trainer.device=cpu")
+        self.check_model_shape(*self._model_shape())
+
+    def _model_shape(self) -> tuple[int, int, int, str]:
+        """(num_attention_heads, num_key_value_heads, num_layers, where) of the configured model."""
+        if self.model.hf_checkpoint is None:
+            s = self.model.scratch
+            return s.num_attention_heads, s.num_key_value_heads, s.num_layers, "model.scratch"
+        cfg_path = Path(self.model.hf_checkpoint) / "config.json"
+        if not cfg_path.is_file():
+            # The checkpoint may live on a cluster filesystem not mounted here: the loader
+            # re-checks when it reads the checkpoint.
+            return 0, 0, 0, str(cfg_path)
+        try:
+            hf = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise _FieldError("model.hf_checkpoint", f"cannot read {cfg_path}: {e}") from None
+        heads = int(hf.get("num_attention_heads", 0))
+        return heads, int(hf.get("num_key_value_heads", heads)), int(hf.get("num_hidden_layers", 0)), str(cfg_path)
+
+    def check_model_shape(self, heads: int, kv_heads: int, layers: int, where: str) -> None:
+        """Reject parallel sizes the model cannot be split into."""
+        if heads == 0:
+            return
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        _check(heads % tp == 0, "parallel.tensor_model_parallel_size",
+               f"={tp} does not divide num_attention_heads={heads} of {where}; use one of {_divisors(heads)}")
+        _check(kv_heads % tp == 0, "parallel.tensor_model_parallel_size",
+               f"={tp} does not divide num_key_value_heads={kv_heads} of {where}; use one of {_divisors(kv_heads)}")
+        _check(layers % pp == 0, "parallel.pipeline_model_parallel_size",
+               f"={pp} does not divide num_layers={layers} of {where}; use one of {_divisors(layers)}")
+
+    def check_world_size(self, world_size: int, source: str) -> int:
+        """Validate the launcher's world size against the layout; returns the data-parallel size.
+
+        Raises:
+            ConfigError: when TP x PP x CP does not divide the world size, or nnodes x
+                n_gpus_per_node disagrees with the launcher.
+        """
+        mp = self.parallel.model_parallel_size
+        t = self.trainer
+        if t.n_gpus_per_node is not None and t.nnodes * t.n_gpus_per_node != world_size:
+            raise ConfigError(
+                f"trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes}x{t.n_gpus_per_node} but the launcher "
+                f"started {world_size} processes ({source}); fix the config or the launch command"
+            )
+        if world_size % mp != 0:
+            p = self.parallel
+            raise ConfigError(
+                f"parallel: TP x PP x CP = {p.tensor_model_parallel_size}x{p.pipeline_model_parallel_size}x"
+                f"{p.context_parallel_size} = {mp} does not divide the world size {world_size} ({source}); "
+                f"launch a multiple of {mp} processes or shrink the parallel sizes"
+            )
+        return world_size // mp
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+# ------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except _FieldError:
+                continue
+        raise _FieldError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            extra = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise _FieldError(key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}{extra}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise _FieldError(key, f"expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, key) for v in value]
+    if tp is type(None):
+        if value is not None:
+            raise _FieldError(key, f"expected null, got {value!r}")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _FieldError(key, f"expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _FieldError(key, f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _FieldError(key, f"expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _FieldError(key, f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _FieldError(key, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key + ".")
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")  # a bug in this module, not user input
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            fix = f"did you mean '{prefix}{hint[0]}'?" if hint else f"valid keys: {', '.join(names)}"
+            raise _FieldError(f"{prefix}{key}", f"unknown key; {fix}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except _FieldError as e:
+        raise _FieldError(prefix + e.key, e.message) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse a dotted command-line override `a.b.c=value` (value in YAML syntax)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"command line: bad override {text!r}; expected dotted.key=value, e.g. "
+                          "algorithm.clip_ratio_high=0.28")
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"command line: cannot parse the value of {key!r}: {e.problem}") from None
+    return key.split("."), value
+
+
+def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"command line: cannot set {'.'.join(path)}: {part} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML experiment file, apply dotted overrides, validate everything.
+
+    Args:
+        path: the YAML file; None = all defaults.
+        overrides: `dotted.key=value` strings, applied in order after the file.
+
+    Returns:
+        The validated Config.
+
+    Raises:
+        ConfigError: one line naming the key, its source (file or command line) and the fix.
+    """
+    source = str(path) if path is not None else "defaults"
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{source}: no such config file; pick one of examples/*.yaml")
+        try:
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{source}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections (model, data, ...)")
+        tree = loaded
+    overridden: set[str] = set()
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_dotted(tree, keys, value)
+        overridden.add(".".join(keys))
+    try:
+        return _build(Config, tree, "")
+    except _FieldError as e:
+        origin = "command line" if any(_related(e.key, k) for k in overridden) else source
+        raise ConfigError(f"{origin}: {_describe(tree, e)}") from None
+
+
+_MISSING = object()
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _describe(tree: dict[str, Any], err: _FieldError) -> str:
+    """`key=value: problem`, or `key=value problem` when the message starts with the value."""
+    if err.message.startswith("="):
+        return f"{err.key}{err.message}"
+    value = _lookup(tree, err.key)
+    shown = f"={value!r}" if value is not _MISSING and not err.message.startswith("unknown key") else ""
+    return f"{err.key}{shown}: {err.message}"
+
+
+def _lookup(tree: dict[str, Any], key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain containers (what `config show` prints and checkpoints store)."""
+    return {f.name: (to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v)
+            for f in dataclasses.fields(cfg)}
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML that load_config reads back to an equal Config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
+    """Rebuild a Config from to_dict output (e.g. a checkpoint's stored config)."""
+    try:
+        return _build(Config, data, "")
+    except _FieldError as e:
+        raise ConfigError(f"{source}: {_describe(data, e)}") from None

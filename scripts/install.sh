@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs megatron-dapo and what it needs into the current Python, idempotently.
+# On a machine without a GPU it never pulls a CUDA build of torch: torch is installed
+# first, as the CPU build, so the package's own `torch` requirement is already met.
+set -euo pipefail
+PY=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    "$PY" -m pip install "torch>=2.4,<2.14"
+  elif "$PY" -m pip download --no-deps -q -d /tmp/.torch-probe "torch==2.13.0+cpu" >/dev/null 2>&1 \
+       || ls /opt/wheels/torch-2.13.0+cpu-* >/dev/null 2>&1; then
+    "$PY" -m pip install "torch==2.13.0"
+  else
+    "$PY" -m pip install "torch>=2.4,<2.14" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+"$PY" -c "import megatron_dapo, megatron.core, pytest, hypothesis, ruff" 2>/dev/null \
+  || "$PY" -m pip install -q -e ".[test]"
