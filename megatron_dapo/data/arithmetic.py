@@ -1,0 +1,288 @@
+"""The embedded task of the default CPU run: integer arithmetic with verifiable answers.
+
+A tiny model cannot learn competition math on a laptop, but it can learn to add,
+subtract and multiply small numbers, and the DAPO machinery does not care which
+problems it scores: prompts end with the DAPO-Math-17K instruction (final answer on
+its own last line as "Answer: <number>"), ground truths are integer strings, and the
+math_dapo verifier scores responses exactly as it scores DAPO-Math-17K.
+
+What is written (`prepare_arithmetic_task`):
+- train / val prompt files in the plain jsonl schema {prompt, answer, data_source};
+  validation problems never appear in the train or SFT files;
+- an SFT corpus of short worked solutions ("12+35=47\\nAnswer: 47") for the warm start
+  that teaches the answer format, so RL starts between "never right" and "always
+  right" (groups with mixed accuracy are what dynamic sampling keeps);
+- the sentencepiece tokenizer trained on all of it (see `tokenizer.py`).
+
+Difficulty is the `ArithmeticMix`: weights of the problem kinds and operand sizes.
+Everything is drawn from `random.Random` seeded per split, so the same seed writes
+byte-identical files on any machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import tempfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_dapo.data.tokenizer import SentencePieceSettings, load_or_train_sentencepiece
+
+DATA_SOURCE = "arithmetic"
+
+# Paraphrase of the DAPO-Math-17K instruction, kept short for a small context window.
+INSTRUCTION = 'Give the final answer on its own last line as "Answer: <number>".'
+
+PROBLEM_KINDS = ("add", "sub", "mul", "two_step")
+
+
+@dataclass(kw_only=True, slots=True)
+class ArithmeticMix:
+    """How hard the problems are: relative weights of the kinds and operand ranges."""
+
+    add: float = 0.3
+    """Weight of a+b."""
+    sub: float = 0.3
+    """Weight of a-b."""
+    mul: float = 0.2
+    """Weight of a*b with small factors."""
+    two_step: float = 0.2
+    """Weight of two operations with parentheses, e.g. (12+7)*3 or 45-(3+4); their
+    operands have at most min(max_digits, 2) digits, a multiplier is one digit."""
+    max_digits: int = 2
+    """Operands of +/- have 1..max_digits digits, the count drawn uniformly."""
+    max_factor: int = 12
+    """Factors of a*b lie in 2..max_factor; the multiplier in two-step problems in 2..9."""
+    allow_negative: bool = False
+    """False redraws problems whose answer or intermediate result is negative."""
+
+    def __post_init__(self) -> None:
+        weights = {kind: getattr(self, kind) for kind in PROBLEM_KINDS}
+        bad = {kind: w for kind, w in weights.items() if w < 0}
+        if bad or sum(weights.values()) <= 0:
+            raise ValueError(
+                f"ArithmeticMix weights {weights} must be >= 0 with a positive sum; "
+                "set at least one of add/sub/mul/two_step above 0"
+            )
+        if not 1 <= self.max_digits <= 6:
+            raise ValueError(f"ArithmeticMix.max_digits={self.max_digits} must be in 1..6")
+        if self.max_factor < 2:
+            raise ValueError(f"ArithmeticMix.max_factor={self.max_factor} must be >= 2")
+
+
+@dataclass(kw_only=True, slots=True)
+class ArithmeticProblem:
+    """One problem with its worked solution steps."""
+
+    expression: str
+    """The expression as shown in the prompt, e.g. "(12+7)*3"."""
+    steps: list[str]
+    """Intermediate forms after the expression, e.g. ["19*3", "57"]; the last is the answer."""
+    answer: int
+    """The value of the expression."""
+    kind: str
+    """One of PROBLEM_KINDS."""
+
+    def prompt(self) -> str:
+        """The prompt text: the question, then the answer-format instruction."""
+        return f"Compute {self.expression}.\n{INSTRUCTION}\n"
+
+    def solution(self) -> str:
+        """A short worked solution ending with the DAPO answer line."""
+        return "=".join([self.expression, *self.steps]) + f"\nAnswer: {self.answer}"
+
+
+def _operand(rng: random.Random, max_digits: int) -> int:
+    digits = rng.randint(1, max_digits)
+    low = 0 if digits == 1 else 10 ** (digits - 1)
+    return rng.randint(low, 10**digits - 1)
+
+
+def _apply(a: int, op: str, b: int) -> int:
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    return a * b
+
+
+def _draw_two_step(rng: random.Random, mix: ArithmeticMix) -> tuple[ArithmeticProblem, int]:
+    # One +/- pair of small operands and one operation with a third operand; a
+    # multiplication always takes a one-digit multiplier to keep products short.
+    inner_op = rng.choice("+-")
+    outer_op = rng.choice("+-*")
+    a = _operand(rng, min(mix.max_digits, 2))
+    b = _operand(rng, min(mix.max_digits, 2))
+    c = rng.randint(2, 9) if outer_op == "*" else _operand(rng, min(mix.max_digits, 2))
+    inner = _apply(a, inner_op, b)
+    if rng.random() < 0.5:
+        expression = f"({a}{inner_op}{b}){outer_op}{c}"
+        middle = f"{inner}{outer_op}{c}"
+        answer = _apply(inner, outer_op, c)
+    else:
+        expression = f"{c}{outer_op}({a}{inner_op}{b})"
+        middle = f"{c}{outer_op}{inner}"
+        answer = _apply(c, outer_op, inner)
+    # A negative intermediate would print as "3--4"; only allowed when negatives are.
+    if inner < 0:
+        middle = middle.replace(str(inner), f"({inner})", 1)
+    problem = ArithmeticProblem(
+        expression=expression, steps=[middle, str(answer)], answer=answer, kind="two_step"
+    )
+    return problem, inner
+
+
+def draw_problem(rng: random.Random, mix: ArithmeticMix) -> ArithmeticProblem:
+    """Draws one problem of a kind chosen by the mix weights.
+
+    Args:
+        rng: the split's random generator.
+        mix: difficulty settings.
+
+    Returns:
+        The problem; with `allow_negative` False its answer and intermediate are >= 0.
+    """
+    while True:
+        kind = rng.choices(PROBLEM_KINDS, weights=[getattr(mix, k) for k in PROBLEM_KINDS])[0]
+        if kind == "two_step":
+            problem, inner = _draw_two_step(rng, mix)
+            negative = problem.answer < 0 or inner < 0
+        else:
+            if kind == "mul":
+                a, b = rng.randint(2, mix.max_factor), rng.randint(2, mix.max_factor)
+            else:
+                a, b = _operand(rng, mix.max_digits), _operand(rng, mix.max_digits)
+            op = {"add": "+", "sub": "-", "mul": "*"}[kind]
+            answer = _apply(a, op, b)
+            problem = ArithmeticProblem(
+                expression=f"{a}{op}{b}", steps=[str(answer)], answer=answer, kind=kind
+            )
+            negative = answer < 0
+        if mix.allow_negative or not negative:
+            return problem
+
+
+def generate_problems(
+    num_problems: int,
+    mix: ArithmeticMix,
+    seed: int | str,
+    exclude: frozenset[str] = frozenset(),
+    unique: bool = False,
+) -> list[ArithmeticProblem]:
+    """Draws `num_problems` problems deterministically from `seed`.
+
+    Args:
+        num_problems: how many to draw.
+        mix: difficulty settings.
+        seed: seeds a private `random.Random`; equal seeds give equal problems.
+        exclude: expressions never returned (e.g. the validation set's).
+        unique: no expression is returned twice.
+
+    Returns:
+        The problems, in draw order.
+    """
+    rng = random.Random(seed)
+    problems: list[ArithmeticProblem] = []
+    seen: set[str] = set()
+    # A mix with a tiny problem space (1-digit sums only) cannot fill a large unique
+    # split; give up with a clear error instead of looping forever.
+    max_draws = 100 * num_problems + 10_000
+    for _ in range(max_draws):
+        if len(problems) == num_problems:
+            return problems
+        problem = draw_problem(rng, mix)
+        if problem.expression in exclude or (unique and problem.expression in seen):
+            continue
+        seen.add(problem.expression)
+        problems.append(problem)
+    if len(problems) == num_problems:
+        return problems
+    raise ValueError(
+        f"could draw only {len(problems)} of {num_problems} distinct arithmetic problems from {mix} "
+        f"in {max_draws} tries; lower the number of problems or raise max_digits / max_factor"
+    )
+
+
+def _write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
+    # Ranks or reruns writing the same file must never expose a half-written one.
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    os.replace(tmp_name, path)
+
+
+def _prompt_row(problem: ArithmeticProblem) -> dict:
+    return {
+        "prompt": problem.prompt(),
+        "answer": str(problem.answer),
+        "data_source": DATA_SOURCE,
+        "extra_info": {"kind": problem.kind, "expression": problem.expression},
+    }
+
+
+@dataclass(kw_only=True, slots=True)
+class ArithmeticTask:
+    """Paths of everything `prepare_arithmetic_task` wrote."""
+
+    train_path: Path
+    """RL train prompts (plain jsonl schema)."""
+    val_path: Path
+    """Validation prompts, disjoint from train and SFT."""
+    sft_path: Path
+    """SFT corpus: rows {prompt, response, answer}."""
+    tokenizer_path: Path
+    """The sentencepiece model (`load_tokenizer` reads it)."""
+
+
+def prepare_arithmetic_task(
+    out_dir: str | Path,
+    mix: ArithmeticMix,
+    num_train: int,
+    num_val: int,
+    num_sft: int,
+    seed: int,
+    tokenizer_settings: SentencePieceSettings,
+) -> ArithmeticTask:
+    """Writes the train/val/SFT files of the arithmetic task and builds its tokenizer.
+
+    Args:
+        out_dir: directory for train.jsonl, val.jsonl, sft.jsonl and tokenizer/.
+        mix: difficulty settings (shared by all splits).
+        num_train: RL train prompts.
+        num_val: validation prompts (all distinct).
+        num_sft: worked solutions for the warm start.
+        seed: seeds every split; the same seed rewrites identical files.
+        tokenizer_settings: how the tokenizer is trained; it is cached by settings and corpus.
+
+    Returns:
+        The paths written.
+    """
+    for name, value in (("num_train", num_train), ("num_val", num_val), ("num_sft", num_sft)):
+        if value <= 0:
+            raise ValueError(f"{name}={value} must be positive")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    val = generate_problems(num_val, mix, seed=f"{seed}:val", unique=True)
+    held_out = frozenset(p.expression for p in val)
+    train = generate_problems(num_train, mix, seed=f"{seed}:train", exclude=held_out)
+    sft = generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out)
+
+    corpus = [text for p in (*train, *val, *sft) for text in (p.prompt(), p.solution())]
+    tokenizer = load_or_train_sentencepiece(corpus, out_dir / "tokenizer", tokenizer_settings)
+    task = ArithmeticTask(
+        train_path=out_dir / "train.jsonl",
+        val_path=out_dir / "val.jsonl",
+        sft_path=out_dir / "sft.jsonl",
+        tokenizer_path=tokenizer.model_path,
+    )
+    _write_jsonl_atomic(task.train_path, (_prompt_row(p) for p in train))
+    _write_jsonl_atomic(task.val_path, (_prompt_row(p) for p in val))
+    _write_jsonl_atomic(
+        task.sft_path,
+        ({"prompt": p.prompt(), "response": p.solution(), "answer": str(p.answer)} for p in sft),
+    )
+    return task
