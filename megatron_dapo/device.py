@@ -1,0 +1,253 @@
+"""Device selection, and the CPU compatibility layer that lets megatron-core run without CUDA.
+
+Every process calls :func:`setup_device` once, before building any Megatron module
+(``parallel.init_distributed`` does it). On a CUDA machine it binds the process to its
+local GPU and changes nothing else. Without CUDA it installs, once, the few shims that
+megatron-core 0.16 needs to run GPTModel, DDP, the distributed optimizer and the pipeline
+schedules on CPU tensors with gloo (DESIGN.md, "Megatron-Core on CPU"):
+
+- a ``TorchFunctionMode`` that rewrites ``device="cuda"`` / ``device=0`` in factory
+  calls, ``Tensor.cuda()`` and ``Tensor.to("cuda")`` to CPU, and answers
+  ``Tensor.type()`` with the CUDA type name the optimizer checks for;
+- ``torch.cuda`` entry points megatron-core calls unconditionally (current_device,
+  synchronize, streams, events, RNG state, memory statistics) as CPU equivalents/no-ops;
+- megatron's model-parallel RNG tracker forking the CPU generator, which is the
+  generator CPU dropout and init actually draw from.
+
+This is the ``device: cpu`` product feature (laptop debugging, CI on the real stack). It
+refuses to install while CUDA is usable, so a GPU run can never be silently remapped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+DEVICE_KINDS = ("auto", "cpu", "cuda")
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor",
+    torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor",
+    torch.bool: "torch.cuda.BoolTensor",
+}
+
+_cpu_mode: _CudaToCpuMode | None = None
+
+
+def setup_device(kind: str = "auto") -> torch.device:
+    """Select this process' device; without CUDA, make megatron-core CPU-capable.
+
+    Idempotent: calling it again returns the same device and installs nothing twice.
+
+    Args:
+        kind: "auto" (CUDA when available, else CPU), "cuda" (fail without CUDA) or "cpu"
+            (fail when CUDA is visible, because the CPU layer must never patch a live
+            CUDA runtime).
+
+    Returns:
+        ``cuda:LOCAL_RANK`` (also made the current CUDA device) or ``cpu``.
+    """
+    if kind not in DEVICE_KINDS:
+        raise ValueError(f"device kind {kind!r} is not one of {DEVICE_KINDS}; pass one of those")
+    has_cuda = torch.cuda.is_available()
+    if kind == "cuda" and not has_cuda:
+        raise ValueError(
+            "device kind 'cuda' was requested but torch.cuda.is_available() is False; "
+            "use device 'cpu' or 'auto', or run on a machine with a visible GPU"
+        )
+    if kind == "cpu" and has_cuda:
+        raise ValueError(
+            "device kind 'cpu' was requested on a machine with CUDA; the CPU layer cannot run next "
+            "to a live CUDA runtime: hide the GPUs with CUDA_VISIBLE_DEVICES='' or use 'auto'"
+        )
+    if has_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    _install_cpu_layer()
+    return torch.device("cpu")
+
+
+def distributed_backend(device: torch.device) -> str:
+    """The torch.distributed backend for ``device``.
+
+    Args:
+        device: the value :func:`setup_device` returned.
+
+    Returns:
+        "nccl" for CUDA, "gloo" for CPU.
+    """
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def cpu_layer_active() -> bool:
+    """Whether the CPU compatibility layer is installed in this process."""
+    return _cpu_mode is not None
+
+
+def _to_cpu_device(device: Any) -> Any:
+    """Map a CUDA device spec (str, torch.device, bare int index) to "cpu"; keep others."""
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements to CPU for every torch call made while it is on the stack."""
+
+    def __torch_function__(
+        self, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # distrib_optimizer/optimizer accept only 'torch.cuda.*Tensor' params.
+            name = _CUDA_TYPE_NAMES.get(args[0].dtype)
+            if name is not None:
+                return name
+        if func is torch.Tensor.to:
+            args = tuple(_to_cpu_device(a) if not isinstance(a, torch.Tensor) else a for a in args)
+        if "device" in kwargs:
+            kwargs = dict(kwargs)
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs = dict(kwargs)
+            kwargs["pin_memory"] = False
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    """Stands in for torch.cuda.Stream: CPU work is already ordered, so waits are no-ops."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def wait_stream(self, stream: Any) -> None:
+        del stream
+
+    def wait_event(self, event: Any) -> None:
+        del event
+
+    def record_event(self, event: Any = None) -> _NullEvent:
+        return event if event is not None else _NullEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _NullEvent:
+    """Stands in for torch.cuda.Event; elapsed_time is 0 because CPU work is synchronous."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        del args, kwargs
+
+    def record(self, stream: Any = None) -> None:
+        del stream
+
+    def wait(self, stream: Any = None) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: Any) -> float:
+        del end_event
+        return 0.0
+
+
+@contextlib.contextmanager
+def _null_stream_context(stream: Any = None) -> Iterator[None]:
+    del stream
+    yield
+
+
+def _cpu_get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    del args, kwargs
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+    del args, kwargs
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # Not torch.manual_seed: it calls torch.cuda.manual_seed_all, which must stay torch's
+    # own lazy no-op or seeding would recurse.
+    torch.default_generator.manual_seed(int(seed))
+
+
+class _DropTrackerForkWarning(logging.Filter):
+    """megatron's RNG tracker warns when the CPU RNG moves inside a fork; on CPU the tracked
+    "cuda" generator IS the CPU generator, so every forked dropout/init would warn."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0
+    cuda.synchronize = lambda device=None: None
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.stream = _null_stream_context
+    cuda.current_stream = lambda device=None: _NullStream()
+    cuda.default_stream = lambda device=None: _NullStream()
+    cuda.set_stream = lambda stream: None
+    cuda.get_rng_state = _cpu_get_rng_state
+    cuda.set_rng_state = _cpu_set_rng_state
+    cuda.manual_seed = _cpu_manual_seed
+    cuda.empty_cache = lambda: None
+    cuda.memory_allocated = lambda device=None: 0
+    cuda.max_memory_allocated = lambda device=None: 0
+    cuda.memory_reserved = lambda device=None: 0
+    cuda.max_memory_reserved = lambda device=None: 0
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.memory_stats = lambda device=None: {}
+    cuda.random.get_rng_state = _cpu_get_rng_state
+    cuda.random.set_rng_state = _cpu_set_rng_state
+    cuda.random.manual_seed = _cpu_manual_seed
+
+
+def _patch_megatron_rng() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
+    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    logging.getLogger(mcore_random.__name__).addFilter(_DropTrackerForkWarning())
+
+
+def _install_cpu_layer() -> None:
+    global _cpu_mode
+    if _cpu_mode is not None:
+        return
+    assert not torch.cuda.is_available(), "the CPU layer must never patch a live CUDA runtime"
+    _patch_torch_cuda()
+    _patch_megatron_rng()
+    mode = _CudaToCpuMode()
+    # Entered for the life of the process: megatron creates CUDA tensors at arbitrary depth.
+    mode.__enter__()
+    _cpu_mode = mode

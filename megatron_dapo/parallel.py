@@ -1,0 +1,346 @@
+"""Process bootstrap and the parallel layout: the only module that calls megatron.core.parallel_state.
+
+Every process runs :func:`init_distributed` (reads torchrun or SLURM env, or falls back to
+a one-process world), then :func:`initialize_model_parallel` once, which builds Megatron's
+TP/PP/CP/DP groups, seeds every RNG and returns a frozen :class:`ParallelDims`. Everything
+else in the package receives that object (or the groups/sizes in it) instead of asking
+parallel_state, so the layout is explicit at every call site (STYLE.md rule 4).
+Global rank 0 is also the controller (DESIGN.md, "SPMD over torch.distributed").
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+from megatron_dapo.device import distributed_backend, setup_device
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DistEnv:
+    """Where this process sits in the job, as read from the launcher."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    """Number of processes in the job."""
+    local_rank: int
+    """Rank on this node; selects the GPU."""
+    device: torch.device
+    """This process' device (cuda:local_rank or cpu)."""
+    backend: str
+    """torch.distributed backend of the default group ("nccl" or "gloo")."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelDims:
+    """Sizes, ranks and process groups of the Megatron layout; built by initialize_model_parallel.
+
+    The global layout is world = dp * cp * pp * tp (megatron order "tp-cp-ep-dp-pp": TP
+    ranks are adjacent, PP is outermost).
+    """
+
+    world_size: int
+    """Number of processes."""
+    rank: int
+    """Global rank."""
+    device: torch.device
+    """This process' device."""
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    cp: int
+    """Context-parallel size."""
+    dp: int
+    """Data-parallel size (without CP)."""
+    tp_rank: int
+    """Rank in the tensor-parallel group."""
+    pp_rank: int
+    """Pipeline stage of this rank."""
+    cp_rank: int
+    """Rank in the context-parallel group."""
+    dp_rank: int
+    """Rank in the data-parallel group."""
+    tp_group: dist.ProcessGroup
+    """Tensor-parallel group."""
+    pp_group: dist.ProcessGroup
+    """Pipeline group (one rank per stage, same tp/dp coordinates)."""
+    dp_group: dist.ProcessGroup
+    """Data-parallel group without CP."""
+    cp_group: dist.ProcessGroup
+    """Context-parallel group."""
+    dp_cp_group: dist.ProcessGroup
+    """Data-parallel group including CP ranks: gradient reduction and global token counts."""
+    mp_group: dist.ProcessGroup
+    """Model-parallel group (TP x PP): all ranks holding one replica of the model."""
+    embedding_group: dist.ProcessGroup | None
+    """First and last pipeline stage (tied embeddings' gradient sync); None on middle stages."""
+    pp_global_ranks: tuple[int, ...]
+    """Global rank of each pipeline stage in this rank's pipeline group, by stage."""
+
+    @property
+    def is_first_stage(self) -> bool:
+        """Whether this rank holds the embedding (pipeline stage 0)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        """Whether this rank holds the output layer and computes the loss."""
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def is_controller(self) -> bool:
+        """Whether this rank drives rollouts, rewards and logging (global rank 0)."""
+        return self.rank == 0
+
+
+_env: DistEnv | None = None
+_dims: ParallelDims | None = None
+
+
+def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> DistEnv:
+    """Set the device and join (or create) the default process group.
+
+    Reads torchrun's RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT, else SLURM's
+    SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID with the master from MASTER_ADDR or the first
+    host of SLURM_JOB_NODELIST (port from MASTER_PORT or derived from SLURM_JOB_ID), else
+    starts a one-process world on a free port of 127.0.0.1. Idempotent.
+
+    Args:
+        device_kind: "auto" | "cpu" | "cuda", passed to device.setup_device.
+        timeout_minutes: collective timeout of the default group.
+
+    Returns:
+        This process' DistEnv.
+    """
+    global _env
+    if _env is not None:
+        return _env
+    rank, world_size, local_rank = _launcher_ranks()
+    if rank == 0 and world_size == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    device = setup_device(device_kind)
+    backend = distributed_backend(device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(minutes=timeout_minutes),
+        )
+    _env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+    return _env
+
+
+def initialize_model_parallel(
+    tp: int,
+    pp: int,
+    cp: int = 1,
+    *,
+    seed: int = 1234,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    num_layers: int | None = None,
+) -> ParallelDims:
+    """Build Megatron's parallel groups for world = dp * cp * pp * tp and seed every RNG.
+
+    Calls init_distributed() first if needed. Seeds python/numpy/torch with
+    ``seed + 100 * pp_rank`` (stages initialise different layers differently, as in
+    Megatron-LM) and megatron's model-parallel RNG tracker with ``seed`` (TP ranks get
+    distinct streams, DP replicas identical ones).
+
+    Args:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        cp: context-parallel size (needs Transformer Engine attention, so CUDA).
+        seed: base random seed.
+        num_attention_heads: if given, checked to be divisible by tp.
+        num_query_groups: if given (KV heads), checked to be divisible by tp.
+        num_layers: if given, checked to be divisible by pp.
+
+    Returns:
+        The ParallelDims of this rank.
+    """
+    global _dims
+    env = init_distributed()
+    validate_layout(
+        world_size=env.world_size,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        device=env.device,
+        num_attention_heads=num_attention_heads,
+        num_query_groups=num_query_groups,
+        num_layers=num_layers,
+    )
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    _dims = ParallelDims(
+        world_size=env.world_size,
+        rank=env.rank,
+        device=env.device,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        dp=parallel_state.get_data_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=pp_rank,
+        cp_rank=parallel_state.get_context_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        pp_group=pp_group,
+        dp_group=parallel_state.get_data_parallel_group(),
+        cp_group=parallel_state.get_context_parallel_group(),
+        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        mp_group=parallel_state.get_model_parallel_group(),
+        embedding_group=parallel_state.get_embedding_group(check_initialized=False),
+        pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+    )
+    seed_everything(seed, pp_rank=pp_rank)
+    return _dims
+
+
+def validate_layout(
+    *,
+    world_size: int,
+    tp: int,
+    pp: int,
+    cp: int,
+    device: torch.device,
+    num_attention_heads: int | None = None,
+    num_query_groups: int | None = None,
+    num_layers: int | None = None,
+) -> None:
+    """Raise a one-line ValueError for a layout Megatron cannot build; see initialize_model_parallel."""
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+        if value < 1:
+            raise ValueError(f"parallel size {name}={value} must be >= 1")
+    if world_size % (tp * pp * cp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}; "
+            f"launch a multiple of {tp * pp * cp} processes or change tp/pp/cp"
+        )
+    if cp > 1 and device.type != "cuda":
+        raise ValueError(
+            f"context parallelism cp={cp} needs Transformer Engine attention on CUDA, but the device is "
+            f"{device}; set cp=1 on CPU"
+        )
+    if num_attention_heads is not None and num_attention_heads % tp != 0:
+        raise ValueError(
+            f"num_attention_heads={num_attention_heads} is not divisible by tp={tp}; "
+            f"pick tp among the divisors of {num_attention_heads}"
+        )
+    if num_query_groups is not None and num_query_groups % tp != 0:
+        raise ValueError(
+            f"num_key_value_heads={num_query_groups} is not divisible by tp={tp}; "
+            f"pick tp among the divisors of {num_query_groups}"
+        )
+    if num_layers is not None and num_layers % pp != 0:
+        raise ValueError(
+            f"num_hidden_layers={num_layers} is not divisible by pp={pp}; "
+            f"pick pp among the divisors of {num_layers}"
+        )
+
+
+def seed_everything(seed: int, pp_rank: int = 0) -> None:
+    """Seed python, numpy, torch (CPU and CUDA) and megatron's model-parallel RNG tracker.
+
+    Args:
+        seed: base seed.
+        pp_rank: pipeline stage; offsets the non-tracker seeds by 100 per stage.
+    """
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    # On CPU the device layer points megatron's "cuda" RNG at the CPU generator, so this
+    # seeds the tracker's streams there; on GPU it seeds the CUDA generators.
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(stage_seed)
+
+
+def current_dims() -> ParallelDims:
+    """The ParallelDims built by the last initialize_model_parallel call in this process."""
+    if _dims is None:
+        raise RuntimeError("initialize_model_parallel() has not been called in this process; call it first")
+    return _dims
+
+
+def destroy() -> None:
+    """Tear down Megatron's groups and the default process group (safe to call twice)."""
+    global _env, _dims
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _env = None
+    _dims = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launcher_ranks() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun, SLURM, or a one-process default."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        for key in ("MASTER_ADDR", "MASTER_PORT"):
+            if key not in env:
+                raise ValueError(
+                    f"RANK/WORLD_SIZE are set but {key} is not; launch with torchrun or set {key}"
+                )
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        if "MASTER_ADDR" not in env:
+            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+            if not nodelist:
+                raise ValueError(
+                    "SLURM_PROCID is set but neither MASTER_ADDR nor SLURM_JOB_NODELIST is; "
+                    "export MASTER_ADDR in the sbatch script"
+                )
+            env["MASTER_ADDR"] = first_slurm_host(nodelist)
+        if "MASTER_PORT" not in env:
+            env["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
+    return 0, 1, 0
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host of a SLURM nodelist: "gpu[03-05,09],cpu1" -> "gpu03".
+
+    Args:
+        nodelist: SLURM_JOB_NODELIST.
+
+    Returns:
+        The host name of the first node.
+    """
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if match is None:
+        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; export MASTER_ADDR instead")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
