@@ -145,24 +145,23 @@ def draw_problem(rng: random.Random, mix: ArithmeticMix) -> ArithmeticProblem:
     Returns:
         The problem; with `allow_negative` False its answer and intermediate are >= 0.
     """
-    while True:
-        kind = rng.choices(PROBLEM_KINDS, weights=[getattr(mix, k) for k in PROBLEM_KINDS])[0]
-        if kind == "two_step":
+    # The kind is drawn once and only its operands are redrawn, so rejecting negative
+    # results does not shift the mix away from its weights.
+    kind = rng.choices(PROBLEM_KINDS, weights=[getattr(mix, k) for k in PROBLEM_KINDS])[0]
+    if kind == "two_step":
+        while True:
             problem, inner = _draw_two_step(rng, mix)
-            negative = problem.answer < 0 or inner < 0
-        else:
-            if kind == "mul":
-                a, b = rng.randint(2, mix.max_factor), rng.randint(2, mix.max_factor)
-            else:
-                a, b = _operand(rng, mix.max_digits), _operand(rng, mix.max_digits)
-            op = {"add": "+", "sub": "-", "mul": "*"}[kind]
-            answer = _apply(a, op, b)
-            problem = ArithmeticProblem(
-                expression=f"{a}{op}{b}", steps=[str(answer)], answer=answer, kind=kind
-            )
-            negative = answer < 0
-        if mix.allow_negative or not negative:
-            return problem
+            if mix.allow_negative or (problem.answer >= 0 and inner >= 0):
+                return problem
+    if kind == "mul":
+        a, b = rng.randint(2, mix.max_factor), rng.randint(2, mix.max_factor)
+    else:
+        a, b = _operand(rng, mix.max_digits), _operand(rng, mix.max_digits)
+        if kind == "sub" and not mix.allow_negative and a < b:
+            a, b = b, a
+    op = {"add": "+", "sub": "-", "mul": "*"}[kind]
+    answer = _apply(a, op, b)
+    return ArithmeticProblem(expression=f"{a}{op}{b}", steps=[str(answer)], answer=answer, kind=kind)
 
 
 def generate_problems(

@@ -238,8 +238,8 @@ def load_or_train_sentencepiece(
     model_dir = Path(cache_root) / f"spm-{_cache_key(corpus, settings)}"
     model_path = model_dir / SPM_MODEL_FILENAME
     if not model_path.is_file():
-        model_dir.mkdir(parents=True, exist_ok=True)
         model_bytes = _train_model_bytes(corpus, settings)
+        model_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp_name = tempfile.mkstemp(dir=model_dir, prefix=".spm-", suffix=".tmp")
         with os.fdopen(fd, "wb") as tmp:
             tmp.write(model_bytes)
