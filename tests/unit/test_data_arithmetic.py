@@ -1,0 +1,166 @@
+"""The embedded arithmetic task: determinism, correct answers, disjoint validation, files, tokenizer."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.data.arithmetic import (
+    DATA_SOURCE,
+    INSTRUCTION,
+    ArithmeticMix,
+    generate_problems,
+    prepare_arithmetic_task,
+)
+from megatron_dapo.data.datasets import load_prompt_dataset
+from megatron_dapo.data.tokenizer import SentencePieceSettings, load_tokenizer
+
+TOKEN = re.compile(r"\d+|[-+*()]")
+
+
+def evaluate(expression: str) -> int:
+    """Recursive-descent evaluator of + - * and parentheses over non-negative integers."""
+    tokens = TOKEN.findall(expression)
+    assert "".join(tokens) == expression, expression
+    pos = 0
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def take() -> str:
+        nonlocal pos
+        pos += 1
+        return tokens[pos - 1]
+
+    def atom() -> int:
+        token = take()
+        if token == "(":
+            value = expr()
+            assert take() == ")"
+            return value
+        if token == "-":
+            return -atom()
+        return int(token)
+
+    def term() -> int:
+        value = atom()
+        while peek() == "*":
+            take()
+            value *= atom()
+        return value
+
+    def expr() -> int:
+        value = term()
+        while peek() in ("+", "-"):
+            value = value + term() if take() == "+" else value - term()
+        return value
+
+    result = expr()
+    assert pos == len(tokens), expression
+    return result
+
+
+def test_evaluator_itself() -> None:
+    assert [evaluate(e) for e in ("12+35", "7-(3-8)", "(4-9)*3", "2*3+4", "6-(-4)")] == [47, 12, -15, 10, 10]
+
+
+def test_answers_and_worked_steps_are_correct() -> None:
+    mix = ArithmeticMix(add=1, sub=1, mul=1, two_step=2, max_digits=3, allow_negative=True)
+    problems = generate_problems(2000, mix, seed=5)
+    assert {p.kind for p in problems} == {"add", "sub", "mul", "two_step"}
+    for p in problems:
+        assert evaluate(p.expression) == p.answer
+        # Each intermediate line of the worked solution has the same value.
+        assert [evaluate(step) for step in p.steps] == [p.answer] * len(p.steps)
+        assert p.solution().endswith(f"\nAnswer: {p.answer}")
+    assert any(p.answer < 0 for p in problems)
+
+
+def test_no_negatives_unless_allowed_and_operand_ranges() -> None:
+    problems = generate_problems(2000, ArithmeticMix(max_digits=2, max_factor=12), seed=1)
+    assert min(p.answer for p in problems) >= 0
+    assert all("(-" not in step for p in problems for step in p.steps)
+    for p in problems:
+        numbers = [int(n) for n in re.findall(r"\d+", p.expression)]
+        if p.kind == "mul":
+            assert all(2 <= n <= 12 for n in numbers)
+        else:
+            assert all(0 <= n <= 99 for n in numbers)
+
+
+def test_mix_weights_pick_kinds() -> None:
+    problems = generate_problems(3000, ArithmeticMix(add=3, sub=1, mul=0, two_step=0), seed=2)
+    counts = {k: sum(p.kind == k for p in problems) for k in ("add", "sub", "mul", "two_step")}
+    assert counts["mul"] == counts["two_step"] == 0
+    assert 0.70 < counts["add"] / 3000 < 0.80
+
+
+def test_generation_is_deterministic_and_seed_dependent() -> None:
+    mix = ArithmeticMix()
+    a = [p.solution() for p in generate_problems(200, mix, seed=7)]
+    assert a == [p.solution() for p in generate_problems(200, mix, seed=7)]
+    assert a != [p.solution() for p in generate_problems(200, mix, seed=8)]
+
+
+def test_small_problem_space_fails_clearly() -> None:
+    mix = ArithmeticMix(add=1, sub=0, mul=0, two_step=0, max_digits=1)
+    assert len(generate_problems(100, mix, seed=0, unique=True)) == 100  # every a+b with a, b in 0..9
+    with pytest.raises(ValueError, match=r"could draw only 100 of 101 distinct arithmetic problems"):
+        generate_problems(101, mix, seed=0, unique=True)
+
+
+def test_bad_mix_names_the_values() -> None:
+    with pytest.raises(ValueError) as err:
+        ArithmeticMix(add=0, sub=0, mul=0, two_step=0)
+    assert str(err.value) == (
+        "ArithmeticMix weights {'add': 0, 'sub': 0, 'mul': 0, 'two_step': 0} must be >= 0 with a "
+        "positive sum; set at least one of add/sub/mul/two_step above 0"
+    )
+
+
+def test_prepare_task_files_and_tokenizer(tmp_path: Path) -> None:
+    settings = SentencePieceSettings()
+    task = prepare_arithmetic_task(
+        tmp_path,
+        ArithmeticMix(),
+        num_train=300,
+        num_val=50,
+        num_sft=200,
+        seed=11,
+        tokenizer_settings=settings,
+    )
+    first_bytes = [p.read_bytes() for p in (task.train_path, task.val_path, task.sft_path)]
+    again = prepare_arithmetic_task(
+        tmp_path,
+        ArithmeticMix(),
+        num_train=300,
+        num_val=50,
+        num_sft=200,
+        seed=11,
+        tokenizer_settings=settings,
+    )
+    assert [p.read_bytes() for p in (again.train_path, again.val_path, again.sft_path)] == first_bytes
+    assert again.tokenizer_path == task.tokenizer_path
+
+    train = [json.loads(line) for line in task.train_path.read_text().splitlines()]
+    val = [json.loads(line) for line in task.val_path.read_text().splitlines()]
+    sft = [json.loads(line) for line in task.sft_path.read_text().splitlines()]
+    assert (len(train), len(val), len(sft)) == (300, 50, 200)
+    val_expressions = {r["extra_info"]["expression"] for r in val}
+    assert len(val_expressions) == 50
+    train_expressions = {r["extra_info"]["expression"] for r in train}
+    assert not val_expressions & train_expressions
+    for row in train + val:
+        assert row["data_source"] == DATA_SOURCE
+        assert row["prompt"].endswith(INSTRUCTION + "\n")
+        assert str(evaluate(row["extra_info"]["expression"])) == row["answer"]
+    for row in sft:
+        assert row["response"].splitlines()[-1] == f"Answer: {row['answer']}"
+
+    tokenizer = load_tokenizer(task.tokenizer_path)
+    # Digits are single tokens, so a model can learn carries digit by digit.
+    assert [tokenizer.decode([t]) for t in tokenizer.encode("1234")] == ["1", "2", "3", "4"]
+    ds = load_prompt_dataset(task.val_path, tokenizer, max_prompt_length=64)
+    assert len(ds) == 50 and ds.records[0].ground_truth == val[0]["answer"]
+    assert max(len(r.prompt_ids) for r in ds.records) <= 40

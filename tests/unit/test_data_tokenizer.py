@@ -1,0 +1,70 @@
+"""The sentencepiece tokenizer: exact round trips, digit splitting, special ids, the cache."""
+
+from pathlib import Path
+
+import pytest
+import sentencepiece as spm
+
+from megatron_dapo.data.arithmetic import ArithmeticMix, generate_problems
+from megatron_dapo.data.errors import DataError
+from megatron_dapo.data.tokenizer import (
+    SentencePieceSettings,
+    SentencePieceTokenizer,
+    Tokenizer,
+    load_or_train_sentencepiece,
+)
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[str]:
+    mix = ArithmeticMix(add=1, sub=1, mul=1, two_step=1, max_digits=3, allow_negative=True)
+    problems = generate_problems(2000, mix, seed=3)
+    return [text for p in problems for text in (p.prompt(), p.solution())]
+
+
+def test_round_trip_on_whole_corpus(tmp_path: Path, corpus: list[str]) -> None:
+    tokenizer = load_or_train_sentencepiece(corpus, tmp_path, SentencePieceSettings())
+    assert isinstance(tokenizer, Tokenizer)
+    assert [tokenizer.decode(tokenizer.encode(text)) for text in corpus] == corpus
+    assert (tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id) == (0, 2, 3)
+    assert 256 + 4 < tokenizer.vocab_size <= 512
+    # Specials vanish on decode, so a response ending with eos decodes to its text.
+    assert tokenizer.decode([*tokenizer.encode("Answer: 7"), tokenizer.eos_id]) == "Answer: 7"
+
+
+def test_digits_are_single_tokens_and_unseen_text_round_trips(tmp_path: Path, corpus: list[str]) -> None:
+    tokenizer = load_or_train_sentencepiece(corpus, tmp_path, SentencePieceSettings())
+    ids = tokenizer.encode("9071=x")
+    assert [tokenizer.id_to_piece(i) for i in ids[:4]] == ["9", "0", "7", "1"]
+    unseen = "Ünïcode ✓\ttabs  and  double spaces\n\n"
+    assert tokenizer.decode(tokenizer.encode(unseen)) == unseen
+
+
+def test_cache_hit_skips_training(tmp_path: Path, corpus: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    first = load_or_train_sentencepiece(corpus, tmp_path, SentencePieceSettings())
+
+    def no_training(*args: object, **kwargs: object) -> None:
+        raise AssertionError("trained again despite a cached model")
+
+    monkeypatch.setattr(spm.SentencePieceTrainer, "train", no_training)
+    second = load_or_train_sentencepiece(corpus, tmp_path, SentencePieceSettings())
+    assert second.model_path == first.model_path
+    assert second.encode(corpus[1]) == first.encode(corpus[1])
+    # Another corpus or setting is another cache entry (and would train).
+    with pytest.raises(AssertionError, match="trained again"):
+        load_or_train_sentencepiece(corpus[:-1], tmp_path, SentencePieceSettings())
+    with pytest.raises(AssertionError, match="trained again"):
+        load_or_train_sentencepiece(corpus, tmp_path, SentencePieceSettings(vocab_size=400))
+    assert [p.name for p in tmp_path.iterdir()] == [first.model_path.parent.name]
+
+
+def test_bad_settings_and_paths() -> None:
+    with pytest.raises(ValueError) as err:
+        SentencePieceSettings(vocab_size=200)
+    assert str(err.value) == (
+        "SentencePieceSettings.vocab_size=200 is too small (byte_fallback=True); use at least 276"
+    )
+    with pytest.raises(DataError, match=r"sentencepiece model /nonexistent/spm\.model does not exist"):
+        SentencePieceTokenizer("/nonexistent/spm.model")
+    with pytest.raises(DataError, match="empty corpus"):
+        load_or_train_sentencepiece(["", ""], "/nonexistent", SentencePieceSettings())
