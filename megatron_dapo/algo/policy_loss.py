@@ -95,6 +95,9 @@ def compute_policy_loss(
     advantages = advantages.to(log_prob.dtype)
 
     log_ratio = torch.clamp(log_prob - old_log_prob, min=-_MAX_LOG_RATIO, max=_MAX_LOG_RATIO)
+    # Padding may hold NaN log-probs; zeroing them here keeps NaN out of the backward pass
+    # too (agg_loss alone would only keep it out of the forward value).
+    log_ratio = torch.where(response_mask.bool(), log_ratio, torch.zeros_like(log_ratio))
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, min=1.0 - clip_ratio_low, max=1.0 + clip_ratio_high)
