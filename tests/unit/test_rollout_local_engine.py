@@ -1,0 +1,166 @@
+"""LocalEngine: greedy parity with transformers, log-prob definition, seeding, stops, weights."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from megatron_dapo.rollout.engine import EngineError, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.local_engine import LocalEngine
+
+EOS = 3
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17], [20]]
+
+
+def make_tiny_qwen2(path: Path, *, seed: int = 0, tie: bool = True) -> torch.nn.Module:
+    """A random 2-layer Qwen2 saved as an HF checkpoint (wide init: varied tokens, not one repeated)."""
+    config = Qwen2Config(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=tie, eos_token_id=EOS,
+        initializer_range=0.3,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    return path, make_tiny_qwen2(path)
+
+
+def test_local_engine_is_a_rollout_engine(tiny):
+    assert isinstance(LocalEngine(tiny[0]), RolloutEngine)
+
+
+def test_greedy_matches_transformers_generate(tiny):
+    path, model = tiny
+    engine = LocalEngine(path)
+    results = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=16))
+    assert [r.prompt_index for r in results] == [0, 1, 2, 3]
+    for prompt, result in zip(PROMPTS, results):
+        ids = torch.tensor([prompt])
+        reference = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16, eos_token_id=EOS,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()  # fmt: skip
+        assert result.output_ids == reference
+        assert result.finish_reason == ("stop" if reference[-1] == EOS else "length")
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(0.0, -1, 1.0), (0.7, -1, 0.9), (1.3, 20, 1.0)])
+def test_logprobs_equal_full_forward_log_softmax_over_temperature(tiny, temperature, top_k, top_p):
+    path, model = tiny
+    engine = LocalEngine(path)
+    params = SamplingParams(n=2, temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=12, seed=7)
+    results = engine.generate(PROMPTS, params)
+    assert len(results) == 8
+    scale = temperature if temperature > 0 else 1.0
+    for r in results:
+        prompt = PROMPTS[r.prompt_index]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + r.output_ids])).logits[0].float()  # [T, V]
+        logp = torch.log_softmax(logits / scale, dim=-1)[len(prompt) - 1 : -1]
+        expected = logp.gather(-1, torch.tensor(r.output_ids).unsqueeze(-1)).squeeze(-1)
+        assert (expected - torch.tensor(r.logprobs)).abs().max().item() < 1e-4
+
+
+def test_seeded_sampling_is_deterministic_and_independent_of_batching(tiny):
+    path, _ = tiny
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=123)
+    together = LocalEngine(path).generate(PROMPTS, params)
+    again = LocalEngine(path, max_batch_size=2).generate(PROMPTS, params)
+    split = LocalEngine(path).generate(PROMPTS[:1], params) + LocalEngine(path).generate(
+        PROMPTS[1:], params, index_offset=1
+    )
+    ids = [r.output_ids for r in together]
+    assert ids == [r.output_ids for r in again] == [r.output_ids for r in split]
+    assert [(r.prompt_index, r.sample_index) for r in split] == [(i, j) for i in range(4) for j in range(3)]
+    other = LocalEngine(path).generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=124))
+    assert ids != [r.output_ids for r in other]
+    assert len({tuple(x) for x in ids[:3]}) > 1  # the n samples of a prompt differ
+
+
+def test_stop_tokens_and_max_new_tokens(tiny):
+    path, _ = tiny
+    engine = LocalEngine(path)
+    greedy = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=6))[0]
+    assert greedy.finish_reason == "length" and len(greedy.output_ids) == 6
+    stop = greedy.output_ids[2]
+    first_stop = greedy.output_ids.index(stop)
+    stopped = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=(stop,)))[0]
+    assert stopped.output_ids == greedy.output_ids[: first_stop + 1]
+    assert stopped.finish_reason == "stop"
+    assert stopped.logprobs == greedy.logprobs[: first_stop + 1]
+
+
+def test_abort_ends_generation_with_reason_abort(tiny):
+    path, _ = tiny
+    engine = LocalEngine(path)
+    calls = []
+
+    def abort_on_fifth_step(module, args, output):
+        calls.append(1)
+        if len(calls) == 5:
+            engine.abort()  # as the controller's thread would, mid-generation
+
+    engine.model.register_forward_hook(abort_on_fifth_step)
+    results = engine.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=400, seed=0))
+    assert len(calls) == 5
+    for r in results:
+        assert (r.finish_reason, len(r.output_ids)) == ("abort", 5) or (r.finish_reason == "stop" and r.output_ids[-1] == EOS)
+    assert sum(r.finish_reason == "abort" for r in results) >= 1
+    again = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=7))
+    assert all(r.finish_reason != "abort" for r in again)  # a new call starts un-aborted
+
+
+def test_update_weights_checks_names_shapes_and_completeness(tiny, tmp_path):
+    path, model = tiny
+    engine = LocalEngine(path, load_weights=False)
+    with pytest.raises(EngineError, match="no weights yet"):
+        engine.generate(PROMPTS, SamplingParams(temperature=0))
+    with pytest.raises(ValueError, match=r"unknown tensor 'model.layers.9.mlp.up_proj.weight'"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(64, 32))])
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(31,\) but the model expects \(32,\)"):
+        engine.update_weights([("model.norm.weight", torch.zeros(31))])
+    state = model.state_dict()
+    engine.update_weights([(n, t) for n, t in state.items() if n != "model.norm.weight" and n != "lm_head.weight"])
+    with pytest.raises(ValueError, match=r"missed 1 parameters, e\.g\. \['model.norm.weight'\]"):
+        engine.finish_weight_update()
+    # The HF checkpoint omits the tied lm_head; the embedding alone completes the model.
+    engine.update_weights([(n, t.to(torch.bfloat16).float()) for n, t in state.items() if n != "lm_head.weight"])
+    engine.finish_weight_update()
+    received = engine.model.state_dict()
+    for name, tensor in state.items():
+        assert torch.equal(received[name], tensor.to(torch.bfloat16).float()), name
+    reloaded = LocalEngine(path)
+    reloaded.update_weights(list(engine.model.state_dict().items()))
+    reloaded.finish_weight_update()
+    greedy = SamplingParams(temperature=0, max_new_tokens=8)
+    assert [r.output_ids for r in reloaded.generate(PROMPTS, greedy)] == [
+        r.output_ids for r in engine.generate(PROMPTS, greedy)
+    ]
+
+
+def test_release_blocks_generation_until_resume(tiny):
+    engine = LocalEngine(tiny[0])
+    engine.release_memory()
+    with pytest.raises(EngineError, match="after release_memory"):
+        engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=2))
+    engine.resume_memory()
+    assert len(engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=2))[0].output_ids) == 2
+
+
+def test_bad_inputs_name_the_value(tiny):
+    engine = LocalEngine(tiny[0], name="loc7")
+    with pytest.raises(ValueError, match=r"engine loc7: prompt 1 has token ids \[97\] outside \[0, 97\)"):
+        engine.generate([[1], [97]], SamplingParams())
+    with pytest.raises(ValueError, match="engine loc7: prompt 0 is empty"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match=r"top_p=0 must be in \(0, 1\]"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        LocalEngine(tiny[0] / "missing")
