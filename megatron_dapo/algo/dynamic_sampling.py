@@ -187,7 +187,9 @@ class DynamicSamplingBuffer:
                 "responses' values (rollout.n of them)"
             )
         flat = torch.tensor([float(v) for values in metrics for v in values], dtype=torch.float64)
-        group_index = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes, dtype=torch.long))
+        group_index = torch.repeat_interleave(
+            torch.arange(len(groups)), torch.tensor(sizes, dtype=torch.long)
+        )
         kept_ids, stats = filter_groups(flat, group_index, self.correct_at, self.wrong_at)
         # Ascending ids are generation order: first come, first kept.
         self._groups.extend(groups[i] for i in kept_ids.tolist())
@@ -195,7 +197,9 @@ class DynamicSamplingBuffer:
         self._dropped["all_correct"] += stats.num_dropped_all_correct
         self._dropped["all_wrong"] += stats.num_dropped_all_wrong
         self._dropped["other"] += stats.num_dropped_other
-        round_stats = RoundStats(**asdict(stats), round_index=self._num_rounds, num_buffered=self.num_buffered)
+        round_stats = RoundStats(
+            **asdict(stats), round_index=self._num_rounds, num_buffered=self.num_buffered
+        )
         if not self.is_full and 0 < self.max_num_gen_batches <= self._num_rounds:
             raise DynamicSamplingError(self._exhausted_message())
         return round_stats

@@ -40,4 +40,6 @@ def kl_penalty(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) ->
         return torch.clamp(torch.exp(neg_diff) - neg_diff - 1.0, min=-10.0, max=10.0)
     if kind == "abs":
         return diff.abs()
-    raise ValueError(f"unknown KL estimator {kind!r} (algorithm.kl_loss_type); use one of {', '.join(KL_KINDS)}")
+    raise ValueError(
+        f"unknown KL estimator {kind!r} (algorithm.kl_loss_type); use one of {', '.join(KL_KINDS)}"
+    )

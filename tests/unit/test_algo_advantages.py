@@ -35,13 +35,22 @@ def test_dapo_rewards_hand_worked():
     ids = torch.tensor([42, -3, 42, -3, 42, 42])
     adv = compute_group_advantages(scores, ids)
     half_over_std = 0.5 / (math.sqrt(0.5) + 1e-6)
-    expected = [0.5 / (1 + 1e-6), half_over_std, 0.5 / (1 + 1e-6), -half_over_std, 0.5 / (1 + 1e-6), -1.5 / (1 + 1e-6)]
+    expected = [
+        0.5 / (1 + 1e-6),
+        half_over_std,
+        0.5 / (1 + 1e-6),
+        -half_over_std,
+        0.5 / (1 + 1e-6),
+        -1.5 / (1 + 1e-6),
+    ]
     assert adv.tolist() == pytest.approx(expected, rel=1e-12)
 
 
 def test_dr_grpo_skips_std():
     # Same group of four: R - mean = .5, .5, .5, -1.5, no division.
-    adv = compute_group_advantages(torch.tensor([1.0, 1.0, 1.0, -1.0]), torch.tensor([0, 0, 0, 0]), norm_by_std=False)
+    adv = compute_group_advantages(
+        torch.tensor([1.0, 1.0, 1.0, -1.0]), torch.tensor([0, 0, 0, 0]), norm_by_std=False
+    )
     assert adv.tolist() == [0.5, 0.5, 0.5, -1.5]
 
 
@@ -61,7 +70,7 @@ def test_keeps_dtype_and_handles_empty():
 def test_bad_inputs_name_the_shapes():
     with pytest.raises(ValueError, match=r"scores \(3,\) and group_index \(2,\)"):
         compute_group_advantages(torch.zeros(3), torch.zeros(2, dtype=torch.long))
-    with pytest.raises(ValueError, match="integer prompt ids, got dtype torch.float32"):
+    with pytest.raises(ValueError, match=r"integer prompt ids, got dtype torch\.float32"):
         compute_group_advantages(torch.zeros(2), torch.zeros(2))
 
 
@@ -97,4 +106,6 @@ def test_per_group_mean_is_zero_and_order_does_not_matter(groups, perm_seed):
             assert float(members.std()) == pytest.approx(spread / (spread + 1e-6), rel=1e-9)
     # Shuffling the responses shuffles the advantages the same way (up to summation order).
     perm = torch.randperm(len(scores), generator=torch.Generator().manual_seed(perm_seed))
-    torch.testing.assert_close(compute_group_advantages(scores[perm], ids[perm]), adv[perm], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        compute_group_advantages(scores[perm], ids[perm]), adv[perm], rtol=1e-12, atol=1e-12
+    )

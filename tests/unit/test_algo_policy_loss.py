@@ -1,6 +1,7 @@
 """Clip-Higher policy loss and its aggregation: hand cases, a float64 loop reference,
 and the invariance that makes token-mean global (micro-batch / DP splits change nothing)."""
 
+import itertools
 import math
 
 import pytest
@@ -44,7 +45,10 @@ def test_agg_global_counts_and_scale_factor():
     assert agg_loss(loss_mat, mask, "token-mean", num_global_tokens=14).item() == 0.5
     # Sequence sums 3 + 4 over 7 global sequences; -norm also divides by the factor 2.
     assert agg_loss(loss_mat, mask, "seq-mean-token-sum", num_global_seqs=torch.tensor(7)).item() == 1.0
-    assert agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", num_global_seqs=7, loss_scale_factor=2).item() == 0.5
+    assert (
+        agg_loss(loss_mat, mask, "seq-mean-token-sum-norm", num_global_seqs=7, loss_scale_factor=2).item()
+        == 0.5
+    )
     # seq-mean-token-mean: (1.5 + 4) / 11 global sequences.
     assert agg_loss(loss_mat, mask, "seq-mean-token-mean", num_global_seqs=11).item() == pytest.approx(0.5)
 
@@ -128,7 +132,9 @@ def test_advantage_per_response_broadcasts_over_tokens():
 def test_nan_padding_gives_finite_loss_and_zero_gradient_there():
     log_prob = torch.tensor([[0.1, float("nan")], [float("-inf"), float("nan")]], requires_grad=True)
     mask = torch.tensor([[True, False], [False, False]])
-    loss, metrics = compute_policy_loss(log_prob, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), mask, EPS_LOW, EPS_HIGH)
+    loss, metrics = compute_policy_loss(
+        log_prob, torch.zeros(2, 2), torch.tensor([1.0, -1.0]), mask, EPS_LOW, EPS_HIGH
+    )
     loss.backward()
     # One valid token, A=+1, r = e^0.1 = 1.105 < 1.28: loss -1.105, gradient -1.105.
     assert loss.item() == pytest.approx(-math.exp(0.1), rel=1e-6)
@@ -140,7 +146,9 @@ def test_policy_loss_errors_name_the_bad_value():
     args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2))
     with pytest.raises(ValueError, match=r"clip_ratio_c=1.0 \(algorithm.clip_ratio_c\) must be > 1"):
         compute_policy_loss(*args, EPS_LOW, EPS_HIGH, clip_ratio_c=1.0)
-    with pytest.raises(ValueError, match=r"clip_ratio_low=1.0 \(algorithm.clip_ratio_low\) must be in \[0, 1\)"):
+    with pytest.raises(
+        ValueError, match=r"clip_ratio_low=1.0 \(algorithm.clip_ratio_low\) must be in \[0, 1\)"
+    ):
         compute_policy_loss(*args, 1.0, EPS_HIGH)
     with pytest.raises(ValueError, match=r"clip_ratio_high=-0.1 \(algorithm.clip_ratio_high\) must be >= 0"):
         compute_policy_loss(*args, EPS_LOW, -0.1)
@@ -166,13 +174,19 @@ def test_ratio_exactly_on_the_clip_boundary(eps, magnitude, upper):
     for log_r, expect_clipped in ((on_bound, False), (on_bound + beyond, True), (on_bound - beyond, False)):
         log_prob = torch.tensor([[log_r]], dtype=torch.float64, requires_grad=True)
         loss, metrics = compute_policy_loss(
-            log_prob, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([advantage], dtype=torch.float64),
-            torch.ones(1, 1), eps, eps,
+            log_prob,
+            torch.zeros(1, 1, dtype=torch.float64),
+            torch.tensor([advantage], dtype=torch.float64),
+            torch.ones(1, 1),
+            eps,
+            eps,
         )
         loss.backward()
         ratio = math.exp(log_r)
         assert metrics["pg_clipfrac"].item() == float(expect_clipped)
-        assert log_prob.grad.item() == (0.0 if expect_clipped else pytest.approx(-advantage * ratio, rel=1e-12))
+        assert log_prob.grad.item() == (
+            0.0 if expect_clipped else pytest.approx(-advantage * ratio, rel=1e-12)
+        )
         # The loss is continuous across the bound: -A * bound up to the 1e-9 step.
         assert loss.item() == pytest.approx(-advantage * bound, rel=1e-8)
 
@@ -216,7 +230,11 @@ def test_matches_float64_loop_reference(mode, clip_c):
         mask = torch.rand(b, t, generator=gen) < 0.7
         mask[0] = False  # one sequence without valid tokens
         per_token = trial % 2 == 0
-        adv = torch.randn(b, t, generator=gen, dtype=torch.float64) if per_token else torch.randn(b, generator=gen, dtype=torch.float64)
+        adv = (
+            torch.randn(b, t, generator=gen, dtype=torch.float64)
+            if per_token
+            else torch.randn(b, generator=gen, dtype=torch.float64)
+        )
         loss, _ = compute_policy_loss(log_prob, old, adv, mask, EPS_LOW, EPS_HIGH, clip_c, mode)
         ref = _reference_loss(
             log_prob.tolist(), old.tolist(), adv.tolist(), mask.tolist(), EPS_LOW, EPS_HIGH, clip_c, mode, t
@@ -235,7 +253,7 @@ def _split_batches(draw):
     order = draw(st.permutations(range(b)))
     cuts = sorted(draw(st.sets(st.integers(1, b - 1), max_size=b - 1))) if b > 1 else []
     bounds = [0, *cuts, b]
-    chunks = [list(order[lo:hi]) for lo, hi in zip(bounds, bounds[1:])]
+    chunks = [list(order[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
     return b, t, seed, chunks
 
 
@@ -261,8 +279,15 @@ def test_micro_batches_with_global_counts_sum_to_the_whole_batch(batch, mode, cl
     for rows in chunks:
         idx = torch.tensor(rows)
         part, part_metrics = compute_policy_loss(
-            log_prob[idx], old[idx], adv[idx], mask[idx], EPS_LOW, EPS_HIGH,
-            num_global_tokens=num_tokens, num_global_seqs=num_seqs, **kwargs,
+            log_prob[idx],
+            old[idx],
+            adv[idx],
+            mask[idx],
+            EPS_LOW,
+            EPS_HIGH,
+            num_global_tokens=num_tokens,
+            num_global_seqs=num_seqs,
+            **kwargs,
         )
         total = total + part
         for name, value in part_metrics.items():
