@@ -72,9 +72,9 @@ def compute_policy_loss(
         loss_scale_factor: divisor of "seq-mean-token-sum-norm"; None = T.
 
     Returns:
-        (loss, metrics): loss is a 0-dim tensor with grad. metrics are detached 0-dim tensors,
-        token means over the valid tokens (local sums over `num_global_tokens` when given,
-        so they too add up over micro-batches and ranks):
+        (loss, metrics): loss is a 0-dim tensor with grad. metrics are detached 0-dim tensors
+        (fp32, fp64 for fp64 inputs), token means over the valid tokens (local sums over
+        `num_global_tokens` when given, so they too add up over micro-batches and ranks):
         pg_clipfrac: tokens where the clipped branch is strictly larger, so active;
         pg_clipfrac_lower: tokens where the dual clip is active (0 without dual clip);
         ppo_kl: old_log_prob - log_prob, the log-ratio clamped to +-20 as for the ratio.
@@ -118,9 +118,11 @@ def compute_policy_loss(
         num_global_seqs=num_global_seqs,
         loss_scale_factor=loss_scale_factor,
     )
+    # At least fp32: a bf16 sum of 0/1 flags over many tokens would round the fractions.
+    metric_dtype = torch.promote_types(log_prob.dtype, torch.float32)
     with torch.no_grad():
         metrics = {
-            name: agg_loss(values.to(log_prob.dtype), response_mask, "token-mean", num_global_tokens)
+            name: agg_loss(values.to(metric_dtype), response_mask, "token-mean", num_global_tokens)
             for name, values in (
                 ("pg_clipfrac", clip_active),
                 ("pg_clipfrac_lower", dual_active),

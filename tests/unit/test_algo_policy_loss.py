@@ -298,3 +298,13 @@ def test_micro_batches_with_global_counts_sum_to_the_whole_batch(batch, mode, cl
     torch.testing.assert_close(split_grad, whole_grad, rtol=1e-12, atol=1e-14)
     for name, value in whole_metrics.items():
         assert metric_sums[name] == pytest.approx(value.item(), rel=1e-12, abs=1e-14)
+
+
+def test_bf16_inputs_give_fp32_metrics():
+    # 3 of 4 tokens clipped (A=+1, r=e^0.5=1.65 > 1.28); the fraction must be exact.
+    log_prob = torch.tensor([[0.5, 0.5, 0.5, 0.0]], dtype=torch.bfloat16)
+    _, metrics = compute_policy_loss(
+        log_prob, torch.zeros_like(log_prob), torch.ones(1), torch.ones(1, 4), EPS_LOW, EPS_HIGH
+    )
+    assert metrics["pg_clipfrac"].dtype == torch.float32
+    assert metrics["pg_clipfrac"].item() == 0.75
