@@ -1,0 +1,168 @@
+"""Reward functions by name: the built-in verifier or a user's "package.module:function".
+
+The trainer's config names its reward function with one string (`reward.fn`); this
+module turns that string into a callable with one contract, so the reward pool and the
+trainer never care whether the function is ours or a user's:
+
+    fn(solution_str, ground_truth, extra_info) -> {"score": float, "acc": bool, ...}
+
+A user function is called as `f(solution_str, ground_truth, extra_info=extra_info)`,
+where extra_info is the dataset row's extra_info dict (or None), and may return a number
+or a dict with a "score" key. Other keys of a returned dict are kept. User modules are
+imported only when asked for, so a typo fails at start-up with a message, not mid-run.
+"""
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+from megatron_dapo.errors import UserError
+from megatron_dapo.rewards import math_dapo
+
+RewardFn = Callable[[str, str, dict | None], dict[str, Any]]
+
+DEFAULT_REWARD_FN = "math_dapo"
+_EXPECTED_FORM = (
+    f"expected a built-in name ({DEFAULT_REWARD_FN}) or 'package.module:function' "
+    "with the module importable from PYTHONPATH"
+)
+
+
+def _math_dapo(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict[str, Any]:
+    """The DAPO verifier with the paper's settings; extra_info is not used."""
+    return math_dapo.compute_score(solution_str, ground_truth)
+
+
+_BUILTINS: dict[str, Callable[..., Any]] = {DEFAULT_REWARD_FN: _math_dapo}
+
+
+def normalize_reward_output(output: Any, spec: str) -> dict[str, Any]:
+    """Bring a reward function's return value to {"score": float, "acc": bool, ...}.
+
+    Args:
+        output: what the function returned: a real number, or a dict with "score" and
+            optionally "acc" and other keys.
+        spec: the function's name or spec, for error messages.
+
+    Returns:
+        A new dict with "score" as a finite float and "acc" as a bool ("score > 0"
+        when the function gave no "acc"), plus the function's other keys.
+
+    Raises:
+        TypeError: the output is neither a number nor a dict with a numeric "score".
+        ValueError: the score is NaN or infinite.
+    """
+    if isinstance(output, dict):
+        if "score" not in output:
+            raise TypeError(
+                f"reward function {spec!r} returned a dict without 'score' (keys: {sorted(map(str, output))}); "
+                "return a float or a dict with a 'score' key"
+            )
+        result = dict(output)
+    else:
+        result = {"score": output}
+    score = result["score"]
+    bad_score = TypeError(
+        f"reward function {spec!r} returned score {score!r:.80} of type {type(score).__name__}; "
+        "return a float or a dict with a 'score' key"
+    )
+    # Strings would convert ("1.0"), but a string score is a bug in the function.
+    if isinstance(score, str | bytes):
+        raise bad_score
+    try:
+        result["score"] = float(score)  # numpy and 0-d torch scalars convert too
+    except Exception as err:
+        raise bad_score from err
+    if not math.isfinite(result["score"]):
+        raise ValueError(f"reward function {spec!r} returned score {result['score']}; scores must be finite")
+    result["acc"] = bool(result["acc"]) if "acc" in result else result["score"] > 0
+    return result
+
+
+def _import_user_fn(spec: str) -> Callable[..., Any]:
+    """Resolve 'package.module:function' to the function, with user-facing errors.
+
+    Args:
+        spec: the reward function spec from the config.
+
+    Returns:
+        The callable named by the spec.
+
+    Raises:
+        UserError: the spec is malformed, the module cannot be imported, the attribute
+            is missing, or it is not callable with (solution_str, ground_truth, extra_info=).
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        raise UserError(
+            f"reward function {spec!r} is not a built-in and not 'module:function'; {_EXPECTED_FORM}"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        # A module that exists but imports a missing dependency is a different mistake.
+        missing_self = err.name is not None and (
+            module_name == err.name or module_name.startswith(err.name + ".")
+        )
+        what = (
+            f"module {module_name!r} not found"
+            if missing_self
+            else f"importing {module_name!r} failed: {err}"
+        )
+        raise UserError(f"reward function {spec!r}: {what}; {_EXPECTED_FORM}") from err
+    except Exception as err:
+        raise UserError(
+            f"reward function {spec!r}: importing {module_name!r} raised {type(err).__name__}: {err}; "
+            "fix the module so that it imports cleanly"
+        ) from err
+    if not hasattr(module, attr):
+        raise UserError(
+            f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}; {_EXPECTED_FORM}"
+        )
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise UserError(
+            f"reward function {spec!r}: {module_name}.{attr} is of type {type(fn).__name__}, not callable; "
+            "point the spec at a function f(solution_str, ground_truth, extra_info=None)"
+        )
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # builtins and C functions may have no signature; they will fail at call time
+    try:
+        signature.bind("", "", extra_info=None)
+    except TypeError as err:
+        raise UserError(
+            f"reward function {spec!r}: cannot be called as f(solution_str, ground_truth, extra_info=...) "
+            f"({err}); give it the signature f(solution_str, ground_truth, extra_info=None)"
+        ) from err
+    return fn
+
+
+def get_reward_fn(name_or_path: str) -> RewardFn:
+    """The reward function named by a config string.
+
+    Args:
+        name_or_path: "math_dapo" (the DAPO verifier) or "package.module:function".
+
+    Returns:
+        fn(solution_str, ground_truth, extra_info) -> dict with at least "score"
+        (float) and "acc" (bool). It is a closure: send the spec, not the function,
+        to other processes.
+
+    Raises:
+        UserError (a ValueError): the spec names nothing usable; the message says why.
+    """
+    if not isinstance(name_or_path, str):
+        raise UserError(
+            f"reward function {name_or_path!r} is a {type(name_or_path).__name__}; {_EXPECTED_FORM}"
+        )
+    spec = name_or_path.strip()
+    fn = _BUILTINS[spec] if spec in _BUILTINS else _import_user_fn(spec)
+
+    def call(solution_str: str, ground_truth: str, extra_info: dict | None) -> dict[str, Any]:
+        return normalize_reward_output(fn(solution_str, ground_truth, extra_info=extra_info), spec)
+
+    return call
