@@ -1,0 +1,142 @@
+"""The controller's view of all rollout engines: one generate call, results in prompt order.
+
+Step 1 of the RL step runs on global rank 0. :class:`RolloutController` splits the prompts
+into contiguous, equal-count slices, one per engine, asks every engine at once (one
+thread each: the engines do the work, the threads only wait on them), and concatenates the
+answers back in prompt order. Each engine gets the global index of its first prompt, so
+results carry global prompt indices and seeded sampling does not depend on the split.
+If one engine fails, the others are aborted before the error is raised, so no engine is
+left generating for a step that will not use its output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from megatron_dapo.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+
+__all__ = ["EngineThroughput", "RolloutController"]
+
+
+@dataclass(kw_only=True, slots=True)
+class EngineThroughput:
+    """One engine's share of the last generate call."""
+
+    engine: str
+    """Engine name."""
+    num_prompts: int
+    """Prompts sent to it."""
+    num_tokens: int
+    """Tokens it generated (all responses)."""
+    seconds: float
+    """Wall time of its request."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second (0 when it had no work)."""
+        return self.num_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class RolloutController:
+    """Spreads generation over engines and fans out control calls to all of them."""
+
+    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
+        """Args:
+        engines: the rollout engines (at least one); their names should be unique.
+        """
+        if not engines:
+            raise ValueError("RolloutController needs at least one engine; check rollout.engine and the GPU count")
+        self.engines = list(engines)
+        self.last_throughput: list[EngineThroughput] = []
+        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="rollout")
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[GenerationResult]:
+        """Generate ``params.n`` responses per prompt on all engines concurrently.
+
+        Args:
+            prompts: token ids per prompt.
+            params: sampling settings (the same for every engine).
+
+        Returns:
+            ``len(prompts) * n`` results, prompt-major, with global prompt indices 0..len-1.
+            ``last_throughput`` then holds one entry per engine.
+        """
+        bounds = _split(len(prompts), len(self.engines))
+        futures = [
+            self._pool.submit(_timed_generate, engine, prompts[lo:hi], params, lo)
+            for engine, (lo, hi) in zip(self.engines, bounds)
+        ]
+        results: list[GenerationResult] = []
+        throughput: list[EngineThroughput] = []
+        try:
+            for engine, (lo, hi), future in zip(self.engines, bounds, futures):
+                engine_results, seconds = future.result()
+                results.extend(engine_results)
+                throughput.append(
+                    EngineThroughput(
+                        engine=engine.name,
+                        num_prompts=hi - lo,
+                        num_tokens=sum(len(r.output_ids) for r in engine_results),
+                        seconds=seconds,
+                    )
+                )
+        except BaseException:
+            self.abort()
+            for future in futures:
+                future.cancel()
+            raise
+        self.last_throughput = throughput
+        return results
+
+    def abort(self) -> None:
+        """Abort in-flight generation on every engine."""
+        for engine in self.engines:
+            engine.abort()
+
+    def release_memory(self) -> None:
+        """Release every engine's accelerator memory before training."""
+        self._broadcast("release_memory")
+
+    def resume_memory(self) -> None:
+        """Take the memory back on every engine after training."""
+        self._broadcast("resume_memory")
+
+    def health(self) -> dict[str, bool]:
+        """Health of every engine, by name."""
+        return {engine.name: engine.health() for engine in self.engines}
+
+    def shutdown(self) -> None:
+        """Stop every engine, then the controller's threads."""
+        try:
+            self._broadcast("shutdown")
+        finally:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _broadcast(self, method: str) -> None:
+        futures = [self._pool.submit(getattr(engine, method)) for engine in self.engines]
+        for future in futures:
+            future.result()
+
+
+def _split(num_prompts: int, num_engines: int) -> list[tuple[int, int]]:
+    """Contiguous [lo, hi) slices whose sizes differ by at most one."""
+    base, extra = divmod(num_prompts, num_engines)
+    bounds, lo = [], 0
+    for e in range(num_engines):
+        hi = lo + base + (1 if e < extra else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+def _timed_generate(
+    engine: RolloutEngine, prompts: Sequence[Sequence[int]], params: SamplingParams, index_offset: int
+) -> tuple[list[GenerationResult], float]:
+    if not prompts:
+        return [], 0.0
+    start = time.perf_counter()
+    results = engine.generate(prompts, params, index_offset=index_offset)
+    return results, time.perf_counter() - start
