@@ -290,12 +290,33 @@ class EmbeddedTaskConfig:
     """Training problems generated."""
     num_val: int = 200
     """Held-out problems for evaluation."""
+    num_sft: int = 4000
+    """Worked solutions for the SFT warm start."""
     seed: int = 1234
-    """Generator seed (train and val are disjoint)."""
+    """Generator seed (train, SFT and val are disjoint from val)."""
+    add: float = 0.3
+    """Weight of a+b problems."""
+    sub: float = 0.3
+    """Weight of a-b problems."""
+    mul: float = 0.2
+    """Weight of a*b problems."""
+    two_step: float = 0.2
+    """Weight of two-operation problems with parentheses."""
+    max_digits: int = 2
+    """Digits of +/- operands (1..6)."""
+    tokenizer_vocab_size: int = 320
+    """Vocabulary of the sentencepiece tokenizer trained on the task (digits are single tokens)."""
 
     def __post_init__(self) -> None:
         _check(self.num_train > 0, "num_train", "must be > 0")
         _check(self.num_val > 0, "num_val", "must be > 0")
+        _check(self.num_sft > 0, "num_sft", "must be > 0")
+        for name in ("add", "sub", "mul", "two_step"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
+        _check(self.add + self.sub + self.mul + self.two_step > 0, "add", "the weights must not all be 0")
+        _check(1 <= self.max_digits <= 6, "max_digits", "must be in 1..6")
+        _check(self.tokenizer_vocab_size >= 276, "tokenizer_vocab_size",
+               "must be >= 276 (4 special ids + 256 byte-fallback pieces + 16 characters)")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -1,0 +1,267 @@
+"""The controller's half of an RL step (DESIGN.md steps 1-4), on global rank 0 only.
+
+    1. draw `gen_batch_size` prompts, generate `n` responses each (token ids in and out)
+    2. score every response (reward pool with per-call timeouts) + overlong shaping
+    3. dynamic sampling: keep groups whose metric has spread; repeat 1-3 until
+       `train_batch_size` groups are kept (the surplus is trimmed)
+    4. group-relative advantages over the shaped rewards
+
+The result is a list of `Group`s with every `Sample` carrying its advantage, plus the
+metrics of the step, under verl's names. Evaluation (avg@k on held-out prompts) reuses
+the same generate-and-score path without filtering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_dapo.algo import DynamicSamplingBuffer, compute_group_advantages, soft_overlong_penalty
+from megatron_dapo.data.datasets import PromptRecord, PromptSampler
+from megatron_dapo.data.tokenizer import Tokenizer
+from megatron_dapo.rewards.pool import RewardPool
+from megatron_dapo.rollout.controller import RolloutController
+from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
+
+
+@dataclass(kw_only=True, slots=True)
+class Sample:
+    """One response with everything the actor and the metrics need."""
+
+    prompt_ids: list[int]
+    """Prompt token ids as sent to the engine."""
+    response_ids: list[int]
+    """Generated token ids (never re-tokenized)."""
+    rollout_log_probs: list[float]
+    """Engine log-probs of the response tokens (temperature-scaled), for rollout/actor drift."""
+    finish_reason: str
+    """stop, length or abort."""
+    score: float = 0.0
+    """Verifier score (+1 / -1)."""
+    acc: bool = False
+    """Verifier accuracy."""
+    overlong_penalty: float = 0.0
+    """Soft overlong punishment added to the score (<= 0)."""
+    advantage: float = 0.0
+    """Group-relative advantage of the shaped reward."""
+
+    @property
+    def reward(self) -> float:
+        """The shaped reward: score + overlong penalty."""
+        return self.score + self.overlong_penalty
+
+    @property
+    def truncated(self) -> bool:
+        """Whether generation stopped at the length limit."""
+        return self.finish_reason == "length"
+
+
+@dataclass(kw_only=True, slots=True)
+class Group:
+    """The n responses to one prompt."""
+
+    prompt: PromptRecord
+    """The prompt and its ground truth."""
+    samples: list[Sample] = field(default_factory=list)
+    """Its responses."""
+
+    def metric(self, name: str) -> list[float]:
+        """Per-response values of the dynamic-sampling metric (acc, score or seq_reward)."""
+        if name == "acc":
+            return [float(s.acc) for s in self.samples]
+        if name == "score":
+            return [s.score for s in self.samples]
+        return [s.reward for s in self.samples]
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectSettings:
+    """The controller's settings for one step, taken from the config sections."""
+
+    n: int
+    """Responses per prompt (rollout.n)."""
+    sampling: SamplingParams
+    """Training rollout sampling (n, temperature, top_p, top_k, max_new_tokens, stop ids)."""
+    gen_batch_size: int
+    """Prompts per generation round (data.gen_batch_size)."""
+    train_batch_size: int
+    """Groups per training batch (data.train_batch_size)."""
+    filter_enable: bool
+    """Dynamic sampling on (algorithm.filter_groups.enable)."""
+    filter_metric: str
+    """Metric with spread to keep a group (algorithm.filter_groups.metric)."""
+    max_num_gen_batches: int
+    """Rounds before giving up (algorithm.filter_groups.max_num_gen_batches)."""
+    max_response_length: int
+    """L_max (data.max_response_length)."""
+    overlong_enable: bool
+    """Soft overlong punishment on (reward.overlong_buffer.enable)."""
+    overlong_len: int
+    """L_cache (reward.overlong_buffer.len)."""
+    overlong_penalty_factor: float
+    """Penalty at L_max (reward.overlong_buffer.penalty_factor)."""
+    norm_adv_by_std: bool
+    """GRPO/DAPO std normalisation (algorithm.norm_adv_by_std_in_grpo)."""
+
+
+def generate_and_score(
+    prompts: Sequence[PromptRecord],
+    *,
+    rollout: RolloutController,
+    rewards: RewardPool,
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+) -> tuple[list[Group], dict[str, float]]:
+    """Generate params.n responses per prompt and score them with the verifier.
+
+    Returns:
+        One Group per prompt (samples in sample order) and the round's reward-pool counts.
+    """
+    results: list[GenerationResult] = rollout.generate([p.prompt_ids for p in prompts], params)
+    groups = [Group(prompt=p) for p in prompts]
+    for r in results:
+        groups[r.prompt_index].samples.append(
+            Sample(prompt_ids=prompts[r.prompt_index].prompt_ids, response_ids=r.output_ids,
+                   rollout_log_probs=r.logprobs, finish_reason=r.finish_reason)
+        )
+    samples = [s for g in groups for s in g.samples]
+    inputs = [(tokenizer.decode(s.response_ids), g.prompt.ground_truth, g.prompt.extra_info or None)
+              for g in groups for s in g.samples]
+    scored, stats = rewards.score_batch(inputs)
+    for s, out in zip(samples, scored):
+        s.score = float(out["score"])
+        s.acc = bool(out["acc"])
+    return groups, {"reward/num_errors": float(stats.num_errors), "reward/num_timeouts": float(stats.num_timeouts)}
+
+
+def apply_overlong_penalty(groups: Sequence[Group], settings: CollectSettings) -> None:
+    """Add DAPO's soft overlong punishment to every sample (in place)."""
+    if not settings.overlong_enable:
+        return
+    samples = [s for g in groups for s in g.samples]
+    lengths = torch.tensor([len(s.response_ids) for s in samples])
+    penalties = soft_overlong_penalty(lengths, settings.max_response_length, settings.overlong_len,
+                                      settings.overlong_penalty_factor)
+    for s, p in zip(samples, penalties.tolist()):
+        s.overlong_penalty = p
+
+
+def assign_advantages(groups: Sequence[Group], norm_by_std: bool) -> None:
+    """Group-relative advantages of the shaped rewards (in place)."""
+    samples = [s for g in groups for s in g.samples]
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    index = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples])
+    for s, a in zip(samples, compute_group_advantages(rewards, index, norm_by_std=norm_by_std).tolist()):
+        s.advantage = a
+
+
+def collect_batch(
+    sampler: PromptSampler,
+    *,
+    rollout: RolloutController,
+    rewards: RewardPool,
+    tokenizer: Tokenizer,
+    settings: CollectSettings,
+) -> tuple[list[Group], dict[str, float]]:
+    """Run generation rounds until a training batch of kept groups is full (steps 1-4).
+
+    Without dynamic sampling one round of `train_batch_size` prompts is the batch.
+
+    Returns:
+        Exactly `train_batch_size` groups of `n` samples with advantages, and the metrics
+        of the step (critic/*, response_length/*, train/num_gen_batches, filter counts).
+
+    Raises:
+        DynamicSamplingError: `max_num_gen_batches` rounds did not fill the batch.
+    """
+    buffer = DynamicSamplingBuffer(settings.train_batch_size, settings.max_num_gen_batches)
+    generated: list[Group] = []
+    counts: dict[str, float] = {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
+    dropped = {"all_correct": 0, "all_wrong": 0, "other": 0}
+    num_rounds = 0
+    while True:
+        num_prompts = settings.gen_batch_size if settings.filter_enable else settings.train_batch_size
+        groups, round_counts = generate_and_score(sampler.next_batch(num_prompts), rollout=rollout,
+                                                  rewards=rewards, tokenizer=tokenizer, params=settings.sampling)
+        num_rounds += 1
+        for k, v in round_counts.items():
+            counts[k] += v
+        apply_overlong_penalty(groups, settings)
+        generated.extend(groups)
+        if not settings.filter_enable:
+            batch = groups
+            break
+        stats = buffer.add_round(groups, [g.metric(settings.filter_metric) for g in groups])
+        dropped["all_correct"] += stats.num_dropped_all_correct
+        dropped["all_wrong"] += stats.num_dropped_all_wrong
+        dropped["other"] += stats.num_dropped_other
+        if buffer.is_full:
+            batch = buffer.take()
+            break
+    assign_advantages(batch, settings.norm_adv_by_std)
+    metrics = batch_metrics(batch, settings.max_response_length)
+    metrics.update(counts)
+    metrics["train/num_gen_batches"] = float(num_rounds)
+    metrics["train/num_groups_generated"] = float(len(generated))
+    metrics["train/num_groups_dropped_all_correct"] = float(dropped["all_correct"])
+    metrics["train/num_groups_dropped_all_wrong"] = float(dropped["all_wrong"])
+    # Accuracy over everything generated this step: the policy's real accuracy, before
+    # dynamic sampling removed the all-correct and all-wrong groups.
+    all_samples = [s for g in generated for s in g.samples]
+    metrics["train/acc_all_generated"] = sum(s.acc for s in all_samples) / len(all_samples)
+    accs = [sum(s.acc for s in g.samples) / len(g.samples) for g in batch]
+    metrics["train/kept_group_acc_min"] = min(accs)
+    metrics["train/kept_group_acc_max"] = max(accs)
+    metrics["train/num_groups"] = float(len(batch))
+    metrics["train/num_responses"] = float(sum(len(g.samples) for g in batch))
+    return batch, metrics
+
+
+def batch_metrics(groups: Sequence[Group], max_response_length: int) -> dict[str, float]:
+    """verl-named metrics of a training batch."""
+    samples = [s for g in groups for s in g.samples]
+    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float64)
+    scores = torch.tensor([s.score for s in samples], dtype=torch.float64)
+    rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    advantages = torch.tensor([s.advantage for s in samples], dtype=torch.float64)
+    return {
+        "critic/score/mean": float(scores.mean()),
+        "critic/score/max": float(scores.max()),
+        "critic/score/min": float(scores.min()),
+        "critic/rewards/mean": float(rewards.mean()),
+        "critic/advantages/mean": float(advantages.mean()),
+        "critic/advantages/max": float(advantages.max()),
+        "critic/advantages/min": float(advantages.min()),
+        "train/acc": float(sum(s.acc for s in samples) / len(samples)),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float(sum(s.truncated for s in samples) / len(samples)),
+        "prompt_length/mean": float(sum(len(s.prompt_ids) for s in samples) / len(samples)),
+    }
+
+
+def evaluate(
+    prompts: Sequence[PromptRecord],
+    *,
+    rollout: RolloutController,
+    rewards: RewardPool,
+    tokenizer: Tokenizer,
+    params: SamplingParams,
+) -> dict[str, Any]:
+    """avg@n accuracy and score on held-out prompts (no filtering, no shaping).
+
+    Returns:
+        val/acc (avg@n, the paper's metric), val/score/mean, val/pass@n, val/response_length/mean.
+    """
+    groups, _ = generate_and_score(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params)
+    samples = [s for g in groups for s in g.samples]
+    return {
+        "val/acc": sum(s.acc for s in samples) / len(samples),
+        "val/score/mean": sum(s.score for s in samples) / len(samples),
+        f"val/pass@{params.n}": sum(any(s.acc for s in g.samples) for g in groups) / len(groups),
+        "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
+    }

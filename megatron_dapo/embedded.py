@@ -1,0 +1,111 @@
+"""The embedded default run's ingredients: task files, tokenizer and a scratch HF checkpoint.
+
+`megatron-dapo train examples/tiny_cpu.yaml` needs no download: the arithmetic task and
+its sentencepiece tokenizer are generated (cached), and the policy starts from a
+Qwen2-style HF checkpoint initialised from `model.scratch` (cached too), which the
+Megatron actor then loads like any other HF checkpoint. The SFT warm start
+(warm_start.py) turns it into a policy with non-trivial accuracy.
+
+Only the controller (global rank 0) writes; the other ranks wait at a barrier and read.
+Every cache entry is keyed by a hash of what determines it and written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.config import EmbeddedTaskConfig, ScratchModelConfig
+from megatron_dapo.data.arithmetic import ArithmeticMix, ArithmeticTask, prepare_arithmetic_task
+from megatron_dapo.data.tokenizer import SPM_BOS_ID, SPM_EOS_ID, SPM_PAD_ID, SentencePieceSettings
+
+
+def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
+    """Write (or reuse) the arithmetic task's train/val/SFT files and tokenizer."""
+    mix = ArithmeticMix(add=embedded.add, sub=embedded.sub, mul=embedded.mul, two_step=embedded.two_step,
+                        max_digits=embedded.max_digits)
+    key = digest({"mix": asdict(mix), "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
+                   "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size})
+    return prepare_arithmetic_task(
+        cache_dir / f"arithmetic-{key}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
+        num_sft=embedded.num_sft, seed=embedded.seed,
+        tokenizer_settings=SentencePieceSettings(vocab_size=embedded.tokenizer_vocab_size),
+    )
+
+
+def scratch_checkpoint(scratch: ScratchModelConfig, vocab_size: int, seed: int, cache_dir: Path) -> Path:
+    """A randomly initialised Qwen2 HF checkpoint of the `scratch` shape, cached by its settings.
+
+    Args:
+        scratch: the architecture.
+        vocab_size: the tokenizer's vocabulary (the embedding has exactly these rows).
+        seed: initialisation seed.
+        cache_dir: parent of the cached checkpoint directories.
+
+    Returns:
+        The checkpoint directory (config.json + model.safetensors).
+    """
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    hf_config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=scratch.hidden_size,
+        intermediate_size=scratch.intermediate_size,
+        num_hidden_layers=scratch.num_layers,
+        num_attention_heads=scratch.num_attention_heads,
+        num_key_value_heads=scratch.num_key_value_heads,
+        max_position_embeddings=scratch.max_position_embeddings,
+        rope_theta=scratch.rope_theta,
+        tie_word_embeddings=scratch.tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        bos_token_id=SPM_BOS_ID,
+        eos_token_id=SPM_EOS_ID,
+        pad_token_id=SPM_PAD_ID,
+        use_sliding_window=False,
+    )
+    out = cache_dir / f"scratch-{digest({'config': hf_config.to_dict(), 'seed': seed})}"
+    if (out / "config.json").is_file():
+        return out
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = Qwen2ForCausalLM(hf_config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(str(tmp))
+    return out
+
+
+@contextlib.contextmanager
+def atomic_dir(target: Path) -> Iterator[Path]:
+    """Yield a temporary sibling directory that is renamed to `target` on success.
+
+    A killed writer leaves only a hidden temporary directory, never a half-written
+    `target`; when another process won the race, its identical copy is kept.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def digest(obj: object) -> str:
+    """A short stable hash of a JSON-able object (cache keys)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
