@@ -1,0 +1,497 @@
+"""SGLang rollout engines: one HTTP server per rollout tensor-parallel group, driven over HTTP.
+
+Written against SGLang 0.5.x (request shapes read from sgl-project/sglang v0.5.3-0.5.5:
+``entrypoints/http_server.py``, ``managers/io_struct.py``, ``sampling/sampling_params.py``,
+``layers/sampler.py``). The controller (global rank 0) launches one server per engine
+(sglang_server.py: flags, address, API key, log file) and talks to it over HTTP with the
+standard library only; sglang itself is imported lazily, and only to serialize CUDA IPC
+handles. Every failure message names the engine and its log, with the log's last lines
+when the server process died.
+
+Endpoints used (SGLang 0.5.x):
+- POST /generate: ``{"input_ids": [[...]], "sampling_params": [{...}], "return_logprob": true,
+  "rid": [...]}``; answers a list of ``{"output_ids", "meta_info": {"finish_reason": {"type"},
+  "output_token_logprobs": [[logprob, token_id, null], ...]}}``. Each of the n responses of
+  a prompt is its own row (own rid, own seed); the radix cache shares the prompt's prefill.
+- POST /update_weights_from_tensor (colocated): ``serialized_named_tensors`` holds, per TP rank
+  of the engine, MultiprocessingSerializer (ForkingPickler + base64) of the bucket's
+  ``[(name, cuda_tensor)]``: CUDA IPC handles, the bytes stay on the GPU.
+- POST /init_weights_update_group + /update_weights_from_distributed (separate rollout GPUs):
+  the trainer broadcasts each tensor over an NCCL group that includes the engine's ranks.
+- POST /release_memory_occupation, /resume_memory_occupation (``{"tags": null}`` = all),
+  GET /flush_cache (400 while requests run; retried), POST /abort_request ``{"abort_all": true}``,
+  GET /health_generate (generates one token).
+
+Log-probs: SGLang's default (SGLANG_RETURN_ORIGINAL_LOGPROB unset) is log(softmax(logits/T))
+before top-k/top-p, the quantity engine.py specifies; the launcher pins that variable to
+"false" so an inherited environment cannot change it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.rollout.engine import (
+    FINISH_REASONS,
+    EngineError,
+    GenerationResult,
+    SamplingParams,
+    check_prompts,
+    response_seed,
+)
+from megatron_dapo.rollout.sglang_server import (
+    ServerProcess,
+    SGLangServerConfig,
+    build_launch_command,
+    resolve_server_config,
+)
+
+__all__ = [
+    "SGLANG_VERSION_READ",
+    "SGLangEngine",
+    "build_generate_payload",
+    "create_weight_update_group",
+    "parse_generate_response",
+]
+
+SGLANG_VERSION_READ = "0.5.x (0.5.3-0.5.5)"
+"""The SGLang versions whose HTTP API this module was written against."""
+
+
+def build_generate_payload(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int, rid_prefix: str
+) -> dict[str, Any]:
+    """The /generate body: one row per response, each with its own rid and sampling params.
+
+    Args:
+        prompts: token ids per prompt.
+        params: sampling settings.
+        index_offset: global index of prompts[0] (seeds use global response indices).
+        rid_prefix: unique prefix of this call's request ids.
+
+    Returns:
+        JSON-serialisable dict for POST /generate.
+    """
+    sampling: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "n": 1,
+        # The trainer's token ids are final; SGLang must not drop the stop token from output.
+        "no_stop_trim": True,
+    }
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+    input_ids, rids, per_row = [], [], []
+    for i, prompt in enumerate(prompts):
+        for j in range(params.n):
+            input_ids.append(list(prompt))
+            rids.append(f"{rid_prefix}-{index_offset + i}-{j}")
+            row = dict(sampling)
+            if params.seed is not None:
+                # Honoured by SGLang with --enable-deterministic-inference; ignored otherwise.
+                row["sampling_seed"] = response_seed(params.seed, (index_offset + i) * params.n + j)
+            per_row.append(row)
+    return {"input_ids": input_ids, "sampling_params": per_row, "return_logprob": True, "rid": rids}
+
+
+def parse_generate_response(
+    response: list[dict[str, Any]], *, num_prompts: int, n: int, index_offset: int, engine: str
+) -> list[GenerationResult]:
+    """Turn /generate's answer into GenerationResults (prompt-major, global indices).
+
+    Token ids and log-probs both come from ``meta_info.output_token_logprobs``, the record
+    of what was sampled, so the two lists always have equal length.
+
+    Args:
+        response: the decoded JSON list, one entry per row of the request.
+        num_prompts: prompts in the request.
+        n: responses per prompt.
+        index_offset: global index of the first prompt.
+        engine: engine name for messages.
+
+    Returns:
+        ``num_prompts * n`` results.
+    """
+    if not isinstance(response, list) or len(response) != num_prompts * n:
+        got = len(response) if isinstance(response, list) else type(response).__name__
+        raise EngineError(f"SGLang engine {engine}: /generate returned {got} rows, expected {num_prompts * n}")
+    results = []
+    for row, item in enumerate(response):
+        meta = item["meta_info"]
+        reason = (meta.get("finish_reason") or {}).get("type", "abort")
+        if reason not in FINISH_REASONS:
+            raise EngineError(f"SGLang engine {engine}: unknown finish reason {reason!r} in row {row}")
+        pairs = meta.get("output_token_logprobs") or []
+        output_ids = [int(tok) for _, tok, *_ in pairs]
+        if "output_ids" in item and list(item["output_ids"]) != output_ids:
+            raise EngineError(
+                f"SGLang engine {engine}: row {row} output_ids disagree with output_token_logprobs; "
+                "the server must run with --skip-tokenizer-init and no_stop_trim"
+            )
+        results.append(
+            GenerationResult(
+                prompt_index=index_offset + row // n,
+                sample_index=row % n,
+                output_ids=output_ids,
+                logprobs=[float(lp) for lp, *_ in pairs],
+                finish_reason=reason,
+            )
+        )
+    return results
+
+
+def _default_serializer(bucket: list[tuple[str, torch.Tensor]]) -> str:
+    from sglang.srt.utils import MultiprocessingSerializer  # GPU-only dependency: import lazily
+
+    return MultiprocessingSerializer.serialize(bucket, output_str=True)
+
+
+class SGLangEngine:
+    """Client of one SGLang server (optionally owning its process); implements RolloutEngine."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str,
+        api_key: str,
+        tp_size: int = 1,
+        vocab_size: int | None = None,
+        process: ServerProcess | None = None,
+        request_timeout_s: float = 3600.0,
+        control_timeout_s: float = 300.0,
+        num_retries: int = 3,
+        serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
+    ) -> None:
+        """Args:
+        base_url: ``http://host:port`` of the server.
+        name: engine name for messages and metrics.
+        api_key: the server's bearer token.
+        tp_size: the server's TP size (one serialized bucket per TP rank).
+        vocab_size: checks prompt ids when given.
+        process: the server process when this engine launched it (death detection, shutdown).
+        request_timeout_s: timeout of one /generate call.
+        control_timeout_s: timeout of other calls (weights, memory, cache).
+        num_retries: attempts of idempotent calls on connection errors.
+        serializer: bucket -> string for /update_weights_from_tensor; default SGLang's
+            MultiprocessingSerializer (CUDA IPC handles).
+        """
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self._api_key = api_key
+        self._tp_size = tp_size
+        self._vocab_size = vocab_size
+        self.process = process
+        self._request_timeout_s = request_timeout_s
+        self._control_timeout_s = control_timeout_s
+        self._num_retries = num_retries
+        self._serializer = serializer or _default_serializer
+
+    @classmethod
+    def launch(
+        cls,
+        config: SGLangServerConfig,
+        *,
+        name: str,
+        startup_timeout_s: float = 900.0,
+        vocab_size: int | None = None,
+        request_timeout_s: float = 3600.0,
+    ) -> SGLangEngine:
+        """Start a server and wait until /health_generate answers.
+
+        Args:
+            config: launch settings (unset host/ports/key/log are filled in).
+            name: engine name (also names the default log file).
+            startup_timeout_s: how long the server may take to load.
+            vocab_size: checks prompt ids when given.
+            request_timeout_s: timeout of one /generate call.
+
+        Returns:
+            A healthy engine that owns its server process.
+        """
+        resolved = resolve_server_config(config, name)
+        env = {**os.environ, **resolved.env, "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+        process = ServerProcess(build_launch_command(resolved), name=name, log_path=resolved.log_path, env=env)
+        engine = cls(
+            f"http://{resolved.host}:{resolved.port}",
+            name=name,
+            api_key=resolved.api_key,
+            tp_size=resolved.tp_size,
+            vocab_size=vocab_size,
+            process=process,
+            request_timeout_s=request_timeout_s,
+        )
+        try:
+            engine.wait_until_healthy(timeout_s=startup_timeout_s)
+        except BaseException:
+            process.stop()
+            raise
+        return engine
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _request(
+        self, method: str, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float, retries: int = 1
+    ) -> Any:
+        """One HTTP call; retries connection errors (not HTTP errors) up to ``retries`` times."""
+        url = f"{self.base_url}{path}"
+        data = None if payload is None else json.dumps(payload).encode()
+        headers = {"Authorization": f"Bearer {self._api_key}", "Content-Type": "application/json"}
+        last_error: Exception | None = None
+        for attempt in range(retries):
+            if self.process is not None:
+                self.process.check_alive()
+            request = urllib.request.Request(url, data=data, headers=headers, method=method)
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                    body = response.read()
+            except urllib.error.HTTPError as err:
+                detail = err.read().decode(errors="replace")[:2000]
+                raise EngineError(
+                    f"SGLang engine {self.name}: {method} {url} failed with HTTP {err.code}: {detail}{self._log_hint()}"
+                ) from err
+            except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+                last_error = err
+                if self.process is not None:
+                    self.process.check_alive()
+                if attempt + 1 < retries:
+                    time.sleep(min(2.0**attempt, 10.0))
+                continue
+            return json.loads(body) if body.strip().startswith((b"{", b"[")) else body.decode(errors="replace")
+        raise EngineError(
+            f"SGLang engine {self.name}: {method} {url} failed after {retries} attempts "
+            f"(timeout {timeout_s:.0f}s): {last_error}{self._log_hint()}"
+        )
+
+    def _log_hint(self) -> str:
+        return "" if self.process is None else f"; server log: {self.process.log_path}"
+
+    # ------------------------------------------------------------------ RolloutEngine
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int = 0
+    ) -> list[GenerationResult]:
+        """Sample ``params.n`` responses per prompt in one batched /generate call.
+
+        Args:
+            prompts: token ids per prompt.
+            params: sampling settings.
+            index_offset: global index of prompts[0].
+
+        Returns:
+            ``len(prompts) * n`` results, prompt-major.
+        """
+        check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
+        payload = build_generate_payload(
+            prompts, params, index_offset=index_offset, rid_prefix=f"{self.name}-{uuid.uuid4().hex[:12]}"
+        )
+        # Not retried: a resent batch would generate twice; a dead server is reported instead.
+        response = self._request("POST", "/generate", payload, timeout_s=self._request_timeout_s)
+        return parse_generate_response(
+            response, num_prompts=len(prompts), n=params.n, index_offset=index_offset, engine=self.name
+        )
+
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load a bucket through CUDA IPC handles (colocated engines).
+
+        Args:
+            bucket: (hf_name, full CUDA tensor); they must stay alive until this returns,
+                which they do because the server has copied them by then.
+        """
+        for name, tensor in bucket:
+            if tensor.device.type != "cuda" and self._serializer is _default_serializer:
+                raise ValueError(
+                    f"SGLang engine {self.name}: tensor {name!r} is on {tensor.device}; colocated weight "
+                    "updates pass CUDA IPC handles, so export the weights on the GPU"
+                )
+        serialized = self._serializer(list(bucket))
+        payload = {
+            # SGLang's TP worker r deserializes entry r and shards the full tensors itself.
+            "serialized_named_tensors": [serialized] * self._tp_size,
+            "load_format": None,
+            "flush_cache": False,
+        }
+        self._request("POST", "/update_weights_from_tensor", payload, timeout_s=self._control_timeout_s)
+
+    def init_weight_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> None:
+        """Ask the server to join a broadcast group with the trainer (separate rollout GPUs).
+
+        Blocks until every member joined: call it in a thread while the trainer runs
+        :func:`create_weight_update_group`.
+
+        Args:
+            master_address: trainer-side store address.
+            master_port: trainer-side store port.
+            rank_offset: rank of this engine's TP rank 0 in the group (trainer is rank 0).
+            world_size: 1 + the TP sizes of all engines in the group.
+            group_name: shared name of the group.
+            backend: "nccl" on GPUs.
+        """
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        self._request("POST", "/init_weights_update_group", payload, timeout_s=self._control_timeout_s)
+
+    def update_weights_from_distributed(
+        self, bucket: Sequence[tuple[str, torch.Tensor]], *, group: dist.ProcessGroup, group_name: str
+    ) -> None:
+        """Send a bucket over the trainer<->engine broadcast group.
+
+        The server receives inside the HTTP call, so the call runs in a thread while this
+        rank broadcasts each tensor from rank 0 of ``group``.
+
+        Args:
+            bucket: (hf_name, full tensor on this rank's GPU).
+            group: the group from :func:`create_weight_update_group`.
+            group_name: the name the server joined with.
+        """
+        payload = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": group_name,
+            "flush_cache": False,
+        }
+        errors: list[BaseException] = []
+
+        def post() -> None:
+            try:
+                self._request("POST", "/update_weights_from_distributed", payload, timeout_s=self._control_timeout_s)
+            except BaseException as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=post, name=f"{self.name}-weights")
+        thread.start()
+        for _, tensor in bucket:
+            group.broadcast([tensor.contiguous()], dist.BroadcastOptions()).wait()
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    def finish_weight_update(self) -> None:
+        """Flush the radix cache: prefixes computed with old weights must not be reused."""
+        self.flush_cache()
+
+    def flush_cache(self, *, timeout_s: float = 120.0) -> None:
+        """GET /flush_cache until it succeeds (SGLang refuses while requests are running).
+
+        Args:
+            timeout_s: give up after this long.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self._request("GET", "/flush_cache", timeout_s=self._control_timeout_s)
+                return
+            except EngineError as err:
+                if time.monotonic() > deadline or "HTTP 400" not in str(err):
+                    raise
+            time.sleep(0.5)
+
+    def release_memory(self) -> None:
+        """Release weights, KV cache and CUDA graphs (tags null = all) for training."""
+        self.flush_cache()
+        self._request("POST", "/release_memory_occupation", {"tags": None}, timeout_s=self._control_timeout_s)
+
+    def resume_memory(self) -> None:
+        """Re-allocate the released memory; weights must be synced afterwards."""
+        self._request("POST", "/resume_memory_occupation", {"tags": None}, timeout_s=self._control_timeout_s)
+
+    def abort(self) -> None:
+        """Abort every in-flight request; their responses finish with reason "abort"."""
+        self._request(
+            "POST", "/abort_request", {"abort_all": True}, timeout_s=self._control_timeout_s, retries=self._num_retries
+        )
+
+    def health(self, *, timeout_s: float = 30.0) -> bool:
+        """Whether /health_generate answers 200 within timeout_s (False on any failure but death).
+
+        Raises:
+            EngineError: the owned server process died (with its log tail).
+        """
+        try:
+            self._request("GET", "/health_generate", timeout_s=timeout_s)
+        except EngineError:
+            if self.process is not None:
+                self.process.check_alive()
+            return False
+        return True
+
+    def wait_until_healthy(self, *, timeout_s: float, poll_s: float = 2.0) -> None:
+        """Poll /health_generate until it answers, the process dies, or timeout_s passes.
+
+        Raises:
+            EngineError: the server died (log tail included) or did not come up in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.health(timeout_s=min(30.0, max(deadline - time.monotonic(), 1.0))):
+                return
+            time.sleep(poll_s)
+        tail = "" if self.process is None else f"; log {self.process.log_path}, last lines:\n{self.process.log_tail()}"
+        raise EngineError(f"SGLang engine {self.name} at {self.base_url} not healthy after {timeout_s:.0f}s{tail}")
+
+    def shutdown(self) -> None:
+        """Stop the owned server process (no-op for an attached server)."""
+        if self.process is not None:
+            self.process.stop()
+
+
+def create_weight_update_group(
+    *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl",
+    timeout_s: float = 600.0,
+) -> dist.ProcessGroup:
+    """The trainer's side (rank 0) of the broadcast group SGLang servers join.
+
+    SGLang's ``init_custom_process_group`` rendezvouses on ``tcp://master:port`` and builds
+    its process group on a store prefixed with ``"{group_name}/"``; rank 0 hosts that store
+    here and builds its group on the same prefix, outside the trainer's default group.
+
+    Args:
+        master_address: address the engines can reach (this node's).
+        master_port: free port for the store.
+        world_size: 1 + the TP sizes of all engines.
+        group_name: the name passed to the engines' init_weight_update_group.
+        backend: "nccl" (GPUs) or "gloo".
+        timeout_s: rendezvous and collective timeout.
+
+    Returns:
+        The process group (this process is rank 0).
+    """
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s)
+    )
+    prefixed = dist.PrefixStore(f"{group_name}/", store)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(prefixed, 0, world_size)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, 0, world_size, timedelta(seconds=timeout_s))
+    raise ValueError(f"weight update backend {backend!r} is not 'nccl' or 'gloo'")

@@ -1,0 +1,210 @@
+"""Launching SGLang servers: command line, address, API key, log file, death detection.
+
+One server per rollout tensor-parallel group (SGLang 0.5.x, ``python -m sglang.launch_server``).
+The flags that matter for RL and why:
+- ``--skip-tokenizer-init``: token ids in and out; the trainer owns tokenization and a
+  response is never re-tokenized;
+- ``--enable-memory-saver``: lets /release_memory_occupation give weights and KV cache back
+  to Megatron while it trains on the same GPUs (colocation);
+- ``--mem-fraction-static``: the share of GPU memory SGLang takes when resumed;
+- ``--host``: this node's address, never 0.0.0.0 unless the user asks, plus ``--api-key``
+  (random per engine) so other users of the cluster network cannot drive the server;
+- ``--base-gpu-id`` / ``--tp-size``: engines take consecutive GPUs of the node.
+The process writes stdout and stderr to one log file per engine; when it dies, the error
+names the engine, its exit code and the log's last lines.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_dapo.rollout.engine import EngineError
+
+__all__ = ["SGLangServerConfig", "ServerProcess", "build_launch_command", "node_address", "resolve_server_config"]
+
+_LOG_TAIL_LINES = 40
+
+
+@dataclass(kw_only=True, slots=True)
+class SGLangServerConfig:
+    """How to launch one SGLang server (one rollout engine)."""
+
+    model_path: str
+    """HF checkpoint directory the server loads at start (weights are then synced)."""
+    tp_size: int = 1
+    """GPUs of this engine (--tp-size)."""
+    base_gpu_id: int = 0
+    """First GPU of this engine on the node (--base-gpu-id); engines take consecutive GPUs."""
+    mem_fraction_static: float = 0.7
+    """Share of GPU memory for weights + KV cache (--mem-fraction-static)."""
+    host: str = ""
+    """Address to bind; empty = this node's address (never 0.0.0.0 unless given explicitly)."""
+    port: int = 0
+    """HTTP port; 0 = a free port chosen at launch."""
+    nccl_port: int = 0
+    """Port of the server's internal TP group; 0 = a free port chosen at launch."""
+    api_key: str = ""
+    """Bearer token the server requires; empty = a random one per engine."""
+    dtype: str = "bfloat16"
+    """Weight dtype of the server (--dtype)."""
+    random_seed: int = 0
+    """Server seed (--random-seed)."""
+    log_path: str = ""
+    """File for the server's stdout/stderr; empty = <cwd>/sglang_<engine>.log."""
+    extra_args: tuple[str, ...] = ()
+    """Further launch_server flags, passed through verbatim."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables of the server process."""
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError(f"SGLangServerConfig.tp_size={self.tp_size} must be >= 1")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"SGLangServerConfig.base_gpu_id={self.base_gpu_id} must be >= 0")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"SGLangServerConfig.mem_fraction_static={self.mem_fraction_static} must be in (0, 1) "
+                "(rollout.gpu_memory_utilization)"
+            )
+
+
+def node_address() -> str:
+    """This node's address as other processes reach it (hostname lookup, else loopback)."""
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+    return address
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def build_launch_command(config: SGLangServerConfig, *, python: str = sys.executable) -> list[str]:
+    """The ``python -m sglang.launch_server`` command line of one engine.
+
+    Args:
+        config: a config with host, port, nccl_port and api_key already resolved.
+        python: interpreter to run SGLang with.
+
+    Returns:
+        argv list (no shell).
+    """
+    assert config.host and config.port and config.nccl_port and config.api_key, "resolve the config first"
+    return [
+        python, "-m", "sglang.launch_server",
+        "--model-path", config.model_path,
+        "--host", config.host,
+        "--port", str(config.port),
+        "--nccl-port", str(config.nccl_port),
+        "--tp-size", str(config.tp_size),
+        "--base-gpu-id", str(config.base_gpu_id),
+        "--mem-fraction-static", str(config.mem_fraction_static),
+        "--dtype", config.dtype,
+        "--random-seed", str(config.random_seed),
+        "--api-key", config.api_key,
+        # Token ids in and out: the trainer owns tokenization, responses are never re-tokenized.
+        "--skip-tokenizer-init",
+        # Lets /release_memory_occupation hand weights + KV cache back to Megatron.
+        "--enable-memory-saver",
+        *config.extra_args,
+    ]  # fmt: skip
+
+
+def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServerConfig:
+    """Fill in what was left unset: host, free ports, a random API key, the log path.
+
+    Args:
+        config: the user's settings.
+        name: engine name (names the default log file).
+
+    Returns:
+        A new config with every launch field set.
+    """
+    host = config.host or node_address()
+    return SGLangServerConfig(
+        model_path=config.model_path,
+        tp_size=config.tp_size,
+        base_gpu_id=config.base_gpu_id,
+        mem_fraction_static=config.mem_fraction_static,
+        host=host,
+        port=config.port or _free_port(host),
+        nccl_port=config.nccl_port or _free_port(host),
+        api_key=config.api_key or secrets.token_urlsafe(24),
+        dtype=config.dtype,
+        random_seed=config.random_seed,
+        log_path=config.log_path or str(Path.cwd() / f"sglang_{name}.log"),
+        extra_args=config.extra_args,
+        env=dict(config.env),
+    )
+
+
+class ServerProcess:
+    """A server subprocess whose output goes to a log file; knows how to report its death."""
+
+    def __init__(self, command: Sequence[str], *, name: str, log_path: str | Path, env: dict[str, str] | None = None):
+        """Start the process (in its own session, so stop() takes its children too).
+
+        Args:
+            command: argv.
+            name: engine name for messages.
+            log_path: file receiving stdout and stderr (created, parents too).
+            env: full environment; None inherits ours.
+        """
+        self.name = name
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    @property
+    def pid(self) -> int:
+        """Process id of the server."""
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit code, or None while the process runs."""
+        return self._popen.poll()
+
+    def log_tail(self, num_lines: int = _LOG_TAIL_LINES) -> str:
+        """The last lines of the log file ("" when it is empty or unreadable)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def check_alive(self) -> None:
+        """Raise EngineError naming the engine, its exit code and log when the process ended."""
+        code = self._popen.poll()
+        if code is not None:
+            raise EngineError(
+                f"SGLang engine {self.name} (pid {self._popen.pid}) exited with code {code}; "
+                f"log {self.log_path}, last lines:\n{self.log_tail()}"
+            )
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the process group, SIGKILL it after timeout_s."""
+        if self._popen.poll() is not None:
+            return
+        try:
+            os.killpg(self._popen.pid, 15)
+            self._popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._popen.pid, 9)
+            self._popen.wait(timeout=timeout_s)
+        except ProcessLookupError:
+            pass

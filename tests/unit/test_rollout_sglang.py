@@ -1,0 +1,227 @@
+"""SGLang engine on CPU: exact HTTP payloads against a fake server, command line, death detection."""
+
+import importlib.util
+import json
+import re
+import socket
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+
+from megatron_dapo.rollout.engine import EngineError, SamplingParams, response_seed
+from megatron_dapo.rollout.sglang_engine import SGLangEngine, create_weight_update_group
+from megatron_dapo.rollout.sglang_server import (
+    ServerProcess,
+    SGLangServerConfig,
+    build_launch_command,
+    node_address,
+    resolve_server_config,
+)
+
+
+class FakeSGLang:
+    """An HTTP server on 127.0.0.1 that records requests and replays canned answers per path."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, str, object]] = []  # method, path, auth, json body
+        self.answers: dict[str, list[tuple[int, object]]] = {}
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = 10  # a stuck client cannot hold the server
+
+            def _serve(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                fake.requests.append((self.command, self.path, self.headers.get("Authorization"), body))
+                queue = fake.answers.get(self.path, [(200, {"success": True})])
+                status, answer = queue.pop(0) if len(queue) > 1 else queue[0]
+                data = json.dumps(answer).encode() if not isinstance(answer, str) else answer.encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _serve
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self._thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        self._deadline = threading.Timer(120, self.server.shutdown)  # stops by itself if a test hangs
+        self._deadline.start()
+
+    def close(self) -> None:
+        self._deadline.cancel()
+        self.server.shutdown()
+        self.server.server_close()
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def fake():
+    server = FakeSGLang()
+    yield server
+    server.close()
+
+
+def _engine(fake: FakeSGLang, **kwargs) -> SGLangEngine:
+    return SGLangEngine(fake.url, name="e1", api_key="k3y", control_timeout_s=10, request_timeout_s=10, **kwargs)
+
+
+def _row(ids: list[int], logprobs: list[float], reason: str) -> dict:
+    return {
+        "output_ids": ids,
+        "meta_info": {
+            "finish_reason": {"type": reason},
+            "output_token_logprobs": [[lp, tok, None] for lp, tok in zip(logprobs, ids)],
+        },
+    }
+
+
+def test_generate_sends_one_row_per_response_and_parses_ids_logprobs_reasons(fake):
+    fake.answers["/generate"] = [
+        (200, [
+            _row([4, 9], [-0.5, -1.25], "stop"),
+            _row([4, 4, 4], [-0.5, -0.75, -2.0], "length"),
+            _row([8], [-3.0], "abort"),
+            _row([], [], "abort"),
+        ])
+    ]  # fmt: skip
+    params = SamplingParams(n=2, temperature=0.6, top_p=0.9, top_k=20, max_new_tokens=3, stop_token_ids=(9,), seed=5)
+    results = _engine(fake).generate([[1, 2], [3]], params, index_offset=10)
+    method, path, auth, body = fake.requests[0]
+    assert (method, path, auth) == ("POST", "/generate", "Bearer k3y")
+    assert body["input_ids"] == [[1, 2], [1, 2], [3], [3]]
+    assert body["return_logprob"] is True
+    assert [re.sub(r"^e1-[0-9a-f]{12}-", "", rid) for rid in body["rid"]] == ["10-0", "10-1", "11-0", "11-1"]
+    assert body["sampling_params"][3] == {
+        "max_new_tokens": 3, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "n": 1, "no_stop_trim": True,
+        "stop_token_ids": [9], "sampling_seed": response_seed(5, 11 * 2 + 1),
+    }  # fmt: skip
+    assert [(r.prompt_index, r.sample_index, r.output_ids, r.logprobs, r.finish_reason) for r in results] == [
+        (10, 0, [4, 9], [-0.5, -1.25], "stop"),
+        (10, 1, [4, 4, 4], [-0.5, -0.75, -2.0], "length"),
+        (11, 0, [8], [-3.0], "abort"),
+        (11, 1, [], [], "abort"),
+    ]
+
+
+def test_generate_errors_name_the_engine_and_the_problem(fake):
+    fake.answers["/generate"] = [(500, "CUDA out of memory"), (200, [_row([1], [-1.0], "stop")])]
+    engine = _engine(fake)
+    with pytest.raises(EngineError, match=rf"SGLang engine e1: POST {fake.url}/generate failed with HTTP 500: CUDA out"):
+        engine.generate([[1]], SamplingParams())
+    with pytest.raises(EngineError, match="SGLang engine e1: /generate returned 1 rows, expected 2"):
+        engine.generate([[1]], SamplingParams(n=2))
+    bad = _row([1, 2], [-1.0, -2.0], "stop")
+    bad["output_ids"] = [1]
+    fake.answers["/generate"] = [(200, [bad])]
+    with pytest.raises(EngineError, match="row 0 output_ids disagree with output_token_logprobs"):
+        engine.generate([[1]], SamplingParams())
+
+
+def test_update_weights_from_tensor_payload_and_flush_after_the_last_bucket(fake):
+    seen = []
+
+    def serializer(bucket):
+        seen.append([(n, tuple(t.shape)) for n, t in bucket])
+        return "SERIALIZED"
+
+    fake.answers["/flush_cache"] = [(400, "requests running"), (200, "Cache flushed.")]
+    engine = _engine(fake, tp_size=2, serializer=serializer)
+    engine.update_weights([("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.ones(6, 4))])
+    engine.finish_weight_update()
+    assert seen == [[("model.norm.weight", (4,)), ("lm_head.weight", (6, 4))]]
+    assert fake.requests[0][:2] == ("POST", "/update_weights_from_tensor")
+    assert fake.requests[0][3] == {
+        "serialized_named_tensors": ["SERIALIZED", "SERIALIZED"], "load_format": None, "flush_cache": False,
+    }  # fmt: skip
+    assert [r[:2] for r in fake.requests[1:]] == [("GET", "/flush_cache"), ("GET", "/flush_cache")]
+    with pytest.raises(ValueError, match=r"tensor 'x' is on cpu; colocated weight updates pass CUDA IPC handles"):
+        _engine(fake).update_weights([("x", torch.ones(1))])
+
+
+def test_memory_abort_and_health_requests(fake):
+    engine = _engine(fake)
+    engine.release_memory()
+    engine.resume_memory()
+    engine.abort()
+    assert [(m, p, b) for m, p, _, b in fake.requests] == [
+        ("GET", "/flush_cache", None),
+        ("POST", "/release_memory_occupation", {"tags": None}),
+        ("POST", "/resume_memory_occupation", {"tags": None}),
+        ("POST", "/abort_request", {"abort_all": True}),
+    ]
+    fake.answers["/health_generate"] = [(503, ""), (200, "")]
+    assert engine.health() is False
+    assert engine.health() is True
+
+
+def test_update_weights_from_distributed_payload_and_broadcast(fake):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    group = create_weight_update_group(
+        master_address="127.0.0.1", master_port=port, world_size=1, group_name="wu", backend="gloo", timeout_s=30
+    )
+    engine = _engine(fake)
+    engine.init_weight_update_group(
+        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=3, group_name="wu"
+    )
+    engine.update_weights_from_distributed(
+        [("a.weight", torch.ones(2, 3, dtype=torch.bfloat16)), ("b.bias", torch.zeros(5))], group=group, group_name="wu"
+    )
+    assert fake.requests[0][3] == {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
+        "group_name": "wu", "backend": "nccl",
+    }  # fmt: skip
+    assert fake.requests[1][:2] == ("POST", "/update_weights_from_distributed")
+    assert fake.requests[1][3] == {
+        "names": ["a.weight", "b.bias"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [5]],
+        "group_name": "wu", "flush_cache": False,
+    }  # fmt: skip
+
+
+def test_launch_command_binds_the_node_address_with_a_key_and_memory_saver(tmp_path):
+    config = SGLangServerConfig(model_path="/ckpt/qwen", tp_size=4, base_gpu_id=4, mem_fraction_static=0.55)
+    resolved = resolve_server_config(config, "engine1")
+    assert resolved.host == node_address() != "0.0.0.0"
+    assert resolved.api_key != resolve_server_config(config, "engine1").api_key
+    assert resolved.log_path.endswith("sglang_engine1.log")
+    command = build_launch_command(resolved, python="/venv/bin/python")
+    assert command == [
+        "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/ckpt/qwen",
+        "--host", resolved.host, "--port", str(resolved.port), "--nccl-port", str(resolved.nccl_port),
+        "--tp-size", "4", "--base-gpu-id", "4", "--mem-fraction-static", "0.55", "--dtype", "bfloat16",
+        "--random-seed", "0", "--api-key", resolved.api_key, "--skip-tokenizer-init", "--enable-memory-saver",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"mem_fraction_static=1.0 must be in \(0, 1\)"):
+        SGLangServerConfig(model_path="/m", mem_fraction_static=1.0)
+
+
+def test_dead_server_error_names_engine_exit_code_and_log_tail(tmp_path):
+    log = tmp_path / "logs" / "dummy.log"
+    script = "import sys; print('loading weights'); print('RuntimeError: CUDA error: no device', flush=True); sys.exit(3)"
+    process = ServerProcess([sys.executable, "-c", script], name="dummy", log_path=log)
+    engine = SGLangEngine("http://127.0.0.1:9", name="dummy", api_key="k", process=process, control_timeout_s=2)
+    with pytest.raises(EngineError) as err:
+        engine.wait_until_healthy(timeout_s=60, poll_s=0.1)
+    message = str(err.value)
+    assert f"SGLang engine dummy (pid {process.pid}) exited with code 3; log {log}, last lines:\n" in message
+    assert message.endswith("loading weights\nRuntimeError: CUDA error: no device")
+
+
+def test_launch_reports_a_server_that_cannot_start(tmp_path):
+    # Without sglang installed the real launch path must fail fast and carry the log's reason.
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed; the GPU tier covers a real launch")
+    config = SGLangServerConfig(model_path=str(tmp_path), host="127.0.0.1", log_path=str(tmp_path / "e0.log"))
+    with pytest.raises(EngineError, match=r"(?s)SGLang engine e0 \(pid \d+\) exited with code 1.*No module named"):
+        SGLangEngine.launch(config, name="e0", startup_timeout_s=60)
