@@ -2,6 +2,7 @@
 
     megatron-dapo config show FILE [key=value ...]      print the resolved config
     megatron-dapo config validate FILE [key=value ...]  check it, exit 2 if wrong
+    megatron-dapo train FILE [key=value ...]            the DAPO run (see megatron_dapo/train.py)
 
 User mistakes (UserError) print one line to stderr and exit 2, never a traceback.
 """
@@ -35,6 +36,12 @@ def _config_validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train(args: argparse.Namespace) -> int:
+    from megatron_dapo.train import main as train_main
+
+    return train_main([args.file, *args.overrides])
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that exits 2 with a one-line message (its default is also 2, plus usage)."""
 
@@ -57,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("overrides", nargs="*")
     val.add_argument("--world-size", type=int, default=None, help="also check the layout against N processes")
     val.set_defaults(func=_config_validate)
+
+    train = sub.add_parser("train", help="run DAPO training (one process per device)")
+    train.add_argument("file", help="experiment YAML, e.g. examples/tiny_cpu.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides")
+    train.set_defaults(func=_train)
     return parser
 
 

@@ -1,0 +1,310 @@
+"""Everything that exists before step 1 of a run, and the per-step plumbing around it.
+
+`build_run(cfg)` brings up, in order: the process group and device, the data (the
+embedded task or the user's files), the initial HF checkpoint (given, or a scratch
+model with an SFT warm start, cached), Megatron's parallel layout and the actor, then on
+the controller the rollout engines, the reward pool and the metrics, and finally resumes
+from the latest checkpoint. `Run` carries these to the loop in trainer.py and offers the
+small collective helpers the loop needs (dispatching the batch over DP ranks, weight
+sync, checkpointing).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo import parallel
+from megatron_dapo.actor import MegatronActor
+from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
+from megatron_dapo.collect import CollectSettings, Group
+from megatron_dapo.config import Config, to_dict
+from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
+from megatron_dapo.data.tokenizer import Tokenizer, load_tokenizer
+from megatron_dapo.embedded import scratch_checkpoint, task_for
+from megatron_dapo.errors import UserError
+from megatron_dapo.metrics import MetricsLogger
+from megatron_dapo.models import DecoderAdapter, adapter_for
+from megatron_dapo.rewards.pool import RewardPool
+from megatron_dapo.rollout.controller import RolloutController
+from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
+from megatron_dapo.warm_start import sft_warm_start
+
+logger = logging.getLogger(__name__)
+
+PREEMPTED_MARKER = "PREEMPTED"
+
+
+@dataclass(kw_only=True)
+class Shard:
+    """One mini-batch's share of this rank: model inputs plus the engine's log-probs."""
+
+    batch: RolloutBatch
+    """Inputs, masks, advantages (old log-probs are filled in step 5)."""
+    rollout_log_probs: torch.Tensor
+    """[B, S] engine log-probs aligned like input_ids (0 outside responses)."""
+
+
+@dataclass(kw_only=True)
+class Run:
+    """A live run: config, layout, actor, and on the controller the engines, rewards and data."""
+
+    cfg: Config
+    dims: parallel.ParallelDims
+    adapter: DecoderAdapter
+    actor: MegatronActor
+    output_dir: Path
+    checkpoints: CheckpointManager
+    dp_rank_of: list[int]
+    """Data-parallel rank of every global rank (for dispatching the batch)."""
+    start_step: int = 0
+    tokenizer: Tokenizer | None = None
+    sampler: PromptSampler | None = None
+    val_prompts: list[PromptRecord] = field(default_factory=list)
+    rollout: RolloutController | None = None
+    rewards: RewardPool | None = None
+    collect_settings: CollectSettings | None = None
+    val_sampling: SamplingParams | None = None
+    metrics: MetricsLogger | None = None
+
+    # ---------------------------------------------------------------- step plumbing
+
+    def dispatch(self, groups: list[Group]) -> list[Shard]:
+        """Split the controller's batch into mini-batches and each over DP ranks by tokens.
+
+        Collective over the world: every rank receives its share of every mini-batch (TP and
+        PP peers the same share), as `Shard`s in mini-batch order.
+        """
+        payloads: list[Any] = [None] * self.dims.world_size
+        if self.dims.is_controller:
+            per_dp = _split_batch(groups, self.cfg.trainer.ppo_mini_batch_size, self.dims.dp,
+                                  self.cfg.algorithm.overlong_filtering)
+            payloads = [per_dp[self.dp_rank_of[r]] for r in range(self.dims.world_size)]
+        received: list[Any] = [None]
+        dist.scatter_object_list(received, payloads if self.dims.is_controller else None, src=0)
+        return [_to_shard(rows, self.pad_id) for rows in received[0]]
+
+    @property
+    def pad_id(self) -> int:
+        return 0
+
+    def sync_weights(self) -> WeightSyncStats:
+        """Step 7: stream the actor's weights, as HF tensors, to every engine."""
+        engines = self.rollout.engines if self.rollout is not None else []
+        return sync_weights(self.adapter.export_hf(self.actor.model, self.dims), engines,
+                            is_controller=self.dims.is_controller,
+                            bucket_bytes=self.cfg.rollout.update_weights_bucket_megabytes << 20)
+
+    def rollout_throughput(self) -> dict[str, float]:
+        """Per-engine generation throughput of the last step (controller)."""
+        if self.rollout is None:
+            return {}
+        return {f"rollout/{t.engine}/tokens_per_s": t.tokens_per_s for t in self.rollout.last_throughput}
+
+    def sum_over_dp(self, value: float) -> float:
+        """Sum a number over data-parallel ranks (on every rank)."""
+        t = torch.tensor([float(value)], dtype=torch.float64)
+        dist.all_reduce(t, group=self.dims.dp_group)
+        return float(t.item())
+
+    def log(self, step: int, metrics: dict[str, float]) -> dict[str, float]:
+        """Write a step's metrics (controller) and return them."""
+        if self.metrics is not None:
+            self.metrics.log(step, metrics)
+        return metrics
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def should_save(self, step: int) -> bool:
+        interval = self.cfg.trainer.save_interval
+        return step == self.cfg.trainer.total_training_steps or (interval > 0 and step % interval == 0)
+
+    def save(self, step: int) -> None:
+        """Checkpoint model, optimizer, schedule, RNG and the trainer's position (collective)."""
+        state = {"step": step, "sampler": self.sampler.state_dict() if self.sampler is not None else None}
+        states: list[Any] = [None] * self.dims.world_size
+        dist.all_gather_object(states, state)
+        self.checkpoints.save(step, self.actor.model, self.actor.optimizer, self.actor.scheduler,
+                              trainer_state=states[0], config_dict=to_dict(self.cfg))
+
+    def mark_preempted(self, step: int) -> None:
+        """Leave the marker the sbatch script reads to requeue the job (controller)."""
+        if self.dims.is_controller:
+            (self.output_dir / PREEMPTED_MARKER).write_text(f"{step}\n")
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.rewards is not None:
+            self.rewards.close()
+        if self.rollout is not None:
+            self.rollout.shutdown()
+
+
+# ------------------------------------------------------------------------ building
+
+
+def build_run(cfg: Config, config_source: str) -> Run:
+    """Bring up a run from a validated config (collective: call on every rank)."""
+    env = parallel.init_distributed(cfg.trainer.device)
+    cfg.check_world_size(env.world_size, _launcher_source())
+    output_dir = Path(cfg.trainer.output_dir)
+    cache_dir = Path(os.environ.get("MEGATRON_DAPO_CACHE", ".cache/megatron-dapo"))
+    if env.rank == 0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
+
+    sources = _broadcast(_prepare_sources(cfg, cache_dir) if env.rank == 0 else None)
+    hf_dir = Path(sources["hf_dir"])
+    adapter = adapter_for(hf_dir)
+    hf = adapter.hf
+    p = cfg.parallel
+    dims = parallel.initialize_model_parallel(
+        p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
+        seed=cfg.trainer.seed, num_attention_heads=hf.num_attention_heads,
+        num_query_groups=hf.num_key_value_heads, num_layers=hf.num_hidden_layers)
+
+    if cfg.model.hf_checkpoint is None and cfg.model.sft_warm_start.enable:
+        hf_dir = sft_warm_start(cfg, adapter, hf_dir, sources["sft_path"], sources["tokenizer"], dims, cache_dir)
+        adapter = adapter_for(hf_dir)
+    actor = MegatronActor.from_config(cfg, adapter, hf_dir, dims)
+
+    dp_rank_of: list[Any] = [None] * dims.world_size
+    dist.all_gather_object(dp_rank_of, dims.dp_rank)
+    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, output_dir=output_dir,
+              checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
+              dp_rank_of=dp_rank_of)
+    if dims.is_controller:
+        _build_controller(run, hf_dir, sources)
+
+    resume_from = resolve_resume(cfg.trainer.resume, run.checkpoints)
+    if resume_from is not None:
+        state = run.checkpoints.load(resume_from, actor.model, actor.optimizer, actor.scheduler)
+        run.start_step = int(state["step"])
+        if run.sampler is not None and state.get("sampler") is not None:
+            run.sampler.load_state_dict(state["sampler"])
+        if run.metrics is not None:
+            run.metrics.truncate_after(run.start_step)
+        logger.info("resumed from %s at step %d", resume_from, run.start_step)
+    # The engines start from the HF checkpoint; after a resume (or SFT) they need the actor's weights.
+    run.sync_weights()
+    return run
+
+
+def _prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
+    """Controller: make the embedded task and scratch checkpoint if needed; return paths."""
+    if cfg.model.hf_checkpoint is not None:
+        return {"hf_dir": cfg.model.hf_checkpoint, "tokenizer": cfg.model.tokenizer or cfg.model.hf_checkpoint,
+                "train": None, "val": None, "sft_path": None}
+    task = task_for(cfg.data.embedded, cache_dir)
+    tokenizer = load_tokenizer(task.tokenizer_path)
+    scratch = scratch_checkpoint(cfg.model.scratch, tokenizer.vocab_size, cfg.trainer.seed, cache_dir)
+    return {"hf_dir": str(scratch), "tokenizer": str(task.tokenizer_path), "train": str(task.train_path),
+            "val": str(task.val_path), "sft_path": str(task.sft_path)}
+
+
+def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
+    """Controller-only parts: tokenizer, prompts, engines, reward pool, metrics."""
+    cfg = run.cfg
+    tokenizer = load_tokenizer(sources["tokenizer"])
+    train_files = cfg.data.train_files or [sources["train"]]
+    val_files = cfg.data.val_files or ([sources["val"]] if sources["val"] else [])
+    if train_files == [None]:
+        raise UserError("data.train_files is empty and model.hf_checkpoint is set; give prompt files "
+                        "(DAPO-Math-17K parquet/jsonl) in data.train_files")
+    records = [r for f in train_files for r in load_prompt_dataset(f, tokenizer, cfg.data.max_prompt_length).records]
+    run.tokenizer = tokenizer
+    run.sampler = PromptSampler(records, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    run.val_prompts = [r for f in val_files for r in load_prompt_dataset(f, tokenizer, cfg.data.max_prompt_length).records]
+    r = cfg.rollout
+    stop = (tokenizer.eos_id,)
+    sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop,
+                              seed=cfg.trainer.seed)
+    v = r.val_kwargs
+    run.val_sampling = SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
+                                      max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop,
+                                      seed=cfg.trainer.seed + 1)
+    run.collect_settings = CollectSettings(
+        n=r.n, sampling=sampling, gen_batch_size=cfg.data.gen_batch_size, train_batch_size=cfg.data.train_batch_size,
+        filter_enable=cfg.algorithm.filter_groups.enable, filter_metric=cfg.algorithm.filter_groups.metric,
+        max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
+        max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
+        overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
+        norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+    run.rollout = RolloutController(_make_engines(cfg, hf_dir))
+    run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+    lg = cfg.logging
+    run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                                use_wandb=lg.wandb, total_steps=cfg.trainer.total_training_steps,
+                                wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl)
+
+
+def _make_engines(cfg: Config, hf_dir: Path) -> list[Any]:
+    if cfg.rollout.engine == "local":
+        from megatron_dapo.rollout.local_engine import LocalEngine
+
+        return [LocalEngine(hf_dir, name="local0")]
+    from megatron_dapo.rollout.sglang_engine import launch_node_engines
+
+    return launch_node_engines(cfg.rollout, hf_dir)
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _launcher_source() -> str:
+    if "WORLD_SIZE" in os.environ:
+        return f"WORLD_SIZE={os.environ['WORLD_SIZE']} from the launcher"
+    if "SLURM_NTASKS" in os.environ:
+        return f"SLURM_NTASKS={os.environ['SLURM_NTASKS']}"
+    return "a single process"
+
+
+# ------------------------------------------------------------------ batch building
+
+
+def _split_batch(groups: list[Group], mini_batch_groups: int, dp: int, overlong_filtering: bool) -> list[list[list[tuple]]]:
+    """[dp_rank][mini_batch] -> rows (prompt_ids, response_ids, advantage, rollout_lps, keep)."""
+    per_dp: list[list[list[tuple]]] = [[] for _ in range(dp)]
+    for start in range(0, len(groups), mini_batch_groups):
+        samples = [s for g in groups[start:start + mini_batch_groups] for s in g.samples]
+        shards = balance_across_dp([len(s.prompt_ids) + len(s.response_ids) for s in samples], dp)
+        for rank, indices in enumerate(shards):
+            per_dp[rank].append([
+                (samples[i].prompt_ids, samples[i].response_ids, samples[i].advantage,
+                 samples[i].rollout_log_probs, not (overlong_filtering and samples[i].truncated))
+                for i in indices])
+    return per_dp
+
+
+def _to_shard(rows: list[tuple], pad_id: int) -> Shard:
+    """Right-padded tensors of one mini-batch share, aligned like input_ids."""
+    lengths = [len(p) + len(r) for p, r, *_ in rows] or [1]
+    width = max(lengths)
+    num = len(rows)
+    input_ids = torch.full((num, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((num, width), dtype=torch.bool)
+    advantages = torch.zeros((num, width), dtype=torch.float32)
+    rollout_lp = torch.zeros((num, width), dtype=torch.float32)
+    for i, (prompt, response, adv, lps, keep) in enumerate(rows):
+        lp, lr = len(prompt), len(response)
+        input_ids[i, :lp] = torch.tensor(prompt)
+        input_ids[i, lp:lp + lr] = torch.tensor(response)
+        mask[i, lp:lp + lr] = keep
+        advantages[i, lp:lp + lr] = adv
+        rollout_lp[i, lp:lp + lr] = torch.tensor(lps)
+    batch = RolloutBatch(input_ids=input_ids, seq_lens=torch.tensor(lengths[:num], dtype=torch.long),
+                         response_mask=mask, advantages=advantages)
+    return Shard(batch=batch, rollout_log_probs=rollout_lp)

@@ -1,0 +1,54 @@
+"""`python -m megatron_dapo.train CONFIG [key=value ...]`: the DAPO run (also `megatron-dapo train`).
+
+Launch one process per device: plain `python` for one process, `torchrun
+--nproc-per-node N` on a node, `srun` under SLURM (see slurm/). A mistake in the config,
+data or checkpoint prints one line and exits with code 2.
+
+The work stays under `if __name__ == "__main__":` because megatron-core's checkpoint
+writer starts a "spawn" process that re-imports the launching module.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from megatron_dapo.errors import EXIT_USER_ERROR, UserError
+
+
+def train(config_path: str, overrides: list[str]) -> dict[str, float]:
+    """Load the config, build the run, train; returns the last metrics on the controller."""
+    from megatron_dapo import parallel
+    from megatron_dapo.config import load_config
+    from megatron_dapo.run import build_run
+    from megatron_dapo.trainer import fit
+
+    cfg = load_config(config_path, overrides)
+    run = build_run(cfg, config_path)
+    try:
+        return fit(run)
+    finally:
+        run.close()
+        parallel.destroy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse `CONFIG [overrides]`, train, and map user errors to exit code 2."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print("usage: python -m megatron_dapo.train CONFIG [dotted.key=value ...]\n\n" + (__doc__ or ""))
+        return 0 if args else EXIT_USER_ERROR
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
+                        format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        train(args[0], args[1:])
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

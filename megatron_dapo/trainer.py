@@ -1,0 +1,135 @@
+"""The DAPO loop. `fit` reads like the step list of DESIGN.md:
+
+    1-4. controller: generate, score, filter until the batch is full, advantages
+    4.   the batch is split over data-parallel ranks by token count
+    5.   all ranks: old log-probs with Megatron (forward only)
+    6.   all ranks: one optimizer step per mini-batch, global token-mean loss
+    7.   all ranks: weights Megatron -> rollout engines
+    8.   controller: metrics; everyone: evaluation and checkpoints
+
+One process per device (torchrun or srun); global rank 0 is also the controller, the
+only rank that talks to rollout engines, the reward pool, the data and the metrics.
+Setup (what exists before step 1) lives in run.py; this module is the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.collect import Group, collect_batch, evaluate
+from megatron_dapo.metrics import Timer
+from megatron_dapo.run import Run, Shard
+
+logger = logging.getLogger(__name__)
+
+
+class PreemptionFlag:
+    """Set by SIGUSR1/SIGTERM (SLURM's pre-timeout signal, preemption); read after a step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        logger.warning("received %s: saving a checkpoint after this step, then exiting", signal.Signals(signum).name)
+        self.requested = True
+
+    def agreed(self, group: dist.ProcessGroup | None = None) -> bool:
+        """True on every rank if any rank got the signal (ranks must stop at the same step)."""
+        flag = torch.tensor([1.0 if self.requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item() > 0)
+
+
+def fit(run: Run) -> dict[str, float]:
+    """Train for trainer.total_training_steps RL steps from wherever the run resumed.
+
+    Returns:
+        The last step's metrics on the controller ({} elsewhere).
+    """
+    cfg, actor, dims = run.cfg, run.actor, run.dims
+    preemption = PreemptionFlag()
+    timer = Timer()
+    last: dict[str, float] = {}
+    if run.start_step == 0 and cfg.trainer.val_before_train and cfg.trainer.test_freq > 0:
+        last = run.log(0, validate(run))
+    for step in range(run.start_step + 1, cfg.trainer.total_training_steps + 1):
+        step_start = time.perf_counter()
+        metrics: dict[str, float] = {}
+        groups: list[Group] = []
+        if dims.is_controller:
+            with timer("gen"):
+                groups, collect_metrics = collect_batch(
+                    run.sampler, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
+                    settings=run.collect_settings)
+            metrics.update(collect_metrics)
+            metrics.update(run.rollout_throughput())
+        with timer("dispatch"):
+            shards = run.dispatch(groups)  # this rank's mini-batches: list[RolloutBatch]
+        with timer("old_log_prob"):
+            drift = compute_old_log_probs(run, shards)
+        with timer("update_actor"):
+            actor_metrics = [actor.train_step(shard.batch) for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
+        with timer("sync"):
+            sync_stats = run.sync_weights()
+        metrics.update(mean_metrics(actor_metrics))
+        metrics.update(drift)
+        metrics["sync/num_bytes"] = float(sync_stats.num_bytes)
+        if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_training_steps):
+            with timer("testing"):
+                metrics.update(validate(run))
+        metrics.update(timer.pop())
+        metrics["timing_s/step"] = time.perf_counter() - step_start
+        num_tokens = sum(int(shard.batch.seq_lens.sum()) for shard in shards)
+        metrics["perf/throughput_tokens_per_s"] = run.sum_over_dp(num_tokens) / metrics["timing_s/step"]
+        stop = preemption.agreed()
+        if stop or run.should_save(step):
+            with timer("save_checkpoint"):
+                run.save(step)
+        last = run.log(step, metrics)
+        if stop and step < cfg.trainer.total_training_steps:
+            run.mark_preempted(step)
+            break
+    return last
+
+
+def compute_old_log_probs(run: Run, shards: list[Shard]) -> dict[str, float]:
+    """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place.
+
+    Also measures how far the engine's log-probs are from the actor's on the same tokens
+    (`rollout/train_logprob_abs_diff`): a broken weight sync or a sampling mismatch shows
+    here first.
+    """
+    diff_sum, num_tokens = 0.0, 0
+    for shard in shards:
+        log_probs = run.actor.compute_log_probs(shard.batch)
+        shard.batch.old_log_probs = log_probs
+        mask = shard.batch.response_mask
+        diff_sum += float((log_probs - shard.rollout_log_probs).abs()[mask].sum())
+        num_tokens += int(mask.sum())
+    totals = torch.tensor([diff_sum, float(num_tokens)], dtype=torch.float64)
+    dist.all_reduce(totals, group=run.dims.dp_group)
+    return {"rollout/train_logprob_abs_diff": float(totals[0] / totals[1].clamp(min=1))}
+
+
+def validate(run: Run) -> dict[str, float]:
+    """avg@k on the held-out prompts (controller); other ranks return {}."""
+    if not run.dims.is_controller or not run.val_prompts:
+        return {}
+    return evaluate(run.val_prompts, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
+                    params=run.val_sampling)
+
+
+def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Average each metric over the optimizer steps of an RL step."""
+    if not rows:
+        return {}
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+
