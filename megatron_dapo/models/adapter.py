@@ -1,0 +1,316 @@
+"""The model-family adapter: HF config -> Megatron GPTModel, and HF weights in and out of any TP/PP layout.
+
+Used by the actor (build + load the initial checkpoint), by weight sync to the rollout
+engines (step 7 of the RL loop: ``export_hf`` streams HF-named full tensors) and by the
+checkpoint converter. Families (Qwen2, Llama) differ only in how config.json is read;
+the tensor layout logic lives in mapping.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_dapo.models import mapping
+from megatron_dapo.models.config import HFModelConfig
+from megatron_dapo.models.hf_checkpoint import HFCheckpoint
+from megatron_dapo.parallel import ParallelDims
+
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+class ModelAdapter(Protocol):
+    """What the actor, weight sync and converter need from a model family."""
+
+    hf: HFModelConfig
+
+    def transformer_config(
+        self,
+        *,
+        dtype: torch.dtype,
+        tp: int,
+        pp: int,
+        recompute: str = "none",
+        sequence_parallel: bool = False,
+    ) -> TransformerConfig: ...
+
+    def layer_spec(self, use_te: bool) -> ModuleSpec: ...
+
+    def padded_vocab_size(self, tp: int) -> int: ...
+
+    def build_model(
+        self, dims: ParallelDims, *, dtype: torch.dtype, recompute: str = "none", use_te: bool | None = None
+    ) -> GPTModel: ...
+
+    def load_hf(self, model: Any, checkpoint: HFCheckpoint | str | Path, dims: ParallelDims) -> None: ...
+
+    def export_hf(self, model: Any, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+def te_available() -> bool:
+    """Whether the Transformer Engine layer spec can be used (TE importable and CUDA present)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def unwrap_model(model: Any) -> GPTModel:
+    """The GPTModel inside DDP / Float16Module wrappers or a one-chunk list.
+
+    Args:
+        model: GPTModel, a wrapper with ``.module``, or ``[chunk]``.
+
+    Returns:
+        The GPTModel.
+    """
+    if isinstance(model, list | tuple):
+        if len(model) != 1:
+            raise ValueError(
+                f"got {len(model)} model chunks; virtual pipeline stages are not supported by the adapter, use one chunk"
+            )
+        model = model[0]
+    while not isinstance(model, GPTModel):
+        if not hasattr(model, "module"):
+            raise TypeError(f"expected a GPTModel or a wrapper of one, got {type(model).__name__}")
+        model = model.module
+    return model
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DecoderAdapter:
+    """Adapter for Llama-style decoders (RMSNorm, SwiGLU, rope, GQA); subclassed per family."""
+
+    hf: HFModelConfig
+    """Parsed config.json."""
+    make_vocab_size_divisible_by: int = 128
+    """Megatron pads the vocab to a multiple of this times tp."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+
+    def transformer_config(
+        self,
+        *,
+        dtype: torch.dtype,
+        tp: int,
+        pp: int,
+        recompute: str = "none",
+        sequence_parallel: bool = False,
+    ) -> TransformerConfig:
+        """Megatron TransformerConfig that reproduces the HF model.
+
+        Args:
+            dtype: parameter dtype (float32, bfloat16 or float16).
+            tp: tensor-parallel size.
+            pp: pipeline-parallel size.
+            recompute: "none" | "full" (every layer, uniform) | "selective" (core attention).
+            sequence_parallel: shard activations along the sequence in TP regions (tp > 1).
+
+        Returns:
+            The TransformerConfig.
+        """
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute={recompute!r} is not one of {RECOMPUTE_MODES}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"dtype {dtype} is not supported; use torch.float32, torch.bfloat16 or torch.float16"
+            )
+        hf = self.hf
+        recompute_kwargs: dict[str, Any] = {}
+        if recompute == "full":
+            recompute_kwargs = {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            }
+        elif recompute == "selective":
+            recompute_kwargs = {"recompute_granularity": "selective"}
+        return TransformerConfig(
+            num_layers=hf.num_layers,
+            hidden_size=hf.hidden_size,
+            ffn_hidden_size=hf.intermediate_size,
+            num_attention_heads=hf.num_attention_heads,
+            num_query_groups=hf.num_kv_heads,
+            kv_channels=hf.head_dim,
+            normalization="RMSNorm",
+            layernorm_epsilon=hf.rms_norm_eps,
+            gated_linear_unit=True,
+            activation_func=F.silu,
+            add_bias_linear=False,
+            add_qkv_bias=hf.qkv_bias,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            sequence_parallel=sequence_parallel and tp > 1,
+            params_dtype=dtype,
+            pipeline_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            attention_softmax_in_fp32=True,
+            **recompute_kwargs,
+        )
+
+    def layer_spec(self, use_te: bool) -> ModuleSpec:
+        """Transformer Engine layer spec (fused norms, GPU) or the local megatron-core spec (CPU-capable).
+
+        Args:
+            use_te: pick the TE spec; needs transformer_engine and CUDA.
+
+        Returns:
+            The layer ModuleSpec.
+        """
+        from megatron.core.models.gpt import gpt_layer_specs
+
+        if use_te:
+            if not te_available():
+                raise ValueError(
+                    "use_te=True but transformer_engine is not importable or CUDA is absent; use use_te=False"
+                )
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+
+    def padded_vocab_size(self, tp: int) -> int:
+        """Vocab rows Megatron allocates: V padded to a multiple of make_vocab_size_divisible_by * tp."""
+        return mapping.padded_vocab_size(self.hf.vocab_size, tp, self.make_vocab_size_divisible_by)
+
+    def build_model(
+        self,
+        dims: ParallelDims,
+        *,
+        dtype: torch.dtype,
+        recompute: str = "none",
+        use_te: bool | None = None,
+        init_weights: bool = True,
+    ) -> GPTModel:
+        """Build this pipeline stage's GPTModel on dims.device.
+
+        Args:
+            dims: the layout from parallel.initialize_model_parallel.
+            dtype: parameter dtype.
+            recompute: see transformer_config.
+            use_te: TE layer spec; None picks it when te_available().
+            init_weights: random-initialise parameters; False skips it (weights come from load_hf).
+
+        Returns:
+            The GPTModel of stage dims.pp_rank (embedding on the first stage, output layer on the last).
+        """
+        if self.hf.num_layers % dims.pp != 0:
+            raise ValueError(
+                f"num_hidden_layers={self.hf.num_layers} is not divisible by pp={dims.pp}; pick pp among its divisors"
+            )
+        for name, value in (
+            ("num_attention_heads", self.hf.num_attention_heads),
+            ("num_key_value_heads", self.hf.num_kv_heads),
+        ):
+            if value % dims.tp != 0:
+                raise ValueError(
+                    f"{name}={value} is not divisible by tp={dims.tp}; pick tp among its divisors"
+                )
+        config = self.transformer_config(dtype=dtype, tp=dims.tp, pp=dims.pp, recompute=recompute)
+        config.perform_initialization = init_weights
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=self.layer_spec(te_available() if use_te is None else use_te),
+            vocab_size=self.padded_vocab_size(dims.tp),
+            max_sequence_length=self.hf.max_position_embeddings,
+            pre_process=dims.is_first_stage,
+            post_process=dims.is_last_stage,
+            share_embeddings_and_output_weights=self.hf.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=self.hf.rope_theta,
+        )
+        return model.to(dims.device)
+
+    def _maps(self, gpt: GPTModel) -> list[mapping.TensorMap]:
+        layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(gpt.decoder.layers)}
+        return mapping.tensor_maps(list(gpt.named_parameters()), layer_numbers, self.hf.tie_word_embeddings)
+
+    def load_hf(self, model: Any, checkpoint: HFCheckpoint | str | Path, dims: ParallelDims) -> None:
+        """Copy HF weights into this rank's shard of the model, reading only the slices it holds.
+
+        Call it before the optimizer is built (the distributed optimizer keeps its own
+        fp32 copies of the parameters). No collectives: every rank reads on its own.
+
+        Args:
+            model: this stage's GPTModel (or a DDP wrapper / one-chunk list).
+            checkpoint: an HFCheckpoint or its directory; its tensors are checked against config.json first.
+            dims: the layout the model was built for.
+        """
+        ckpt = checkpoint if isinstance(checkpoint, HFCheckpoint) else HFCheckpoint(checkpoint)
+        mapping.check_checkpoint(self.hf, ckpt)
+        gpt = unwrap_model(model)
+        params = dict(gpt.named_parameters())
+        padded = self.padded_vocab_size(dims.tp)
+        mismatched = []
+        with torch.no_grad():
+            for tm in self._maps(gpt):
+                shard = mapping.load_shard(tm, ckpt, self.hf, dims.tp, dims.tp_rank, padded)
+                param = params[tm.mcore_name]
+                if shard.shape != param.shape:
+                    mismatched.append(
+                        f"{tm.mcore_name} model {tuple(param.shape)} vs checkpoint {tuple(shard.shape)}"
+                    )
+                    continue
+                param.copy_(shard)
+        if mismatched:
+            raise ValueError(
+                f"the model does not match HF checkpoint {ckpt.directory}: {'; '.join(mismatched[:8])}; "
+                "build it with this adapter's build_model for the same config.json"
+            )
+
+    def export_hf(self, model: Any, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]:
+        """Stream the full model as HF (name, tensor) pairs, one tensor materialised at a time.
+
+        Collective over the model-parallel group: every rank of a TP x PP replica must
+        iterate to the end, and every one of them receives every tensor (TP shards are
+        all-gathered; the owning pipeline stage broadcasts to the other stages). Each
+        data-parallel replica exports independently. Order: embeddings, layers 0..L-1,
+        final norm, lm_head (absent when tied). Tensors are in the parameter dtype, on
+        dims.device, with padding vocab rows removed; they are fresh, except replicated
+        weights on the owning stage without PP, which are detached views of the parameters.
+
+        Args:
+            model: this stage's GPTModel (or wrapper / one-chunk list).
+            dims: the layout the model was built for.
+
+        Yields:
+            (HF name, full tensor), e.g. ("model.layers.0.self_attn.q_proj.weight", [nq*d, H]).
+        """
+        gpt = unwrap_model(model)
+        params = dict(gpt.named_parameters())
+        shapes = mapping.expected_hf_shapes(self.hf)
+        local = [tm for tm in self._maps(gpt) if not tm.mirror]
+        dtype = next(iter(params.values())).dtype
+        stage_maps: list[list[mapping.TensorMap]] = [local]
+        if dims.pp > 1:
+            stage_maps = [[] for _ in range(dims.pp)]
+            dist.all_gather_object(stage_maps, local, group=dims.pp_group)
+        for stage, maps in enumerate(stage_maps):
+            for tm in maps:
+                if stage == dims.pp_rank:
+                    tensors = self._gather_hf(tm, params[tm.mcore_name].detach(), dims)
+                else:
+                    tensors = [torch.empty(shapes[n], dtype=dtype, device=dims.device) for n in tm.hf_names]
+                for name, tensor in zip(tm.hf_names, tensors, strict=True):
+                    if dims.pp > 1:
+                        tensor = tensor.contiguous()
+                        dist.broadcast(tensor, src=dims.pp_global_ranks[stage], group=dims.pp_group)
+                    yield name, tensor
+
+    def _gather_hf(
+        self, tm: mapping.TensorMap, local: torch.Tensor, dims: ParallelDims
+    ) -> list[torch.Tensor]:
+        if tm.kind == "replicated" or dims.tp == 1:
+            shards = [local]
+        else:
+            shards = [torch.empty_like(local) for _ in range(dims.tp)]
+            dist.all_gather(shards, local.contiguous(), group=dims.tp_group)
+        return mapping.hf_from_shards(tm, shards, self.hf)

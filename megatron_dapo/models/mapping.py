@@ -1,0 +1,294 @@
+"""HF <-> Megatron-Core tensor layout for Llama-style decoders (Qwen2/Qwen2.5, Llama).
+
+One :class:`TensorMap` says how one Megatron parameter is made of HF tensors, and the
+functions here cut the local TP shard out of the HF tensors (load) or rebuild the HF
+tensors from all TP shards (export). Layouts that differ from HF:
+
+- ``linear_qkv`` is grouped by query group: for each KV head g, [q heads of g; k_g; v_g],
+  and TP rank r holds the contiguous groups [r*G/tp, (r+1)*G/tp) (G = num KV heads);
+- ``linear_fc1`` is [gate; up] *per TP shard*, i.e. rank r holds
+  [gate[r*F/tp:(r+1)*F/tp]; up[r*F/tp:(r+1)*F/tp]];
+- ``linear_proj`` and ``linear_fc2`` are row-parallel: split along the input dim (dim 1);
+- embeddings and the output layer hold Vp/tp rows of the vocab padded to Vp (rows >= V
+  are zeros on load and dropped on export).
+Layernorm weights are replicated. The Transformer Engine spec stores the two per-layer
+norms inside linear_qkv / linear_fc1 (``layer_norm_weight``); both namings are mapped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dapo.models.config import HFModelConfig
+from megatron_dapo.models.hf_checkpoint import HFCheckpoint
+
+KINDS = ("replicated", "vocab", "row", "qkv", "fc1")
+
+_LAYER_PATTERNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    # (megatron suffix regex, kind, HF names relative to model.layers.{i}.)
+    (
+        r"input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight",
+        "replicated",
+        ("input_layernorm.weight",),
+    ),
+    (
+        r"pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight",
+        "replicated",
+        ("post_attention_layernorm.weight",),
+    ),
+    (
+        r"self_attention\.linear_qkv\.weight",
+        "qkv",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ),
+    (
+        r"self_attention\.linear_qkv\.bias",
+        "qkv",
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ),
+    (r"self_attention\.linear_proj\.weight", "row", ("self_attn.o_proj.weight",)),
+    (r"mlp\.linear_fc1\.weight", "fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+    (r"mlp\.linear_fc2\.weight", "row", ("mlp.down_proj.weight",)),
+)
+_LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorMap:
+    """How one local Megatron parameter relates to HF tensors."""
+
+    mcore_name: str
+    """Parameter name in the unwrapped GPTModel of this pipeline stage."""
+    hf_names: tuple[str, ...]
+    """HF tensors it is made of (3 for qkv, 2 for fc1, else 1)."""
+    kind: str
+    """One of KINDS: how it is sharded over TP and fused."""
+    sort_key: tuple[int, int]
+    """(global position, index in layer): orders exports identically on every stage."""
+    mirror: bool = False
+    """True for the last stage's copy of tied embeddings: loaded, never exported."""
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's padded vocab: the next multiple of ``divisible_by * tp``.
+
+    Args:
+        vocab_size: HF vocab_size.
+        tp: tensor-parallel size.
+        divisible_by: make_vocab_size_divisible_by.
+
+    Returns:
+        Vp >= vocab_size, divisible by divisible_by * tp.
+    """
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def expected_hf_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of this config must hold, with its shape.
+
+    Args:
+        hf: parsed HF config.
+
+    Returns:
+        HF name -> shape (lm_head.weight only when embeddings are untied).
+    """
+    h, d, f = hf.hidden_size, hf.head_dim, hf.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (hf.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not hf.tie_word_embeddings:
+        shapes["lm_head.weight"] = (hf.vocab_size, h)
+    for i in range(hf.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (hf.num_attention_heads * d, h)
+        shapes[p + "self_attn.k_proj.weight"] = (hf.num_kv_heads * d, h)
+        shapes[p + "self_attn.v_proj.weight"] = (hf.num_kv_heads * d, h)
+        if hf.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (hf.num_attention_heads * d,)
+            shapes[p + "self_attn.k_proj.bias"] = (hf.num_kv_heads * d,)
+            shapes[p + "self_attn.v_proj.bias"] = (hf.num_kv_heads * d,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, hf.num_attention_heads * d)
+        shapes[p + "mlp.gate_proj.weight"] = (f, h)
+        shapes[p + "mlp.up_proj.weight"] = (f, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, f)
+    return shapes
+
+
+def check_checkpoint(hf: HFModelConfig, ckpt: HFCheckpoint) -> None:
+    """Compare the checkpoint's tensors with what config.json implies; raise once, listing all differences.
+
+    Tolerated extras: ``lm_head.weight`` when embeddings are tied (some exporters write
+    it) and legacy ``rotary_emb.inv_freq`` buffers.
+    """
+    expected = expected_hf_shapes(hf)
+    found = ckpt.shapes
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(
+        name
+        for name in set(found) - set(expected)
+        if not name.endswith("rotary_emb.inv_freq")
+        and not (hf.tie_word_embeddings and name == "lm_head.weight")
+    )
+    wrong = sorted(
+        f"{name} {tuple(found[name])} != {expected[name]}"
+        for name in set(expected) & set(found)
+        if tuple(found[name]) != expected[name]
+    )
+    if missing or unexpected or wrong:
+        problems = []
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong)):
+            if items:
+                shown = ", ".join(items[:8]) + (f" (+{len(items) - 8} more)" if len(items) > 8 else "")
+                problems.append(f"{len(items)} {label}: {shown}")
+        raise ValueError(
+            f"HF checkpoint {ckpt.directory} does not match its config.json ({hf.architecture}): "
+            + "; ".join(problems)
+            + "; the weights and config.json come from different models or the save was partial"
+        )
+
+
+def tensor_maps(
+    named_params: list[tuple[str, torch.Tensor]], layer_numbers: dict[int, int], tied: bool
+) -> list[TensorMap]:
+    """Map every local Megatron parameter to HF names.
+
+    Args:
+        named_params: ``model.named_parameters()`` of the unwrapped GPTModel.
+        layer_numbers: local layer index -> global 0-based layer index.
+        tied: share_embeddings_and_output_weights.
+
+    Returns:
+        One TensorMap per parameter, sorted in global export order.
+    """
+    maps: list[TensorMap] = []
+    unknown: list[str] = []
+    last = 1 << 30
+    for name, _ in named_params:
+        if name == "embedding.word_embeddings.weight":
+            maps.append(
+                TensorMap(
+                    mcore_name=name, hf_names=("model.embed_tokens.weight",), kind="vocab", sort_key=(-1, 0)
+                )
+            )
+        elif name == "decoder.final_layernorm.weight":
+            maps.append(
+                TensorMap(
+                    mcore_name=name, hf_names=("model.norm.weight",), kind="replicated", sort_key=(last, 0)
+                )
+            )
+        elif name == "output_layer.weight":
+            hf_name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+            maps.append(
+                TensorMap(mcore_name=name, hf_names=(hf_name,), kind="vocab", sort_key=(last, 1), mirror=tied)
+            )
+        elif (match := _LAYER_RE.fullmatch(name)) is not None:
+            layer = layer_numbers[int(match.group(1))]
+            for position, (pattern, kind, suffixes) in enumerate(_LAYER_PATTERNS):
+                if re.fullmatch(pattern, match.group(2)):
+                    hf_names = tuple(f"model.layers.{layer}.{s}" for s in suffixes)
+                    maps.append(
+                        TensorMap(mcore_name=name, hf_names=hf_names, kind=kind, sort_key=(layer, position))
+                    )
+                    break
+            else:
+                unknown.append(name)
+        else:
+            unknown.append(name)
+    if unknown:
+        raise ValueError(
+            f"Megatron parameters {unknown} have no HF counterpart; the model was built with options the "
+            "adapter does not map (e.g. add_bias_linear or MoE): build it with the adapter's transformer_config"
+        )
+    return sorted(maps, key=lambda m: m.sort_key)
+
+
+def load_shard(
+    tm: TensorMap, ckpt: HFCheckpoint, hf: HFModelConfig, tp: int, tp_rank: int, padded_vocab: int
+) -> torch.Tensor:
+    """Read exactly this TP rank's shard of one Megatron parameter from the checkpoint.
+
+    Args:
+        tm: the parameter's map.
+        ckpt: open checkpoint.
+        hf: parsed HF config.
+        tp: tensor-parallel size.
+        tp_rank: this rank's TP index.
+        padded_vocab: Vp.
+
+    Returns:
+        The local shard in Megatron layout, e.g. qkv: [(nq + 2*nkv) * d / tp, H],
+        fc1: [2 * F / tp, H], vocab: [Vp / tp, H].
+    """
+    if tm.kind == "replicated":
+        return ckpt.read(tm.hf_names[0])
+    if tm.kind == "row":
+        cols = ckpt.shapes[tm.hf_names[0]][1] // tp
+        return ckpt.read(tm.hf_names[0], dim=1, start=tp_rank * cols, stop=(tp_rank + 1) * cols)
+    if tm.kind == "vocab":
+        rows = padded_vocab // tp
+        start, stop = tp_rank * rows, (tp_rank + 1) * rows
+        # An empty read (start >= V) still carries the stored dtype and hidden size.
+        real = ckpt.read(tm.hf_names[0], start=min(start, hf.vocab_size), stop=min(stop, hf.vocab_size))
+        shard = real.new_zeros(rows, real.shape[1])
+        shard[: real.shape[0]] = real
+        return shard
+    if tm.kind == "fc1":
+        rows = hf.intermediate_size // tp
+        gate, up = (ckpt.read(n, start=tp_rank * rows, stop=(tp_rank + 1) * rows) for n in tm.hf_names)
+        return torch.cat([gate, up], dim=0)
+    assert tm.kind == "qkv", tm.kind
+    d = hf.head_dim
+    num_groups = hf.num_kv_heads // tp
+    heads_per_group = hf.num_attention_heads // hf.num_kv_heads
+    g0, g1 = tp_rank * num_groups, (tp_rank + 1) * num_groups
+    q = ckpt.read(tm.hf_names[0], start=g0 * heads_per_group * d, stop=g1 * heads_per_group * d)
+    k = ckpt.read(tm.hf_names[1], start=g0 * d, stop=g1 * d)
+    v = ckpt.read(tm.hf_names[2], start=g0 * d, stop=g1 * d)
+    trailing = q.shape[1:]
+    # [groups, (hpg + 2) * d, ...] -> [(nq + 2 * nkv) * d / tp, ...]
+    fused = torch.cat(
+        [
+            q.reshape(num_groups, heads_per_group * d, *trailing),
+            k.reshape(num_groups, d, *trailing),
+            v.reshape(num_groups, d, *trailing),
+        ],
+        dim=1,
+    )
+    return fused.reshape(-1, *trailing)
+
+
+def hf_from_shards(tm: TensorMap, shards: list[torch.Tensor], hf: HFModelConfig) -> list[torch.Tensor]:
+    """Rebuild the HF tensors of one Megatron parameter from its TP shards (in TP rank order).
+
+    Args:
+        tm: the parameter's map.
+        shards: every TP rank's local tensor (one element for replicated parameters).
+        hf: parsed HF config.
+
+    Returns:
+        One full HF tensor per name in ``tm.hf_names``, same order.
+    """
+    if tm.kind == "replicated":
+        return [shards[0]]
+    if tm.kind == "row":
+        return [torch.cat(shards, dim=1)]
+    if tm.kind == "vocab":
+        return [torch.cat(shards, dim=0)[: hf.vocab_size]]
+    if tm.kind == "fc1":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+    assert tm.kind == "qkv", tm.kind
+    d = hf.head_dim
+    heads_per_group = hf.num_attention_heads // hf.num_kv_heads
+    trailing = shards[0].shape[1:]
+    # each shard: [groups_local * (hpg + 2) * d, ...] -> [G, (hpg + 2) * d, ...]
+    grouped = torch.cat([s.reshape(-1, (heads_per_group + 2) * d, *trailing) for s in shards], dim=0)
+    q, k, v = grouped.split([heads_per_group * d, d, d], dim=1)
+    return [q.reshape(-1, *trailing), k.reshape(-1, *trailing), v.reshape(-1, *trailing)]
