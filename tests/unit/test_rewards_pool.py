@@ -84,7 +84,7 @@ def test_results_keep_input_order_under_concurrency() -> None:
     assert [result["response"] for result in results] == [f"response {i}" for i in range(12)]
     assert len({result["pid"] for result in results}) == 3
     assert stats == RewardStats(num_calls=12, num_errors=0, num_timeouts=0, num_truncated=0, first_error=None)
-    assert elapsed < 0.6 * sum(sleeps)  # 3.9 s of sleeping spread over 3 workers
+    assert elapsed < 0.75 * sum(sleeps)  # 3.9 s of sleeping, about 1.3 s when spread over 3 workers
 
 
 def test_math_dapo_in_workers_and_long_responses_keep_their_tail() -> None:
