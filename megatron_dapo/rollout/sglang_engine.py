@@ -38,7 +38,8 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -58,11 +59,15 @@ from megatron_dapo.rollout.sglang_server import (
     resolve_server_config,
 )
 
+if TYPE_CHECKING:
+    from megatron_dapo.config import RolloutConfig
+
 __all__ = [
     "SGLANG_VERSION_READ",
     "SGLangEngine",
     "build_generate_payload",
     "create_weight_update_group",
+    "launch_node_engines",
     "parse_generate_response",
 ]
 
@@ -202,6 +207,39 @@ class SGLangEngine:
         self._serializer = serializer or _default_serializer
 
     @classmethod
+    def start(
+        cls,
+        config: SGLangServerConfig,
+        *,
+        name: str,
+        vocab_size: int | None = None,
+        request_timeout_s: float = 3600.0,
+    ) -> SGLangEngine:
+        """Start a server process without waiting for it (see :meth:`wait_until_healthy`).
+
+        Args:
+            config: launch settings (unset host/ports/key/log are filled in).
+            name: engine name (also names the default log file).
+            vocab_size: checks prompt ids when given.
+            request_timeout_s: timeout of one /generate call.
+
+        Returns:
+            An engine that owns its (still loading) server process.
+        """
+        resolved = resolve_server_config(config, name)
+        env = {**os.environ, **resolved.env, "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+        process = ServerProcess(build_launch_command(resolved), name=name, log_path=resolved.log_path, env=env)
+        return cls(
+            f"http://{resolved.host}:{resolved.port}",
+            name=name,
+            api_key=resolved.api_key,
+            tp_size=resolved.tp_size,
+            vocab_size=vocab_size,
+            process=process,
+            request_timeout_s=request_timeout_s,
+        )
+
+    @classmethod
     def launch(
         cls,
         config: SGLangServerConfig,
@@ -223,22 +261,11 @@ class SGLangEngine:
         Returns:
             A healthy engine that owns its server process.
         """
-        resolved = resolve_server_config(config, name)
-        env = {**os.environ, **resolved.env, "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
-        process = ServerProcess(build_launch_command(resolved), name=name, log_path=resolved.log_path, env=env)
-        engine = cls(
-            f"http://{resolved.host}:{resolved.port}",
-            name=name,
-            api_key=resolved.api_key,
-            tp_size=resolved.tp_size,
-            vocab_size=vocab_size,
-            process=process,
-            request_timeout_s=request_timeout_s,
-        )
+        engine = cls.start(config, name=name, vocab_size=vocab_size, request_timeout_s=request_timeout_s)
         try:
             engine.wait_until_healthy(timeout_s=startup_timeout_s)
         except BaseException:
-            process.stop()
+            engine.shutdown()
             raise
         return engine
 
@@ -463,6 +490,55 @@ class SGLangEngine:
         """Stop the owned server process (no-op for an attached server)."""
         if self.process is not None:
             self.process.stop()
+
+
+def launch_node_engines(
+    config: RolloutConfig,
+    model_path: str | Path,
+    *,
+    num_gpus: int | None = None,
+    log_dir: str | Path | None = None,
+    startup_timeout_s: float = 900.0,
+) -> list[SGLangEngine]:
+    """Launch one engine per ``tensor_model_parallel_size`` GPUs of this node, all loading at once.
+
+    Args:
+        config: the rollout section (TP size, memory fraction, host, request timeout).
+        model_path: HF checkpoint every server loads at start.
+        num_gpus: GPUs of the node to use; None = all visible (torch.cuda.device_count()).
+        log_dir: directory of the per-engine logs (sglang0.log, ...); None = the cwd.
+        startup_timeout_s: how long the servers may take to load.
+
+    Returns:
+        Healthy engines ``sglang0, sglang1, ...`` on GPUs ``[0, tp), [tp, 2 tp), ...``.
+    """
+    tp = config.tensor_model_parallel_size
+    num_gpus = torch.cuda.device_count() if num_gpus is None else num_gpus
+    if num_gpus < tp or num_gpus % tp:
+        raise ValueError(
+            f"rollout.tensor_model_parallel_size={tp} does not divide this node's {num_gpus} GPUs; "
+            "pick a divisor of the GPU count (rollout.engine: local runs without GPUs)"
+        )
+    engines: list[SGLangEngine] = []
+    try:
+        for index in range(num_gpus // tp):
+            name = f"sglang{index}"
+            server = SGLangServerConfig(
+                model_path=str(model_path),
+                tp_size=tp,
+                base_gpu_id=index * tp,
+                mem_fraction_static=config.gpu_memory_utilization,
+                host=config.host or "",
+                log_path=str(Path(log_dir) / f"{name}.log") if log_dir is not None else "",
+            )
+            engines.append(SGLangEngine.start(server, name=name, request_timeout_s=config.request_timeout_s))
+        for engine in engines:
+            engine.wait_until_healthy(timeout_s=startup_timeout_s)
+    except BaseException:
+        for engine in engines:
+            engine.shutdown()
+        raise
+    return engines
 
 
 def create_weight_update_group(

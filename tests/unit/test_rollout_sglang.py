@@ -11,8 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+from megatron_dapo.config import RolloutConfig
 from megatron_dapo.rollout.engine import EngineError, SamplingParams, response_seed
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, create_weight_update_group
+from megatron_dapo.rollout.sglang_engine import SGLangEngine, create_weight_update_group, launch_node_engines
 from megatron_dapo.rollout.sglang_server import (
     ServerProcess,
     SGLangServerConfig,
@@ -225,3 +226,17 @@ def test_launch_reports_a_server_that_cannot_start(tmp_path):
     config = SGLangServerConfig(model_path=str(tmp_path), host="127.0.0.1", log_path=str(tmp_path / "e0.log"))
     with pytest.raises(EngineError, match=r"(?s)SGLang engine e0 \(pid \d+\) exited with code 1.*No module named"):
         SGLangEngine.launch(config, name="e0", startup_timeout_s=60)
+
+
+def test_launch_node_engines_splits_gpus_and_stops_all_on_failure(tmp_path):
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size=2 does not divide this node's 3 GPUs"):
+        launch_node_engines(RolloutConfig(tensor_model_parallel_size=2), tmp_path, num_gpus=3)
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed; the GPU tier covers a real launch")
+    config = RolloutConfig(engine="sglang", tensor_model_parallel_size=1, host="127.0.0.1")
+    with pytest.raises(EngineError, match=r"SGLang engine sglang0 \(pid \d+\) exited with code 1"):
+        launch_node_engines(config, tmp_path, num_gpus=2, log_dir=tmp_path / "logs", startup_timeout_s=60)
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
+    assert logs == ["sglang0.log", "sglang1.log"]
+    # Both servers were started before waiting (they load concurrently), each logging to its own file.
+    assert all("No module named" in (tmp_path / "logs" / name).read_text() for name in logs)
