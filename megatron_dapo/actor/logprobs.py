@@ -39,12 +39,17 @@ def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def _chunk_stats(
-    z: torch.Tensor, local_target: torch.Tensor, in_range: torch.Tensor, tp_group: dist.ProcessGroup | None
+    z: torch.Tensor,
+    e: torch.Tensor,
+    local_target: torch.Tensor,
+    in_range: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Global statistics of one chunk of temperature-scaled fp32 logits.
 
     Args:
         z: [c, V/tp] fp32 logits / temperature; overwritten (used as scratch).
+        e: [c, V/tp] fp32 scratch buffer.
         local_target: [c] target ids shifted into this rank's slice (0 where out of range).
         in_range: [c] bool, the target id lies in this rank's slice.
         tp_group: the tensor-parallel group, or None.
@@ -58,7 +63,7 @@ def _chunk_stats(
         dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
     target_z = torch.where(in_range, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
     z.sub_(z_max.unsqueeze(-1))  # z - max: exp cannot overflow
-    e = torch.exp(z)
+    torch.exp(z, out=e)
     sum_exp = e.sum(-1)
     sum_exp_z = e.mul_(z).sum(-1)
     # Packing the three sums into one tensor makes it one all-reduce per chunk, not three.
@@ -72,6 +77,14 @@ def _chunk_stats(
     # H = -sum p log p = log S - sum(e * (z - max)) / S, with e = exp(z - max) and S = sum e.
     entropy = log_sum_exp - sum_exp_z / sum_exp
     return log_prob, entropy, log_partition
+
+
+def _scratch(num_tokens: int, chunk_size: int, vocab_local: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    # Two fp32 [chunk, V/tp] buffers reused by every chunk: allocating fresh ones per chunk
+    # costs page faults on CPU (and allocator churn on GPU) for every chunk.
+    rows = min(chunk_size, num_tokens)
+    return (torch.empty(rows, vocab_local, dtype=torch.float32, device=device),
+            torch.empty(rows, vocab_local, dtype=torch.float32, device=device))
 
 
 class _ChunkedLogProbEntropy(torch.autograd.Function):
@@ -92,15 +105,16 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         log_prob = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(log_prob)
         log_partition = torch.empty_like(log_prob)
+        z_buf, e_buf = _scratch(num_tokens, chunk_size, vocab_local, logits.device)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
-            # copy=True: for fp32 logits .float() would alias them and div_ would corrupt them.
-            z = logits[start:end].to(torch.float32, copy=True).div_(temperature)
+            # A copy into scratch, never in place: the caller's logits must stay intact.
+            z = z_buf[: end - start].copy_(logits[start:end]).div_(temperature)
             local, in_range = _local_target(target[start:end], vocab_start, vocab_local)
             log_prob[start:end], entropy[start:end], log_partition[start:end] = _chunk_stats(
-                z, local, in_range, tp_group
+                z, e_buf[: end - start], local, in_range, tp_group
             )
-            del z
+        del z_buf, e_buf
         ctx.save_for_backward(logits, target, log_partition, entropy)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
@@ -119,12 +133,13 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             return None, None, None, None, None
         num_tokens, vocab_local = logits.shape
         grad_logits = torch.empty_like(logits)
+        z_buf, p_buf = _scratch(num_tokens, ctx.chunk_size, vocab_local, logits.device)
         for start in range(0, num_tokens, ctx.chunk_size):
             end = min(start + ctx.chunk_size, num_tokens)
-            z = logits[start:end].to(torch.float32, copy=True).div_(ctx.temperature)
+            z = z_buf[: end - start].copy_(logits[start:end]).div_(ctx.temperature)
             # log p_j = z_j - L; p_j = exp(log p_j).
             log_p = z.sub_(log_partition[start:end].unsqueeze(-1))
-            p = torch.exp(log_p)
+            p = torch.exp(log_p, out=p_buf[: end - start])
             # d logp_t / dz_j = 1[j = t] - p_j
             # d H / dz_j     = -p_j (log p_j + H)
             # grad_z = g_lp (1[j=t] - p) - g_H p (log p + H)
@@ -141,7 +156,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
                 rows = torch.nonzero(in_range).squeeze(-1)
                 grad_z[rows, local[rows]] += grad_log_prob[start:end][rows].float()
             grad_logits[start:end] = grad_z.div_(ctx.temperature)
-            del z, p, grad_z, log_p
+        del z_buf, p_buf
         return grad_logits, None, None, None, None
 
 
