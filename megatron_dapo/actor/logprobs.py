@@ -58,10 +58,15 @@ def _chunk_stats(
         (log_prob [c], entropy [c], log_partition [c]) in fp32, identical on every TP rank.
     """
     tp_size, _ = _tp_size_rank(tp_group)
-    z_max = z.max(dim=-1).values
+    if z.shape[1] == 0:  # this rank's slice is all vocabulary padding
+        z_max = torch.full(z.shape[:1], float("-inf"), dtype=z.dtype, device=z.device)
+    else:
+        z_max = z.max(dim=-1).values
     if tp_size > 1:
         dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
-    target_z = torch.where(in_range, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
+    target_z = torch.zeros_like(z_max)
+    if z.shape[1] > 0:
+        target_z = torch.where(in_range, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
     z.sub_(z_max.unsqueeze(-1))  # z - max: exp cannot overflow
     torch.exp(z, out=e)
     sum_exp = e.sum(-1)
@@ -79,12 +84,19 @@ def _chunk_stats(
     return log_prob, entropy, log_partition
 
 
-def _scratch(num_tokens: int, chunk_size: int, vocab_local: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def _scratch(num_tokens: int, chunk_size: int, num_cols: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     # Two fp32 [chunk, V/tp] buffers reused by every chunk: allocating fresh ones per chunk
     # costs page faults on CPU (and allocator churn on GPU) for every chunk.
     rows = min(chunk_size, num_tokens)
-    return (torch.empty(rows, vocab_local, dtype=torch.float32, device=device),
-            torch.empty(rows, vocab_local, dtype=torch.float32, device=device))
+    return (torch.empty(rows, num_cols, dtype=torch.float32, device=device),
+            torch.empty(rows, num_cols, dtype=torch.float32, device=device))
+
+
+def _num_real_columns(vocab_start: int, vocab_local: int, vocab_size: int | None) -> int:
+    """Columns of this rank's slice that are real tokens, not Megatron's vocabulary padding."""
+    if vocab_size is None:
+        return vocab_local
+    return max(0, min(vocab_local, vocab_size - vocab_start))
 
 
 class _ChunkedLogProbEntropy(torch.autograd.Function):
@@ -98,19 +110,21 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         tp_group: dist.ProcessGroup | None,
+        vocab_size: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, vocab_local = logits.shape
         _, tp_rank = _tp_size_rank(tp_group)
         vocab_start = tp_rank * vocab_local
+        num_real = _num_real_columns(vocab_start, vocab_local, vocab_size)
         log_prob = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(log_prob)
         log_partition = torch.empty_like(log_prob)
-        z_buf, e_buf = _scratch(num_tokens, chunk_size, vocab_local, logits.device)
+        z_buf, e_buf = _scratch(num_tokens, chunk_size, num_real, logits.device)
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             # A copy into scratch, never in place: the caller's logits must stay intact.
-            z = z_buf[: end - start].copy_(logits[start:end]).div_(temperature)
-            local, in_range = _local_target(target[start:end], vocab_start, vocab_local)
+            z = z_buf[: end - start].copy_(logits[start:end, :num_real]).div_(temperature)
+            local, in_range = _local_target(target[start:end], vocab_start, num_real)
             log_prob[start:end], entropy[start:end], log_partition[start:end] = _chunk_stats(
                 z, e_buf[: end - start], local, in_range, tp_group
             )
@@ -119,6 +133,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
         ctx.vocab_start = vocab_start
+        ctx.num_real = num_real
         ctx.set_materialize_grads(False)
         return log_prob, entropy
 
@@ -127,16 +142,18 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx,
         grad_log_prob: torch.Tensor | None,
         grad_entropy: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         logits, target, log_partition, entropy = ctx.saved_tensors
         if grad_log_prob is None and grad_entropy is None:
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         num_tokens, vocab_local = logits.shape
-        grad_logits = torch.empty_like(logits)
-        z_buf, p_buf = _scratch(num_tokens, ctx.chunk_size, vocab_local, logits.device)
+        num_real = ctx.num_real
+        # Padding columns take no part in the softmax: their gradient is exactly zero.
+        grad_logits = torch.empty_like(logits) if num_real == vocab_local else torch.zeros_like(logits)
+        z_buf, p_buf = _scratch(num_tokens, ctx.chunk_size, num_real, logits.device)
         for start in range(0, num_tokens, ctx.chunk_size):
             end = min(start + ctx.chunk_size, num_tokens)
-            z = z_buf[: end - start].copy_(logits[start:end]).div_(ctx.temperature)
+            z = z_buf[: end - start].copy_(logits[start:end, :num_real]).div_(ctx.temperature)
             # log p_j = z_j - L; p_j = exp(log p_j).
             log_p = z.sub_(log_partition[start:end].unsqueeze(-1))
             p = torch.exp(log_p, out=p_buf[: end - start])
@@ -152,12 +169,12 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
             else:
                 grad_z = p.mul_(-grad_log_prob[start:end].float().unsqueeze(-1))
             if grad_log_prob is not None:
-                local, in_range = _local_target(target[start:end], ctx.vocab_start, vocab_local)
+                local, in_range = _local_target(target[start:end], ctx.vocab_start, num_real)
                 rows = torch.nonzero(in_range).squeeze(-1)
                 grad_z[rows, local[rows]] += grad_log_prob[start:end][rows].float()
-            grad_logits[start:end] = grad_z.div_(ctx.temperature)
+            grad_logits[start:end, :num_real] = grad_z.div_(ctx.temperature)
         del z_buf, p_buf
-        return grad_logits, None, None, None, None
+        return grad_logits, None, None, None, None, None
 
 
 def _local_target(target: torch.Tensor, vocab_start: int, vocab_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -173,6 +190,7 @@ def log_probs_and_entropy(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int = 1024,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token and the entropy of each token's distribution.
 
@@ -184,7 +202,10 @@ def log_probs_and_entropy(
         target: [T] int64 global vocabulary ids (every rank passes the same ids).
         temperature: probabilities are softmax(logits / temperature), as in the rollout.
         tp_group: the tensor-parallel group the vocabulary is split over; None = no TP.
-        chunk_size: tokens processed at once; peak extra memory ~ 3 x chunk_size x V/tp x 4 bytes.
+        chunk_size: tokens processed at once; extra memory ~ 2 x chunk_size x V/tp x 4 bytes
+            plus the gradient of the logits in backward.
+        vocab_size: the real vocabulary V; columns with global id >= V are Megatron's
+            padding and are left out of the softmax (gradient 0). None = all columns are real.
 
     Returns:
         (log_prob [T], entropy [T]), fp32, identical on every rank of `tp_group`.
@@ -199,7 +220,7 @@ def log_probs_and_entropy(
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"expected logits [T, V/tp] and target [T], got {tuple(logits.shape)} "
                          f"and {tuple(target.shape)}; flatten batch and sequence first")
-    return _ChunkedLogProbEntropy.apply(logits, target, float(temperature), int(chunk_size), tp_group)
+    return _ChunkedLogProbEntropy.apply(logits, target, float(temperature), int(chunk_size), tp_group, vocab_size)
 
 
 @functools.cache
@@ -219,6 +240,7 @@ def log_probs_from_logits(
     temperature: float = 1.0,
     tp_group: dist.ProcessGroup | None = None,
     chunk_size: int = 1024,
+    vocab_size: int | None = None,
     use_fused: bool = True,
 ) -> torch.Tensor:
     """Log-probability of each target token only (no entropy), differentiable.
@@ -232,6 +254,7 @@ def log_probs_from_logits(
         temperature: probabilities are softmax(logits / temperature).
         tp_group: the tensor-parallel group, or None.
         chunk_size: tokens per chunk on the chunked path.
+        vocab_size: the real vocabulary V (Megatron's padding columns excluded); None = all real.
         use_fused: allow the TE kernel when it is importable and the logits live on CUDA.
 
     Returns:
@@ -240,12 +263,18 @@ def log_probs_from_logits(
     fused = te_parallel_cross_entropy_fn() if use_fused and logits.is_cuda else None
     if fused is None:
         return log_probs_and_entropy(
-            logits, target, temperature=temperature, tp_group=tp_group, chunk_size=chunk_size
+            logits, target, temperature=temperature, tp_group=tp_group, chunk_size=chunk_size,
+            vocab_size=vocab_size,
         )[0]
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
     # TE overwrites its input with the gradient, so it must get a fresh tensor: the
     # division makes one (and the caller's logits stay intact for the entropy pass).
     scaled = (logits / temperature).unsqueeze(1)  # [T, 1, V/tp], TE wants [s, b, v]
+    _, tp_rank = _tp_size_rank(tp_group)
+    num_real = _num_real_columns(tp_rank * logits.shape[1], logits.shape[1], vocab_size)
+    if num_real < logits.shape[1]:
+        # exp(finfo.min - max) is exactly 0: padding columns get no mass and no gradient.
+        scaled[..., num_real:] = torch.finfo(scaled.dtype).min
     loss = fused(scaled, target.unsqueeze(1), tp_group)  # [T, 1] = -log p
     return -loss.squeeze(1).float()

@@ -88,3 +88,18 @@ def test_bad_arguments_name_the_value(kwargs: dict, message: str) -> None:
 def test_bad_shapes_are_rejected() -> None:
     with pytest.raises(ValueError, match=r"expected logits \[T, V/tp\] and target \[T\], got \(2, 3, 4\)"):
         log_probs_and_entropy(torch.zeros(2, 3, 4), torch.zeros(2, dtype=torch.long))
+
+
+def test_vocabulary_padding_columns_are_excluded() -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(10, 48, generator=gen) * 2).requires_grad_(True)  # 40 real + 8 padding columns
+    target = torch.randint(0, 40, (10,), generator=gen)
+    lp, h = log_probs_and_entropy(logits, target, chunk_size=3, vocab_size=40)
+    (lp.sum() + h.sum()).backward()
+    ref_logits = logits.detach()[:, :40].double().requires_grad_(True)
+    ref_lp, ref_h = _reference(ref_logits, target, 1.0)
+    (ref_lp.sum() + ref_h.sum()).backward()
+    torch.testing.assert_close(lp.double(), ref_lp.detach(), rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(h.double(), ref_h.detach(), rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(logits.grad[:, :40].double(), ref_logits.grad, rtol=1e-6, atol=2e-6)
+    assert torch.count_nonzero(logits.grad[:, 40:]) == 0
