@@ -427,7 +427,7 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
 
 def _timing(cfg: Config, plan: Plan) -> list[Line]:
     """Step time: generation (decode roofline), old log-probs and training (FLOPs / MFU)."""
-    a, hw, dims, d, r, t = plan.assumptions, plan.hardware, plan.model, cfg.data, cfg.rollout, cfg.trainer
+    a, hw, d, r, t = plan.assumptions, plan.hardware, cfg.data, cfg.rollout, cfg.trainer
     n_params = plan.num_params
     prompt = a.avg_prompt_tokens or max(1, d.max_prompt_length // 8)
     response = a.avg_response_tokens or max(1, d.max_response_length // 4)

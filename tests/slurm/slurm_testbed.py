@@ -1,0 +1,233 @@
+"""A real one-node SLURM cluster on the loopback for the `slurm` tests (started by conftest.py).
+
+The session fixture `slurm_cluster` installs Debian's slurm-wlm daemons and munge when
+they are missing (apt-get, so root only), writes a private slurm.conf for this machine
+(its real CPU count and memory, 127.0.0.1, free ports, every state file in a temporary
+directory), starts munged, slurmctld and slurmd in the foreground as child processes and
+waits until `sinfo` reports the node idle. Teardown stops exactly those three processes.
+Nothing under /etc is modified: the client commands find the private config through
+SLURM_CONF, and munge uses a private key and socket.
+
+What the tests cover with it: our sbatch scripts under the real srun (task environment,
+MASTER_ADDR, per-job logs), the pre-timeout signal and `scontrol requeue`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DAEMONS = ("munged", "slurmctld", "slurmd")
+# Debian packages providing the daemons and the client commands (sbatch, srun, scontrol).
+APT_PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmCluster:
+    """Handle on the running test cluster."""
+
+    root: Path
+    """Temporary directory holding the config, state, spool and daemon logs."""
+    conf: Path
+    """The slurm.conf the daemons and clients use (exported as SLURM_CONF)."""
+    node: str
+    """Name of the only node."""
+    cpus: int
+    """CPUs the node offers."""
+    env: dict[str, str]
+    """Environment for client commands (sbatch, squeue, scontrol ...)."""
+
+    def run(self, *args: str, check: bool = True, timeout: float = 60, cwd: Path = REPO,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        """Run a SLURM client command against this cluster and capture its output."""
+        return subprocess.run(list(args), env={**self.env, **(env or {})}, cwd=cwd, text=True,
+                              capture_output=True, timeout=timeout, check=check)
+
+    def job_field(self, job_id: str, field: str) -> str:
+        """One field (JobState, Restarts, ExitCode ...) of `scontrol show job`."""
+        out = self.run("scontrol", "-o", "show", "job", job_id).stdout
+        for token in out.split():
+            key, _, value = token.partition("=")
+            if key == field:
+                return value
+        raise KeyError(f"{field} not in scontrol output: {out}")
+
+    def wait_state(self, job_id: str, states: set[str], timeout: float) -> str:
+        """Poll until the job's state is one of `states`; returns it."""
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.job_field(job_id, "JobState")
+            if state in states:
+                return state
+            time.sleep(0.5)
+        raise TimeoutError(f"job {job_id} still {state} after {timeout}s; wanted one of {sorted(states)}; "
+                           f"slurmctld log tail:\n{self.log_tail('slurmctld')}")
+
+    def log_tail(self, daemon: str, lines: int = 30) -> str:
+        """Last lines of a daemon's log, for failure messages."""
+        path = self.root / "log" / f"{daemon}.log"
+        if not path.exists():
+            return "(no log)"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _missing_binaries() -> list[str]:
+    return [b for b in (*DAEMONS, "sbatch", "srun", "scontrol", "sinfo") if shutil.which(b) is None
+            and not Path("/usr/sbin", b).exists()]
+
+
+def _install_or_skip() -> None:
+    if not _missing_binaries():
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"SLURM is not installed ({', '.join(_missing_binaries())} missing) and installing it "
+                    "needs root: run as root or `apt-get install munge slurmctld slurmd slurm-client`")
+    if shutil.which("apt-get") is None:
+        pytest.skip("SLURM is not installed and apt-get is unavailable; install munge + slurmctld + slurmd + "
+                    "slurm-client from the distribution")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES]):
+        proc = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900)
+        if proc.returncode != 0:
+            pytest.skip(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+    if _missing_binaries():
+        pytest.skip(f"after apt-get install, still missing: {', '.join(_missing_binaries())}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _node_resources() -> tuple[int, int]:
+    """(CPUs, RealMemory MiB) as slurmd itself reports them, so the node is never drained."""
+    out = subprocess.run(["slurmd", "-C"], text=True, capture_output=True, check=True).stdout
+    fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+    # Leave 5% of memory out: slurmd drains a node whose RealMemory exceeds what it finds.
+    return int(fields["CPUs"]), int(int(fields["RealMemory"]) * 0.95)
+
+
+def _write_conf(root: Path, node: str, cpus: int, mem_mb: int, munge_socket: Path) -> Path:
+    for sub in ("state", "spool", "log", "run"):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+    conf = root / "slurm.conf"
+    conf.write_text("\n".join([
+        "ClusterName=megatron-dapo-test",
+        f"SlurmctldHost={node}(127.0.0.1)",
+        f"SlurmctldPort={_free_port()}",
+        f"SlurmdPort={_free_port()}",
+        "SlurmUser=root",
+        "SlurmdUser=root",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={munge_socket}",
+        f"StateSaveLocation={root / 'state'}",
+        f"SlurmdSpoolDir={root / 'spool'}",
+        f"SlurmctldPidFile={root / 'run' / 'slurmctld.pid'}",
+        f"SlurmdPidFile={root / 'run' / 'slurmd.pid'}",
+        f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
+        f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+        "SlurmctldDebug=info",
+        "SlurmdDebug=info",
+        # No cgroups in a container: track processes by parentage, bind nothing.
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "MpiDefault=none",
+        "SchedulerType=sched/backfill",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",
+        "ReturnToService=2",
+        # The preemption test requeues a job: requeue must be allowed, and finished jobs
+        # stay visible to `scontrol show job` for the whole session (no slurmdbd here).
+        "JobRequeue=1",
+        "MinJobAge=3600",
+        "KillWait=10",
+        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN",
+        f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+        "",
+    ]))
+    return conf
+
+
+def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait_idle(cluster: SlurmCluster, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        for name, proc in zip(DAEMONS, procs):
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode}:\n{cluster.log_tail(name)}")
+        out = cluster.run("sinfo", "-h", "-N", "-o", "%N %T", check=False, timeout=10)
+        state = out.stdout.strip()
+        if state == f"{cluster.node} idle":
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"node not idle after {timeout}s (sinfo: {state!r});\n{cluster.log_tail('slurmd')}")
+
+
+def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen[bytes]]]:
+    """Configure and start munged + slurmctld + slurmd under `root`; returns the handle and the processes.
+
+    Installs SLURM first when it is missing (skips the test when that cannot be done).
+    """
+    _install_or_skip()
+    node = socket.gethostname().split(".")[0]
+    cpus, mem_mb = _node_resources()
+    munge_dir = root / "munge"
+    munge_dir.mkdir(mode=0o700)
+    key = munge_dir / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    munge_socket = munge_dir / "munge.socket"
+    conf = _write_conf(root, node, cpus, mem_mb, munge_socket)
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    for var in [v for v in env if v.startswith(("SLURM_", "SBATCH_", "SRUN_")) and v != "SLURM_CONF"]:
+        del env[var]  # a pytest started inside a job must not leak its job's settings
+    cluster = SlurmCluster(root=root, conf=conf, node=node, cpus=cpus, env=env)
+    log = root / "log"
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(_start(["munged", "-F", "--force", f"--socket={munge_socket}", f"--key-file={key}",
+                             f"--pid-file={munge_dir / 'munged.pid'}", f"--seed-file={munge_dir / 'seed'}",
+                             f"--log-file={log / 'munged.log'}"], log / "munged.out", env))
+        for _ in range(100):
+            if munge_socket.exists():
+                break
+            time.sleep(0.1)
+        # -i: ignore saved state (a fresh directory has none).
+        procs.append(_start(["slurmctld", "-D", "-i", "-f", str(conf)], log / "slurmctld.out", env))
+        procs.append(_start(["slurmd", "-D", "-f", str(conf), "-N", node], log / "slurmd.out", env))
+        _wait_idle(cluster, procs, timeout=60)
+    except BaseException:
+        stop_cluster(procs)
+        raise
+    return cluster, procs
+
+
+def stop_cluster(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Stop the daemons start_cluster started (slurmd first), and only those."""
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
