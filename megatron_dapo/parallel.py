@@ -127,7 +127,7 @@ def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> Di
     global _env
     if _env is not None:
         return _env
-    rank, world_size, local_rank = _launcher_ranks()
+    rank, world_size, local_rank = launcher_ranks()
     if rank == 0 and world_size == 1 and "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
@@ -303,8 +303,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _launcher_ranks() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) from torchrun, SLURM, or a one-process default."""
+def launcher_ranks() -> tuple[int, int, int]:
+    """Where the launcher put this process, before any process group exists.
+
+    Under SLURM without MASTER_ADDR/MASTER_PORT it also exports them (first node of the
+    job, a port derived from the job id), as init_distributed needs them.
+
+    Returns:
+        (rank, world_size, local_rank) from torchrun, SLURM, or (0, 1, 0).
+    """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
         for key in ("MASTER_ADDR", "MASTER_PORT"):

@@ -197,7 +197,7 @@ def test_slurm_env_gives_ranks_and_master(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[03-05,09],cpu1")
-    assert parallel._launcher_ranks() == (5, 8, 1)
+    assert parallel.launcher_ranks() == (5, 8, 1)
     import os
 
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("gpu03", str(20000 + 123456 % 20000))

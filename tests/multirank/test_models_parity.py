@@ -40,42 +40,6 @@ def reference(checkpoints: dict[str, Path], tokens: torch.Tensor) -> dict[str, t
     return {name: hf_log_probs(path, tokens) for name, path in checkpoints.items()}
 
 
-def _megatron_log_probs(
-    model: torch.nn.Module, dims, tokens: torch.Tensor, vocab_size: int
-) -> torch.Tensor | None:
-    """Full-vocab log-probs [B, S, V] on the last stage (None elsewhere), through the PP schedule."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    captured: list[torch.Tensor] = []
-
-    def forward_step(data_iterator, chunk):
-        next(data_iterator)
-        output = chunk(tokens, positions, None)
-
-        def keep(logits: torch.Tensor):
-            captured.append(logits.detach())
-            return logits.new_zeros(()), {}
-
-        return output, keep
-
-    get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([0]),
-        model=[model],
-        num_microbatches=1,
-        seq_length=tokens.shape[1],
-        micro_batch_size=tokens.shape[0],
-        forward_only=True,
-    )
-    if not dims.is_last_stage:
-        return None
-    local = captured[0]  # [B, S, Vp/tp]
-    shards = [torch.empty_like(local) for _ in range(dims.tp)]
-    torch.distributed.all_gather(shards, local.contiguous(), group=dims.tp_group)
-    return torch.log_softmax(torch.cat(shards, dim=-1)[..., :vocab_size].float(), dim=-1)
-
-
 def _convert_and_run(
     layouts: list[tuple[int, int]], checkpoints: dict[str, str], tokens: torch.Tensor
 ) -> dict:
@@ -84,6 +48,7 @@ def _convert_and_run(
 
     from megatron_dapo import parallel
     from megatron_dapo.models import adapter_for
+    from megatron_dapo.models.parity import full_vocab_log_probs
 
     results = {}
     for tp, pp in layouts:
@@ -92,7 +57,7 @@ def _convert_and_run(
             adapter = adapter_for(directory)
             model = adapter.build_model(dims, dtype=torch.float32, init_weights=False)
             adapter.load_hf(model, directory, dims)
-            log_probs = _megatron_log_probs(model, dims, tokens, adapter.hf.vocab_size)
+            log_probs = full_vocab_log_probs(model, dims, tokens, adapter.hf.vocab_size)
             original = load_file(str(Path(directory) / "model.safetensors"))
             exported = list(adapter.export_hf(model, dims))
             results[(tp, pp, name)] = {

@@ -1,0 +1,98 @@
+"""tools/check_parity.py under torchrun at TP=2 and PP=2 (the issue's acceptance), and its exit codes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from model_utils import make_tiny_checkpoint
+
+pytestmark = pytest.mark.multirank
+
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "check_parity.py"
+RESULT = re.compile(r"(PASS|FAIL) tp=(\d) pp=(\d) .* max \|delta log p\(next token\)\| = (\S+) ")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("parity_tool")
+    return {
+        "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2", seed=3),
+        "llama_tied": make_tiny_checkpoint(root / "llama", "llama", tie_word_embeddings=True, seed=4),
+    }
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+
+@pytest.mark.parametrize(("family", "tp", "pp"), [("qwen2", 2, 1), ("llama_tied", 1, 2)])
+def test_torchrun_two_ranks_pass(tiny: dict[str, Path], family: str, tp: int, pp: int) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    proc = _run(
+        [
+            *torchrun,
+            str(TOOL),
+            "--hf-checkpoint",
+            str(tiny[family]),
+            "--tp",
+            str(tp),
+            "--pp",
+            str(pp),
+            "--num-tokens",
+            "16",
+        ]
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = RESULT.search(proc.stdout)
+    assert match is not None, proc.stdout
+    assert match.group(1, 2, 3) == ("PASS", str(tp), str(pp))
+    assert float(match.group(4)) < 1e-4
+
+
+def test_difference_above_tolerance_exits_1(tiny: dict[str, Path]) -> None:
+    # bf16 rounding differs between the two implementations by ~1e-3 in log p, far above 1e-6.
+    command = [sys.executable, str(TOOL), "--hf-checkpoint", str(tiny["qwen2"]), "--num-tokens", "8"]
+    proc = _run([*command, "--dtype", "bf16", "--tolerance", "1e-6"])
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    match = RESULT.search(proc.stdout)
+    assert match is not None and match.group(1) == "FAIL"
+    assert 1e-6 < float(match.group(4)) < 0.1
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tp", "3"], "world size 1 is not divisible by tp*pp*cp = 3*1*1 = 3"),
+        (["--tolerance", "-1"], "--tolerance -1.0 is negative"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(
+    tiny: dict[str, Path], extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # In-process: bad input is rejected before any process group or CPU layer exists.
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import check_parity
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    assert check_parity.main(["--hf-checkpoint", str(tiny["qwen2"]), *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("check_parity: error: ") and message in err
+
+
+def test_missing_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import check_parity
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    assert check_parity.main(["--hf-checkpoint", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"check_parity: error: HF checkpoint {tmp_path / 'nope'} has no config.json; pass the directory save_pretrained wrote\n"
+    )
