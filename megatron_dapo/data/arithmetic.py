@@ -118,17 +118,16 @@ def _draw_two_step(rng: random.Random, mix: ArithmeticMix) -> tuple[ArithmeticPr
     b = _operand(rng, min(mix.max_digits, 2))
     c = rng.randint(2, 9) if outer_op == "*" else _operand(rng, min(mix.max_digits, 2))
     inner = _apply(a, inner_op, b)
+    # Parenthesized, a negative intermediate reads "3-(-4)", never "3--4".
+    inner_text = f"({inner})" if inner < 0 else str(inner)
     if rng.random() < 0.5:
         expression = f"({a}{inner_op}{b}){outer_op}{c}"
-        middle = f"{inner}{outer_op}{c}"
+        middle = f"{inner_text}{outer_op}{c}"
         answer = _apply(inner, outer_op, c)
     else:
         expression = f"{c}{outer_op}({a}{inner_op}{b})"
-        middle = f"{c}{outer_op}{inner}"
+        middle = f"{c}{outer_op}{inner_text}"
         answer = _apply(c, outer_op, inner)
-    # A negative intermediate would print as "3--4"; only allowed when negatives are.
-    if inner < 0:
-        middle = middle.replace(str(inner), f"({inner})", 1)
     problem = ArithmeticProblem(
         expression=expression, steps=[middle, str(answer)], answer=answer, kind="two_step"
     )
