@@ -1,0 +1,240 @@
+"""tools/plan.py against hand calculations for Qwen2.5-32B, its one-line errors, and the sbatch DRY_RUN layout."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.plan import (
+    GIB,
+    GPUS,
+    Plan,
+    format_layout,
+    make_plan,
+    rank_groups,
+    resolve_model,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG_32B = str(REPO / "examples" / "dapo_qwen2.5_32b.yaml")
+H100 = GPUS["h100"]
+
+# Qwen2.5-32B, from its public config.json.
+H, F, L, HEADS, KV_HEADS, D, V = 5120, 27648, 64, 40, 8, 128, 152064
+
+
+def _qwen32b_params_by_hand() -> int:
+    q = H * HEADS * D + HEADS * D  # q_proj weight + bias
+    kv = 2 * (H * KV_HEADS * D + KV_HEADS * D)  # k_proj, v_proj weights + biases
+    o = HEADS * D * H
+    mlp = 3 * H * F  # gate, up, down
+    norms = 2 * H
+    return L * (q + kv + o + mlp + norms) + 2 * V * H + H  # untied embedding + lm_head, final norm
+
+
+def _plan(overrides: tuple[str, ...] | list[str] = (), nodes: int = 16) -> Plan:
+    cfg = load_config(CONFIG_32B, [*overrides, f"trainer.nnodes={nodes}"])
+    return make_plan(cfg, resolve_model(cfg), nodes=nodes, gpus_per_node=8, hardware=H100)
+
+
+def test_qwen32b_param_count_matches_hand_calculation() -> None:
+    plan = _plan()
+    assert _qwen32b_params_by_hand() == 32_763_876_352
+    assert plan.num_params == 32_763_876_352
+    assert plan.model.name == "Qwen2.5-32B"
+
+
+def test_32b_example_fits_on_80gb_at_tp8_pp2() -> None:
+    plan = _plan()
+    assert (plan.tp, plan.pp, plan.dp, plan.rollout_tp) == (8, 2, 8, 8)
+    # Megatron pads V to a multiple of 128 x TP = 1024.
+    assert plan.padded_vocab == 152_576
+    # Last stage: 32 layers, matrices and biases / TP, two norms replicated, lm_head / TP, final norm.
+    layer_sharded = _qwen32b_params_by_hand() - 2 * V * H - H - L * 2 * H
+    per_layer_tp = layer_sharded // L // 8 + 2 * H
+    local = 32 * per_layer_tp + 152_576 * H // 8 + H
+    assert plan.params_per_gpu == local == 2_048_361_472
+    # bf16 params 2 + fp32 grads 4 + (fp32 master + Adam m + v) 12 / DP 8.
+    assert plan.bytes_per_param == 2 + 4 + 12 / 8
+    assert plan.model_state_bytes == local * 7.5
+    # Activations per token per layer with SP: (10h + 4 q_dim + 4 kv_dim + 6F) / TP.
+    assert plan.act_bytes_per_token_layer == (10 * H + 4 * H + 4 * KV_HEADS * D + 6 * F) / 8 == 30_208
+    assert plan.microbatch_tokens == 24_576
+    assert plan.activation_bytes == 30_208 * 24_576 * L
+    tokens = 24_576
+    recompute = 2 * H / 8 * tokens * L + 30_208 * tokens
+    assert plan.recompute and plan.activation_recompute_bytes == recompute
+    assert plan.logits_bytes == 2 * tokens * 152_576 / 8 * 4
+    # KV cache: 2 (K, V) x 64 layers x 8 kv heads / 8 GPUs x 128 x 2 bytes.
+    assert plan.kv_bytes_per_token == 2 * 64 * 1 * 128 * 2 == 32_768
+    weights = 32_763_876_352 * 2 / 8
+    assert plan.kv_tokens == int((0.7 * 80 * GIB - weights) // 32_768) == 1_585_039
+    train = local * 7.5 + recompute + plan.logits_bytes + 3 * 1024 * 152_576 / 8 * 4 + 4 * GIB
+    assert plan.train_phase_bytes == pytest.approx(train, rel=1e-12)
+    assert round(plan.train_phase_bytes / GIB, 2) == 24.58
+    assert plan.rollout_phase_bytes == local * 7.5 + 0.7 * 80 * GIB + 4 * GIB
+    assert round(plan.rollout_phase_bytes / GIB, 2) == 74.31
+    assert plan.train_fits and plan.rollout_fits and plan.fits
+
+
+def test_32b_does_not_fit_at_tp1_pp1() -> None:
+    plan = _plan(["parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                  "parallel.sequence_parallel=false"])
+    assert plan.dp == 128
+    # One GPU holds the whole model (V = 152064 is already a multiple of 128).
+    assert plan.params_per_gpu == 32_763_876_352
+    assert plan.bytes_per_param == 6 + 12 / 128
+    assert plan.model_state_bytes / GIB == pytest.approx(185.94, abs=0.005)
+    assert plan.model_state_bytes > 80 * GIB
+    assert not plan.train_fits and not plan.rollout_fits and not plan.fits
+
+
+def test_step_time_uses_6n_train_2n_logprob_flops() -> None:
+    plan = _plan()
+    timing = {line.label: line.value for line in plan.timing}
+    tokens = 512 * 16 * (2048 // 8 + 20480 // 4)  # default mean prompt and response lengths
+    flops_per_s = 128 * 989e12 * 0.35
+    assert timing["old/ref log-probs"] == pytest.approx(2 * 32_763_876_352 * tokens / flops_per_s)
+    # Recompute adds a forward (8N); 14 micro-batches per update at PP 2: bubble 1/15.
+    assert timing["training"] == pytest.approx(8 * 32_763_876_352 * tokens / flops_per_s / (1 - 1 / 15))
+    assert timing["step (sum)"] == pytest.approx(sum(v for k, v in timing.items() if k != "step (sum)"))
+
+
+def test_model_dims_prefer_the_checkpoints_own_config(tmp_path: Path) -> None:
+    ckpt = tmp_path / "Qwen2.5-32B-mine"
+    ckpt.mkdir()
+    small = json.loads((REPO / "examples/model_configs/Qwen2.5-7B.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(small))
+    cfg = load_config(CONFIG_32B, [f"model.hf_checkpoint={ckpt}", "parallel.tensor_model_parallel_size=4",
+                                   "parallel.pipeline_model_parallel_size=1", "rollout.tensor_model_parallel_size=4"])
+    dims = resolve_model(cfg)
+    assert (dims.num_layers, dims.source) == (28, str(ckpt / "config.json"))
+    assert resolve_model(load_config(CONFIG_32B, ["model.hf_checkpoint=/x/Qwen2.5-7B-Instruct"])).num_layers == 28
+    assert resolve_model(cfg, "qwen2.5-32b").num_layers == 64
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "plan.py"), *args], text=True,
+                          capture_output=True, timeout=120, cwd=REPO)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--nodes", "3"], "error: parallel: TP x PP x CP = 8x2x1 = 16 does not divide the world size 24 "
+                           "(--nodes 3 x --gpus-per-node 8); launch a multiple of 16 processes or shrink the "
+                           "parallel sizes"),
+        (["--model-config", "Llama-3-70B"], "error: --model-config='Llama-3-70B': neither a config.json nor a "
+                                            "bundled model; use one of Qwen2.5-32B, Qwen2.5-7B or a path to "
+                                            "config.json"),
+        (["model.hf_checkpoint=/models/mystery"], "error: model.hf_checkpoint='/models/mystery': no config.json "
+                                                  "there and the name matches no bundled model (Qwen2.5-32B, "
+                                                  "Qwen2.5-7B); pass --model-config NAME or a config.json path"),
+        (["parallel.tensor_model_parallel_size=16"], "error: parallel.tensor_model_parallel_size=16 does not divide "
+                                                     "num_attention_heads=40 of "),
+        (["--gpu-mem-gib", "0"], "error: --gpu-mem-gib=0.0: must be > 0"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
+    proc = _cli(CONFIG_32B, *args)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and proc.stderr.startswith(message), proc.stderr
+
+
+def test_cli_prints_formula_and_verdict() -> None:
+    proc = _cli(CONFIG_32B, "--nodes", "16", "--gpus-per-node", "8", "--gpu-mem-gib", "80")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "2,048,361,472 params x 7.500 B/param; B/param = 6 + 12/DP = 6 + 12/8" in out
+    assert "verdict: FITS on 80 GiB GPUs" in out
+    assert "model: Qwen2.5-32B from " in out and "(matched from /path/to/Qwen2.5-32B)" in out
+    proc = _cli(CONFIG_32B, "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=1",
+                "parallel.sequence_parallel=false")
+    assert proc.returncode == 0 and "verdict: DOES NOT FIT on 80 GiB GPUs" in proc.stdout
+
+
+def test_rank_groups_match_megatron_rank_generator() -> None:
+    from megatron.core.parallel_state import RankGenerator
+
+    for tp, pp, cp, world in [(2, 2, 1, 8), (8, 2, 1, 128), (2, 1, 2, 8), (1, 4, 1, 8)]:
+        dp = world // (tp * pp * cp)
+        gen = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+        ours = rank_groups(world, tp, pp, cp)
+        for name, key in (("TP", "tp"), ("PP", "pp"), ("DP", "dp"), ("CP", "cp")):
+            assert ours[name] == sorted(gen.get_ranks(key)), (name, tp, pp, cp, world)
+
+
+def test_layout_of_a_small_case_exactly() -> None:
+    assert format_layout(8, 2, 2, 1, 4, 2, ["a", "b"]).splitlines() == [
+        "rank layout: world 8 = TP 2 x CP 1 x DP 2 x PP 2 (Megatron order tp-cp-ep-dp-pp: TP ranks adjacent, "
+        "PP outermost)",
+        "node 0 a: ranks 0-3: 0(tp0 pp0 dp0) 1(tp1 pp0 dp0) 2(tp0 pp0 dp1) 3(tp1 pp0 dp1)",
+        "node 1 b: ranks 4-7: 4(tp0 pp1 dp0) 5(tp1 pp1 dp0) 6(tp0 pp1 dp1) 7(tp1 pp1 dp1)",
+        "TP groups (4): [0,1] [2,3] [4,5] [6,7]",
+        "PP groups (4): [0,4] [1,5] [2,6] [3,7]",
+        "DP groups (4): [0,2] [1,3] [4,6] [5,7]",
+        "rollout engine groups (4): [0,1] [2,3] [4,5] [6,7]",
+    ]
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "MASTER_"))}
+    return {**env, "PYTHON": sys.executable, **extra}
+
+
+def test_sbatch_scripts_parse() -> None:
+    scripts = sorted(glob.glob(str(REPO / "slurm" / "*.sbatch")))
+    assert [Path(s).name for s in scripts] == ["dapo.sbatch", "dapo_32b.sbatch", "dapo_tiny.sbatch"]
+    for script in scripts:
+        proc = subprocess.run(["bash", "-n", script], text=True, capture_output=True)
+        assert proc.returncode == 0, proc.stderr
+
+
+def test_dry_run_prints_the_layout_and_launches_nothing() -> None:
+    env = _clean_env(CONFIG="examples/tiny_cpu.yaml", NNODES="2", GPUS_PER_NODE="2", DEVICE="cpu", DRY_RUN="1")
+    proc = subprocess.run(["bash", "slurm/dapo.sbatch", "parallel.pipeline_model_parallel_size=2"], env=env,
+                          text=True, capture_output=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    py = sys.executable
+    assert proc.stdout.splitlines() == [
+        "DRY_RUN: nothing is launched",
+        f"repo: {REPO}  master: node0:20000  nodes: node0 node1",
+        f"launch: srun --nodes=2 --ntasks-per-node=2 --ntasks=4 --kill-on-bad-exit=1 --label --cpu-bind=none {py} "
+        "-m megatron_dapo.train examples/tiny_cpu.yaml trainer.nnodes=2 trainer.n_gpus_per_node=2 trainer.device=cpu "
+        "parallel.pipeline_model_parallel_size=2",
+        "rank layout: world 4 = TP 1 x CP 1 x DP 2 x PP 2 (Megatron order tp-cp-ep-dp-pp: TP ranks adjacent, "
+        "PP outermost)",
+        "node 0 node0: ranks 0-1: 0(tp0 pp0 dp0) 1(tp0 pp0 dp1)",
+        "node 1 node1: ranks 2-3: 2(tp0 pp1 dp0) 3(tp0 pp1 dp1)",
+        "TP groups (4): [0] [1] [2] [3]",
+        "PP groups (2): [0,2] [1,3]",
+        "DP groups (2): [0,1] [2,3]",
+        "rollout engine groups (4): [0] [1] [2] [3]",
+    ]
+    assert not (REPO / "logs" / "dapo-dryrun").exists()
+
+
+def test_dry_run_of_the_32b_script_shows_plan_and_fit() -> None:
+    proc = subprocess.run(["bash", "slurm/dapo_32b.sbatch"], env=_clean_env(DRY_RUN="1"), text=True,
+                          capture_output=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "rank layout: world 128 = TP 8 x CP 1 x DP 8 x PP 2" in lines[3]
+    assert lines[4].startswith("node 0 node0: ranks 0-7: 0(tp0 pp0 dp0) 1(tp1 pp0 dp0)")
+    assert lines[19].startswith("node 15 node15: ranks 120-127: 120(tp0 pp1 dp7)")
+    assert "verdict: FITS on 80 GiB GPUs" in lines
+
+
+def test_make_plan_reuses_the_configs_world_size_check() -> None:
+    cfg = load_config(CONFIG_32B)  # trainer.nnodes 16 x n_gpus_per_node 8
+    with pytest.raises(ConfigError, match=r"^trainer.nnodes x trainer.n_gpus_per_node = 16x8 but the launcher "
+                                          r"started 120 processes \(--nodes 15 x --gpus-per-node 8\)"):
+        make_plan(cfg, resolve_model(cfg), nodes=15, gpus_per_node=8, hardware=H100)
