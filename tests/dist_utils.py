@@ -14,6 +14,7 @@ importing megatron costs seconds per process: group checks into one run per layo
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -128,9 +129,12 @@ def _worker(
     except BaseException:
         payload = ("error", traceback.format_exc())
     finally:
-        from megatron_dapo import parallel
-
-        parallel.destroy()
+        # Only tear down what fn set up: importing megatron just to destroy nothing costs seconds.
+        parallel = sys.modules.get("megatron_dapo.parallel")
+        if parallel is not None:
+            parallel.destroy()
+        elif torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     # Written then renamed, so the parent never reads a half-written result.
     torch.save(payload, partial)
     partial.rename(out)

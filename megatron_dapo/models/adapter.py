@@ -274,8 +274,9 @@ class DecoderAdapter:
         all-gathered; the owning pipeline stage broadcasts to the other stages). Each
         data-parallel replica exports independently. Order: embeddings, layers 0..L-1,
         final norm, lm_head (absent when tied). Tensors are in the parameter dtype, on
-        dims.device, with padding vocab rows removed; they are fresh, except replicated
-        weights on the owning stage without PP, which are detached views of the parameters.
+        dims.device, with padding vocab rows removed. Without TP and PP gathers some are
+        views of the parameters: treat them as read-only and consume them before the next
+        optimizer step.
 
         Args:
             model: this stage's GPTModel (or wrapper / one-chunk list).
