@@ -29,6 +29,7 @@ before top-k/top-p, the quantity engine.py specifies; the launcher pins that var
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import threading
@@ -547,9 +548,13 @@ def create_weight_update_group(
 ) -> dist.ProcessGroup:
     """The trainer's side (rank 0) of the broadcast group SGLang servers join.
 
-    SGLang's ``init_custom_process_group`` rendezvouses on ``tcp://master:port`` and builds
-    its process group on a store prefixed with ``"{group_name}/"``; rank 0 hosts that store
-    here and builds its group on the same prefix, outside the trainer's default group.
+    SGLang's ``init_custom_process_group`` (the recipe verl, slime and OpenRLHF share)
+    rendezvouses on ``tcp://master:port``, wraps the store in ``PrefixStore(group_name)`` and
+    builds the group with torch's ``_new_process_group_helper``, outside the default group.
+    Rank 0 must build its side the same way for the stores' keys to meet, so this hosts the
+    TCP store and repeats those two steps; the helper is private torch API, which is why
+    its options argument is looked up by name (``backend_options`` in torch >= 2.6,
+    ``pg_options`` before).
 
     Args:
         master_address: address the engines can reach (this node's).
@@ -560,14 +565,16 @@ def create_weight_update_group(
         timeout_s: rendezvous and collective timeout.
 
     Returns:
-        The process group (this process is rank 0).
+        The process group (this process is rank 0); use ``group.broadcast``.
     """
-    store = dist.TCPStore(
-        master_address, master_port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s)
-    )
-    prefixed = dist.PrefixStore(f"{group_name}/", store)
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(prefixed, 0, world_size)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(prefixed, 0, world_size, timedelta(seconds=timeout_s))
-    raise ValueError(f"weight update backend {backend!r} is not 'nccl' or 'gloo'")
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
+    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
+        else "pg_options"
+    group, _ = _new_process_group_helper(
+        world_size, 0, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
+        timeout=timeout, **{options: None},
+    )  # fmt: skip
+    return group

@@ -6,10 +6,12 @@ import re
 import socket
 import sys
 import threading
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.config import RolloutConfig
 from megatron_dapo.rollout.engine import EngineError, SamplingParams, response_seed
@@ -188,6 +190,45 @@ def test_update_weights_from_distributed_payload_and_broadcast(fake):
         "names": ["a.weight", "b.bias"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [5]],
         "group_name": "wu", "flush_cache": False,
     }  # fmt: skip
+
+
+def _sglang_side_receive(port: int, group_name: str, out: str) -> None:
+    """What an SGLang TP worker does in init_weights_update_group + update_weights_from_distributed
+    (sglang 0.5.x init_custom_process_group: tcp rendezvous, PrefixStore(group_name), torch's helper)."""
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+
+    timeout = timedelta(seconds=60)
+    store, rank, world_size = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend("gloo"), PrefixStore(group_name, store), group_name=group_name,
+        backend_options=None, timeout=timeout,
+    )  # fmt: skip
+    received = torch.empty(2, 3)
+    group.broadcast([received], dist.BroadcastOptions()).wait()
+    torch.save(received, out)
+
+
+def test_trainer_side_group_meets_sglangs_engine_side_recipe(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = torch.multiprocessing.get_context("spawn")
+    child = ctx.Process(target=_sglang_side_receive, args=(port, "wsync", str(tmp_path / "got.pt")))
+    child.start()
+    try:
+        group = create_weight_update_group(
+            master_address="127.0.0.1", master_port=port, world_size=2, group_name="wsync", backend="gloo",
+            timeout_s=60,
+        )  # fmt: skip
+        sent = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+        group.broadcast([sent], dist.BroadcastOptions()).wait()
+        child.join(timeout=60)
+    finally:
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+    assert torch.equal(torch.load(tmp_path / "got.pt"), sent)
 
 
 def test_launch_command_binds_the_node_address_with_a_key_and_memory_saver(tmp_path):
