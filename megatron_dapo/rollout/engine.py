@@ -22,6 +22,8 @@ Seeding: a seeded request draws response ``(prompt i, sample j)`` from a generat
 ``response_seed(seed, i * n + j)``, where ``i`` is the GLOBAL prompt index
 (``index_offset + local index``). A controller that spreads prompts over several engines
 passes each engine its offset, so seeded rollouts do not depend on how prompts were spread.
+The local engine is bit-reproducible this way; SGLang only when its servers run with
+--enable-deterministic-inference (sglang_server.SGLangServerConfig.deterministic).
 """
 
 from __future__ import annotations

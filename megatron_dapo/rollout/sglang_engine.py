@@ -77,7 +77,8 @@ SGLANG_VERSION_READ = "0.5.x (0.5.3-0.5.5)"
 
 
 def build_generate_payload(
-    prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int, rid_prefix: str
+    prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int, rid_prefix: str,
+    send_seed: bool = False,
 ) -> dict[str, Any]:
     """The /generate body: one row per response, each with its own rid and sampling params.
 
@@ -86,6 +87,9 @@ def build_generate_payload(
         params: sampling settings.
         index_offset: global index of prompts[0] (seeds use global response indices).
         rid_prefix: unique prefix of this call's request ids.
+        send_seed: add a per-response ``sampling_seed`` when params.seed is set. Only servers
+            started with --enable-deterministic-inference use it (SGLang >= 0.5.3), so it is
+            sent only to those; seeded SGLang rollouts are otherwise not reproducible.
 
     Returns:
         JSON-serialisable dict for POST /generate.
@@ -107,8 +111,7 @@ def build_generate_payload(
             input_ids.append(list(prompt))
             rids.append(f"{rid_prefix}-{index_offset + i}-{j}")
             row = dict(sampling)
-            if params.seed is not None:
-                # Honoured by SGLang with --enable-deterministic-inference; ignored otherwise.
+            if send_seed and params.seed is not None:
                 row["sampling_seed"] = response_seed(params.seed, (index_offset + i) * params.n + j)
             per_row.append(row)
     return {"input_ids": input_ids, "sampling_params": per_row, "return_logprob": True, "rid": rids}
@@ -182,6 +185,7 @@ class SGLangEngine:
         control_timeout_s: float = 300.0,
         num_retries: int = 3,
         serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
+        deterministic: bool = False,
     ) -> None:
         """Args:
         base_url: ``http://host:port`` of the server.
@@ -195,6 +199,7 @@ class SGLangEngine:
         num_retries: attempts of idempotent calls on connection errors.
         serializer: bucket -> string for /update_weights_from_tensor; default SGLang's
             MultiprocessingSerializer (CUDA IPC handles).
+        deterministic: the server runs --enable-deterministic-inference; seeds are sent.
         """
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -206,6 +211,7 @@ class SGLangEngine:
         self._control_timeout_s = control_timeout_s
         self._num_retries = num_retries
         self._serializer = serializer or _default_serializer
+        self._deterministic = deterministic
 
     @classmethod
     def start(
@@ -238,6 +244,7 @@ class SGLangEngine:
             vocab_size=vocab_size,
             process=process,
             request_timeout_s=request_timeout_s,
+            deterministic=resolved.deterministic,
         )
 
     @classmethod
@@ -325,7 +332,8 @@ class SGLangEngine:
         """
         check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
         payload = build_generate_payload(
-            prompts, params, index_offset=index_offset, rid_prefix=f"{self.name}-{uuid.uuid4().hex[:12]}"
+            prompts, params, index_offset=index_offset, rid_prefix=f"{self.name}-{uuid.uuid4().hex[:12]}",
+            send_seed=self._deterministic,
         )
         # Not retried: a resent batch would generate twice; a dead server is reported instead.
         response = self._request("POST", "/generate", payload, timeout_s=self._request_timeout_s)

@@ -58,6 +58,9 @@ class SGLangServerConfig:
     """Server seed (--random-seed)."""
     log_path: str = ""
     """File for the server's stdout/stderr; empty = <cwd>/sglang_<engine>.log."""
+    deterministic: bool = False
+    """--enable-deterministic-inference: batch-invariant kernels and per-request seeds
+    (reproducible rollouts, slower)."""
     extra_args: tuple[str, ...] = ()
     """Further launch_server flags, passed through verbatim."""
     env: dict[str, str] = field(default_factory=dict)
@@ -117,6 +120,7 @@ def build_launch_command(config: SGLangServerConfig, *, python: str = sys.execut
         "--skip-tokenizer-init",
         # Lets /release_memory_occupation hand weights + KV cache back to Megatron.
         "--enable-memory-saver",
+        *(["--enable-deterministic-inference"] if config.deterministic else []),
         *config.extra_args,
     ]  # fmt: skip
 
@@ -144,6 +148,7 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         dtype=config.dtype,
         random_seed=config.random_seed,
         log_path=config.log_path or str(Path.cwd() / f"sglang_{name}.log"),
+        deterministic=config.deterministic,
         extra_args=config.extra_args,
         env=dict(config.env),
     )
