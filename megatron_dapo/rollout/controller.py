@@ -11,14 +11,17 @@ left generating for a step that will not use its output.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from megatron_dapo.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
 
 __all__ = ["EngineThroughput", "RolloutController"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,8 +47,10 @@ class RolloutController:
     """Spreads generation over engines and fans out control calls to all of them."""
 
     def __init__(self, engines: Sequence[RolloutEngine]) -> None:
-        """Args:
-        engines: the rollout engines (at least one); their names should be unique.
+        """Own the engines and one waiting thread per engine.
+
+        Args:
+            engines: the rollout engines (at least one); their names should be unique.
         """
         if not engines:
             raise ValueError("RolloutController needs at least one engine; check rollout.engine and the GPU count")
@@ -69,25 +74,27 @@ class RolloutController:
             self._pool.submit(_timed_generate, engine, prompts[lo:hi], params, lo)
             for engine, (lo, hi) in zip(self.engines, bounds)
         ]
+        # Wait for the first failure, not in engine order: a dead engine must stop the others now,
+        # not after they have finished generating for a step that will be thrown away.
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            self._abort_all_quietly()
+            wait(futures)
+            raise failed.exception()
         results: list[GenerationResult] = []
         throughput: list[EngineThroughput] = []
-        try:
-            for engine, (lo, hi), future in zip(self.engines, bounds, futures):
-                engine_results, seconds = future.result()
-                results.extend(engine_results)
-                throughput.append(
-                    EngineThroughput(
-                        engine=engine.name,
-                        num_prompts=hi - lo,
-                        num_tokens=sum(len(r.output_ids) for r in engine_results),
-                        seconds=seconds,
-                    )
+        for engine, (lo, hi), future in zip(self.engines, bounds, futures):
+            engine_results, seconds = future.result()
+            results.extend(engine_results)
+            throughput.append(
+                EngineThroughput(
+                    engine=engine.name,
+                    num_prompts=hi - lo,
+                    num_tokens=sum(len(r.output_ids) for r in engine_results),
+                    seconds=seconds,
                 )
-        except BaseException:
-            self.abort()
-            for future in futures:
-                future.cancel()
-            raise
+            )
         self.last_throughput = throughput
         return results
 
@@ -95,6 +102,14 @@ class RolloutController:
         """Abort in-flight generation on every engine."""
         for engine in self.engines:
             engine.abort()
+
+    def _abort_all_quietly(self) -> None:
+        """Abort every engine, logging (not raising) failures: a dead engine cannot abort."""
+        for engine in self.engines:
+            try:
+                engine.abort()
+            except Exception as err:  # the original failure is the one to report
+                logger.warning("abort of engine %s failed: %s", engine.name, err)
 
     def release_memory(self) -> None:
         """Release every engine's accelerator memory before training."""

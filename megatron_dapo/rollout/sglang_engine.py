@@ -187,19 +187,21 @@ class SGLangEngine:
         serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
         deterministic: bool = False,
     ) -> None:
-        """Args:
-        base_url: ``http://host:port`` of the server.
-        name: engine name for messages and metrics.
-        api_key: the server's bearer token.
-        tp_size: the server's TP size (one serialized bucket per TP rank).
-        vocab_size: checks prompt ids when given.
-        process: the server process when this engine launched it (death detection, shutdown).
-        request_timeout_s: timeout of one /generate call.
-        control_timeout_s: timeout of other calls (weights, memory, cache).
-        num_retries: attempts of idempotent calls on connection errors.
-        serializer: bucket -> string for /update_weights_from_tensor; default SGLang's
-            MultiprocessingSerializer (CUDA IPC handles).
-        deterministic: the server runs --enable-deterministic-inference; seeds are sent.
+        """Attach to a server (launched by :meth:`start`/:meth:`launch`, or already running).
+
+        Args:
+            base_url: ``http://host:port`` of the server.
+            name: engine name for messages and metrics.
+            api_key: the server's bearer token.
+            tp_size: the server's TP size (one serialized bucket per TP rank).
+            vocab_size: checks prompt ids when given.
+            process: the server process when this engine launched it (death detection, shutdown).
+            request_timeout_s: timeout of one /generate call.
+            control_timeout_s: timeout of other calls (weights, memory, cache).
+            num_retries: attempts of idempotent calls on connection errors.
+            serializer: bucket -> string for /update_weights_from_tensor; default SGLang's
+                MultiprocessingSerializer (CUDA IPC handles).
+            deterministic: the server runs --enable-deterministic-inference; seeds are sent.
         """
         self.name = name
         self.base_url = base_url.rstrip("/")
