@@ -14,7 +14,7 @@ the same generate-and-score path without filtering.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -158,8 +158,16 @@ def assign_advantages(groups: Sequence[Group], norm_by_std: bool) -> None:
         s.advantage = a
 
 
+def round_seed(base_seed: int | None, step: int, round_index: int) -> int | None:
+    """Sampling seed of one generation round: distinct per (step, round), reproducible on resume."""
+    if base_seed is None:
+        return None
+    return (base_seed * 1_000_003 + step * 1009 + round_index) % (2**31 - 1)
+
+
 def collect_batch(
     sampler: PromptSampler,
+    step: int,
     *,
     rollout: RolloutController,
     rewards: RewardPool,
@@ -169,6 +177,10 @@ def collect_batch(
     """Run generation rounds until a training batch of kept groups is full (steps 1-4).
 
     Without dynamic sampling one round of `train_batch_size` prompts is the batch.
+
+    Args:
+        sampler: the training prompts, in resumable order.
+        step: the RL step (seeds the rounds' sampling).
 
     Returns:
         Exactly `train_batch_size` groups of `n` samples with advantages, and the metrics
@@ -184,8 +196,9 @@ def collect_batch(
     num_rounds = 0
     while True:
         num_prompts = settings.gen_batch_size if settings.filter_enable else settings.train_batch_size
+        params = replace(settings.sampling, seed=round_seed(settings.sampling.seed, step, num_rounds))
         groups, round_counts = generate_and_score(sampler.next_batch(num_prompts), rollout=rollout,
-                                                  rewards=rewards, tokenizer=tokenizer, params=settings.sampling)
+                                                  rewards=rewards, tokenizer=tokenizer, params=params)
         num_rounds += 1
         for k, v in round_counts.items():
             counts[k] += v

@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -39,6 +40,25 @@ class _FieldError(ValueError):
         super().__init__(message)
         self.key = key
         self.message = message
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads 1e-6 as a float (YAML 1.1 wants 1.0e-6; every user writes 1e-6)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
 
 
 def _check(cond: bool, key: str, message: str) -> None:
@@ -685,7 +705,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"command line: bad override {text!r}; expected dotted.key=value, e.g. "
                           "algorithm.clip_ratio_high=0.28")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _yaml_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"command line: cannot parse the value of {key!r}: {e.problem}") from None
     return key.split("."), value
@@ -723,7 +743,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         if not p.is_file():
             raise ConfigError(f"{source}: no such config file; pick one of examples/*.yaml")
         try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8"))
+            loaded = _yaml_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""

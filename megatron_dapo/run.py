@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import parallel
-from megatron_dapo.actor import MegatronActor
+from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.collect import CollectSettings, Group
-from megatron_dapo.config import Config, to_dict
+from megatron_dapo.config import Config, OptimConfig, to_dict
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
 from megatron_dapo.data.tokenizer import Tokenizer, load_tokenizer
 from megatron_dapo.embedded import scratch_checkpoint, task_for
@@ -36,7 +36,7 @@ from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
-from megatron_dapo.warm_start import sft_warm_start
+from megatron_dapo.warm_start import export_hf_checkpoint, run_sft, sft_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,11 @@ class Run:
     dims: parallel.ParallelDims
     adapter: DecoderAdapter
     actor: MegatronActor
+    loss: LossSettings
+    """DAPO loss settings of every optimizer step."""
     output_dir: Path
+    hf_dir: Path
+    """The HF checkpoint the run started from (its config/tokenizer files go into checkpoints)."""
     checkpoints: CheckpointManager
     dp_rank_of: list[int]
     """Data-parallel rank of every global rank (for dispatching the batch)."""
@@ -132,8 +136,8 @@ class Run:
         state = {"step": step, "sampler": self.sampler.state_dict() if self.sampler is not None else None}
         states: list[Any] = [None] * self.dims.world_size
         dist.all_gather_object(states, state)
-        self.checkpoints.save(step, self.actor.model, self.actor.optimizer, self.actor.scheduler,
-                              trainer_state=states[0], config_dict=to_dict(self.cfg))
+        self.checkpoints.save(step, [self.actor.model], self.actor.optimizer, self.actor.scheduler,
+                              trainer_state=states[0], config_dict=to_dict(self.cfg), hf_dir=self.hf_dir)
 
     def mark_preempted(self, step: int) -> None:
         """Leave the marker the sbatch script reads to requeue the job (controller)."""
@@ -170,24 +174,25 @@ def build_run(cfg: Config, config_source: str) -> Run:
     dims = parallel.initialize_model_parallel(
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
         seed=cfg.trainer.seed, num_attention_heads=hf.num_attention_heads,
-        num_query_groups=hf.num_key_value_heads, num_layers=hf.num_hidden_layers)
+        num_query_groups=hf.num_kv_heads, num_layers=hf.num_layers)
 
     if cfg.model.hf_checkpoint is None and cfg.model.sft_warm_start.enable:
-        hf_dir = sft_warm_start(cfg, adapter, hf_dir, sources["sft_path"], sources["tokenizer"], dims, cache_dir)
-        adapter = adapter_for(hf_dir)
-    actor = MegatronActor.from_config(cfg, adapter, hf_dir, dims)
+        hf_dir = _warm_start(cfg, adapter, hf_dir, sources, dims, cache_dir)
+    actor = build_actor(cfg, adapter, hf_dir, dims)
 
     dp_rank_of: list[Any] = [None] * dims.world_size
     dist.all_gather_object(dp_rank_of, dims.dp_rank)
-    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, output_dir=output_dir,
+    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor,
+              loss=LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature), output_dir=output_dir,
+              hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
               dp_rank_of=dp_rank_of)
     if dims.is_controller:
         _build_controller(run, hf_dir, sources)
 
-    resume_from = resolve_resume(cfg.trainer.resume, run.checkpoints)
+    resume_from = resolve_resume(cfg.trainer.resume, run.checkpoints.root)
     if resume_from is not None:
-        state = run.checkpoints.load(resume_from, actor.model, actor.optimizer, actor.scheduler)
+        state = run.checkpoints.load(resume_from, [actor.model], actor.optimizer, actor.scheduler)
         run.start_step = int(state["step"])
         if run.sampler is not None and state.get("sampler") is not None:
             run.sampler.load_state_dict(state["sampler"])
@@ -197,6 +202,39 @@ def build_run(cfg: Config, config_source: str) -> Run:
     # The engines start from the HF checkpoint; after a resume (or SFT) they need the actor's weights.
     run.sync_weights()
     return run
+
+
+def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parallel.ParallelDims,
+                optim: OptimConfig | None = None) -> MegatronActor:
+    """The Megatron actor of this rank, loaded from an HF checkpoint, with the run's optimizer."""
+    dtype = torch.float32
+    if cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and dims.device.type == "cuda"):
+        dtype = torch.bfloat16
+    optim = optim or cfg.optim
+    return MegatronActor(
+        adapter=adapter, dims=dims,
+        optimizer_config=make_optimizer_config(optim, dtype=dtype,
+                                               use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
+        lr_warmup_steps=optim.lr_warmup_steps, hf_checkpoint=hf_dir,
+        recompute="full" if cfg.model.recompute_activations else "none",
+        max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
+        logprob_chunk_size=cfg.trainer.logprob_chunk_size)
+
+
+def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],
+                dims: parallel.ParallelDims, cache_dir: Path) -> Path:
+    """The SFT'd HF checkpoint of the scratch model: from the cache, or trained now."""
+    out = sft_cache_dir(cfg, init_dir, sources["sft_path"], cache_dir)
+    if _broadcast((out / "config.json").is_file() if dims.is_controller else None):
+        return out
+    s = cfg.model.sft_warm_start
+    sft_optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=cfg.optim.clip_grad,
+                            lr_warmup_steps=min(10, s.num_steps))
+    actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim)
+    run_sft(actor, sources["sft_path"], sources["tokenizer"], num_steps=s.num_steps, batch_size=s.batch_size,
+            seed=cfg.trainer.seed)
+    export_hf_checkpoint(adapter, actor.model, dims, init_dir, out)
+    return out
 
 
 def _prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:

@@ -13,8 +13,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 from megatron_dapo.errors import EXIT_USER_ERROR, UserError
+
+# Dynamic sampling could not fill a batch: the run's data or policy, not its config, is at fault.
+EXIT_DYNAMIC_SAMPLING = 3
 
 
 def train(config_path: str, overrides: list[str]) -> dict[str, float]:
@@ -42,11 +46,19 @@ def main(argv: list[str] | None = None) -> int:
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    # megatron-core logs every parameter bucket and its optimizer config at INFO.
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    from megatron_dapo.algo import DynamicSamplingError
+
     try:
         train(args[0], args[1:])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except DynamicSamplingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DYNAMIC_SAMPLING
     return 0
 
 

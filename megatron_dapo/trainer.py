@@ -67,7 +67,7 @@ def fit(run: Run) -> dict[str, float]:
         if dims.is_controller:
             with timer("gen"):
                 groups, collect_metrics = collect_batch(
-                    run.sampler, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
+                    run.sampler, step, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
                     settings=run.collect_settings)
             metrics.update(collect_metrics)
             metrics.update(run.rollout_throughput())
@@ -76,7 +76,7 @@ def fit(run: Run) -> dict[str, float]:
         with timer("old_log_prob"):
             drift = compute_old_log_probs(run, shards)
         with timer("update_actor"):
-            actor_metrics = [actor.train_step(shard.batch) for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
+            actor_metrics = [actor.train_step(shard.batch, run.loss) for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
         with timer("sync"):
             sync_stats = run.sync_weights()
         metrics.update(mean_metrics(actor_metrics))
@@ -89,11 +89,12 @@ def fit(run: Run) -> dict[str, float]:
         metrics["timing_s/step"] = time.perf_counter() - step_start
         num_tokens = sum(int(shard.batch.seq_lens.sum()) for shard in shards)
         metrics["perf/throughput_tokens_per_s"] = run.sum_over_dp(num_tokens) / metrics["timing_s/step"]
+        # Log before saving: a run killed in between redoes this step after the resume, and
+        # the resume drops the logged line first (metrics.truncate_after), so no step is lost.
+        last = run.log(step, metrics)
         stop = preemption.agreed()
         if stop or run.should_save(step):
-            with timer("save_checkpoint"):
-                run.save(step)
-        last = run.log(step, metrics)
+            run.save(step)
         if stop and step < cfg.trainer.total_training_steps:
             run.mark_preempted(step)
             break
@@ -109,7 +110,7 @@ def compute_old_log_probs(run: Run, shards: list[Shard]) -> dict[str, float]:
     """
     diff_sum, num_tokens = 0.0, 0
     for shard in shards:
-        log_probs = run.actor.compute_log_probs(shard.batch)
+        log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
         shard.batch.old_log_probs = log_probs
         mask = shard.batch.response_mask
         diff_sum += float((log_probs - shard.rollout_log_probs).abs()[mask].sum())

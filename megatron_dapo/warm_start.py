@@ -28,6 +28,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megatron_dapo import parallel
+from megatron_dapo.actor.actor import LossSettings, MegatronActor
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.config import Config
 from megatron_dapo.data.tokenizer import load_tokenizer
@@ -37,61 +38,48 @@ from megatron_dapo.models import DecoderAdapter
 logger = logging.getLogger(__name__)
 
 
-def sft_warm_start(
-    cfg: Config,
-    adapter: DecoderAdapter,
-    init_dir: Path,
-    sft_path: str,
-    tokenizer_path: str,
-    dims: parallel.ParallelDims,
-    cache_dir: Path,
-) -> Path:
-    """Return an HF checkpoint of the SFT'd model, training it first on a cache miss.
+def sft_cache_dir(cfg: Config, init_dir: Path, sft_path: str, cache_dir: Path) -> Path:
+    """Where the warm-started checkpoint of these settings is cached."""
+    s = cfg.model.sft_warm_start
+    return cache_dir / "sft-{}".format(digest({"init": init_dir.name, "sft": [s.num_steps, s.batch_size, s.lr],
+                                               "corpus": sft_path, "seed": cfg.trainer.seed,
+                                               "dtype": cfg.model.dtype}))
 
-    Collective: every rank calls it. Only the controller reads the corpus and writes.
+
+def run_sft(actor: MegatronActor, sft_path: str, tokenizer_path: str, *, num_steps: int, batch_size: int,
+            seed: int) -> None:
+    """Supervised steps on worked solutions through the actor's DAPO train step (collective).
 
     Args:
-        cfg: the run's config (model.sft_warm_start, optim, trainer, parallel).
-        adapter: the scratch model's adapter.
-        init_dir: the scratch HF checkpoint.
-        sft_path: jsonl of {prompt, response, answer}.
+        actor: the actor to train (its optimizer carries the SFT learning rate).
+        sft_path: jsonl of {prompt, response, answer} (read by the controller only).
         tokenizer_path: the task's tokenizer.
-        dims: the parallel layout.
-        cache_dir: where cached checkpoints live.
-
-    Returns:
-        The warm-started HF checkpoint directory.
+        num_steps: optimizer steps.
+        batch_size: sequences per step, split over data-parallel ranks by tokens.
+        seed: draws the sequences of each step.
     """
-    from megatron_dapo.actor import MegatronActor
-
-    s = cfg.model.sft_warm_start
-    key = digest({"init": init_dir.name, "sft": [s.num_steps, s.batch_size, s.lr], "corpus": sft_path,
-                  "seed": cfg.trainer.seed})
-    out = cache_dir / f"sft-{key}"
-    if _broadcast(out.joinpath("config.json").is_file() if dims.is_controller else None):
-        return out
+    dims = actor.dims
     rows = _load_sft_rows(sft_path, tokenizer_path) if dims.is_controller else []
-    actor = MegatronActor.from_config(cfg, adapter, init_dir, dims, lr=s.lr, warmup_steps=10,
-                                      total_steps=s.num_steps, min_lr_ratio=0.1)
-    rng = random.Random(cfg.trainer.seed)
+    rng = random.Random(seed)
     dp_rank_of: list[Any] = [None] * dims.world_size
     dist.all_gather_object(dp_rank_of, dims.dp_rank)
-    for step in range(1, s.num_steps + 1):
+    # Ratio 1 everywhere: no clip is active and the gradient is that of the token-mean NLL.
+    loss = LossSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean")
+    for step in range(1, num_steps + 1):
         payload: list[Any] = [None] * dims.world_size
         if dims.is_controller:
-            chosen = [rows[rng.randrange(len(rows))] for _ in range(s.batch_size)]
+            chosen = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
             shards = balance_across_dp([len(p) + len(r) for p, r in chosen], dims.dp)
             payload = [[chosen[i] for i in shards[dp_rank_of[r]]] for r in range(dims.world_size)]
         box: list[Any] = [None]
         dist.scatter_object_list(box, payload if dims.is_controller else None, src=0)
         batch = _sft_batch(box[0])
-        batch.old_log_probs = actor.compute_log_probs(batch)
-        metrics = actor.train_step(batch)
-        if dims.is_controller and (step % 50 == 0 or step == s.num_steps):
-            logger.info("sft warm start step %d/%d: nll %.4f", step, s.num_steps, metrics["actor/pg_loss"])
-    export_hf_checkpoint(adapter, actor.model, dims, init_dir, out)
-    del actor
-    return out
+        batch.old_log_probs, _ = actor.compute_log_probs(batch, temperature=1.0)
+        actor.train_step(batch, loss)
+        if dims.is_controller and (step % 50 == 0 or step == num_steps):
+            # Before this step's update, on this rank's share: the token-mean NLL.
+            nll = -batch.old_log_probs[batch.response_mask].mean()
+            logger.info("sft warm start step %d/%d: nll %.4f", step, num_steps, float(nll))
 
 
 def export_hf_checkpoint(adapter: DecoderAdapter, model: Any, dims: parallel.ParallelDims, config_dir: Path,
@@ -134,8 +122,3 @@ def _sft_batch(rows: list[tuple[list[int], list[int]]]) -> RolloutBatch:
     return RolloutBatch(input_ids=input_ids, seq_lens=torch.tensor(lengths[: len(rows)], dtype=torch.long),
                         response_mask=mask, advantages=mask.float())
 
-
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]

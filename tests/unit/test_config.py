@@ -170,3 +170,10 @@ def test_console_script_typo_exits_2_one_line():
     assert out.stderr.strip().count("\n") == 0
     assert "did you mean 'trainer.save_interval'?" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text("optim: {lr: 1e-6, adam_eps: 1E-8}\n")
+    cfg = load_config(f, ["algorithm.kl_loss_coef=0", "optim.weight_decay=1e-2"])
+    assert (cfg.optim.lr, cfg.optim.adam_eps, cfg.optim.weight_decay) == (1e-6, 1e-8, 1e-2)

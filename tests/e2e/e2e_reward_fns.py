@@ -1,0 +1,11 @@
+"""Reward functions for the end-to-end tests, importable by reward-pool workers (PYTHONPATH)."""
+
+
+def char_parity(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """+1 when the response's character codes sum to an even number: spread in every group.
+
+    A random-init tiny model never answers correctly, so the math verifier would make every
+    group all-wrong; this reward keeps dynamic sampling busy without a trained policy.
+    """
+    acc = sum(map(ord, solution_str)) % 2 == 0
+    return {"score": 1.0 if acc else -1.0, "acc": acc}

@@ -1,0 +1,68 @@
+"""The DAPO trainer end to end: single process, TP=2 and PP=2, on CPU."""
+
+import pytest
+from trainer_utils import read_rows, run_trainer, write_config
+
+pytestmark = pytest.mark.e2e
+
+TRAIN_KEYS = [
+    "critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "response_length/mean",
+    "response_length/clip_ratio", "train/num_gen_batches", "train/num_groups", "train/num_responses",
+    "train/kept_group_acc_min", "train/kept_group_acc_max", "actor/pg_loss", "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
+    "rollout/train_logprob_abs_diff", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor",
+    "timing_s/sync", "timing_s/step", "perf/throughput_tokens_per_s", "reward/num_errors",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.mark.parametrize(
+    ("nproc", "overrides"),
+    [(1, ()), (2, ("parallel.tensor_model_parallel_size=2",)), (2, ("parallel.pipeline_model_parallel_size=2",))],
+    ids=["single", "tp2", "pp2"],
+)
+def test_few_steps_hold_the_dapo_invariants(tmp_path, cache_dir, nproc, overrides):
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml")
+    proc = run_trainer(config, f"trainer.output_dir={out}", *overrides, cache_dir=cache_dir, nproc=nproc)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "val/acc" in rows[0] and "val/acc" in rows[2]
+    for row in rows[1:]:
+        missing = [k for k in TRAIN_KEYS if k not in row]
+        assert not missing, missing
+        # Dynamic sampling: every kept group has 0 < accuracy < 1, the batch is exactly full.
+        assert 0 < row["train/kept_group_acc_min"] <= row["train/kept_group_acc_max"] < 1
+        assert row["train/num_groups"] == 4 and row["train/num_responses"] == 16
+        # The engine's log-probs are the actor's own after every weight sync (fp32).
+        assert row["rollout/train_logprob_abs_diff"] < 1e-4
+        assert row["actor/lr"] == pytest.approx(1e-3)
+    # The console shows the invariants too (kept groups and batch size per step).
+    assert "gen_rounds" in proc.stdout
+    assert (out / "checkpoints" / "step_2" / "manifest.json").is_file()
+
+
+def test_bad_config_exits_2_with_one_line(tmp_path, cache_dir):
+    config = write_config(tmp_path / "tiny.yaml")
+    proc = run_trainer(config, "algorithm.clip_ratio_hgh=0.3", cache_dir=cache_dir)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: command line: algorithm.clip_ratio_hgh: unknown key; did you mean 'algorithm.clip_ratio_high'?")
+
+
+def test_unfillable_batch_stops_with_a_clear_error(tmp_path, cache_dir):
+    # The math verifier on a random-init model: every group all-wrong, so no batch fills.
+    config = write_config(tmp_path / "tiny.yaml", reward={"reward_fn": "math_dapo", "num_workers": 0},
+                          algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 2}})
+    proc = run_trainer(config, f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_before_train=false",
+                       cache_dir=cache_dir)
+    assert proc.returncode == 3
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: dynamic sampling kept 0 of the 4 groups a training batch needs after 2 "
+                           "generation rounds")
+    assert "16 all-wrong" in last

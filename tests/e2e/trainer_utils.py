@@ -1,0 +1,63 @@
+"""Launching the trainer in subprocesses for the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+TESTS_E2E = Path(__file__).resolve().parent
+REPO = TESTS_E2E.parents[1]
+
+# A few-second DAPO configuration: a 2-layer scratch model, groups of 4, 2 steps.
+TINY_CONFIG = {
+    "model": {
+        "scratch": {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                    "intermediate_size": 128, "max_position_embeddings": 96},
+        "sft_warm_start": {"enable": False},
+    },
+    "rollout": {"engine": "local", "n": 4, "val_kwargs": {"n": 2}},
+    "data": {"max_prompt_length": 48, "max_response_length": 8, "train_batch_size": 4, "gen_batch_size": 8,
+             "embedded": {"num_train": 200, "num_val": 8, "num_sft": 50}},
+    "algorithm": {"filter_groups": {"enable": True, "max_num_gen_batches": 6}},
+    "reward": {"reward_fn": "e2e_reward_fns:char_parity", "num_workers": 1,
+               "overlong_buffer": {"enable": True, "len": 4}},
+    "optim": {"lr": 1.0e-3, "lr_warmup_steps": 1},
+    "trainer": {"total_training_steps": 2, "ppo_mini_batch_size": 2, "test_freq": 2, "save_interval": 1,
+                "device": "cpu", "max_tokens_per_microbatch": 256, "logprob_chunk_size": 64},
+}
+
+
+def write_config(path: Path, **sections: dict) -> Path:
+    """The tiny config with per-section overrides merged in, written as YAML."""
+    config = json.loads(json.dumps(TINY_CONFIG))
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def trainer_env(cache_dir: Path) -> dict[str, str]:
+    return {**os.environ, "MEGATRON_DAPO_CACHE": str(cache_dir), "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([str(TESTS_E2E), str(REPO), os.environ.get("PYTHONPATH", "")])}
+
+
+def train_command(config: Path, *overrides: str, nproc: int = 1) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "megatron_dapo.train", str(config), *overrides]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "0",
+            "-m", "megatron_dapo.train", str(config), *overrides]
+
+
+def run_trainer(config: Path, *overrides: str, cache_dir: Path, nproc: int = 1, timeout_s: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(config, *overrides, nproc=nproc), env=trainer_env(cache_dir), cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout_s)
+
+
+def read_rows(output_dir: Path) -> list[dict]:
+    with (output_dir / "metrics.jsonl").open() as f:
+        return [json.loads(line) for line in f]
