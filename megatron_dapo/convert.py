@@ -1,0 +1,420 @@
+"""HF <-> Megatron checkpoint conversion: the logic behind `megatron-dapo convert` and tools/convert_*.py.
+
+    megatron-dapo convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M]
+    megatron-dapo convert mcore-to-hf --ckpt DIR --out DIR [--hf-config-from DIR] [--max-shard-size 5GB]
+
+hf-to-mcore builds the model of the family named by config.json in the requested layout,
+reads only each rank's slices of the safetensors, and writes a model-only torch_dist
+checkpoint (checkpoint.save_model_checkpoint) with the HF config and tokenizer files
+embedded; the trainer loads it as an initial checkpoint, any layout. mcore-to-hf loads a
+training or converted checkpoint into a model (single process by default: TP=1, PP=1)
+and streams the adapter's HF tensors, one at a time, into safetensors shards written as
+soon as they fill, plus model.safetensors.index.json and the embedded config/tokenizer.
+
+Both run as one process by default, or under torchrun with world = tp * pp; the tool
+scripts keep their work under ``if __name__ == "__main__":`` because dist_checkpointing's
+writer starts a "spawn" Manager that re-imports the launching module.
+Conversion is lossless: HF -> Megatron (any TP/PP) -> HF is bit-exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from megatron_dapo.checkpoint import (
+    HF_DIR,
+    CheckpointError,
+    CheckpointManager,
+    copy_hf_files,
+    hf_files_of,
+    latest_checkpoint,
+    read_manifest,
+    save_model_checkpoint,
+)
+from megatron_dapo.errors import EXIT_USER_ERROR, UserError
+
+INDEX_FILE = "model.safetensors.index.json"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5_000_000_000, '512MiB' -> 536_870_912, '1000' -> 1000 bytes."""
+    match = _SIZE_RE.match(text)
+    unit = (match.group(2) or "").upper() if match else ""
+    if unit and not unit.endswith("B"):
+        unit += "B"
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise UserError(f"--max-shard-size {text!r} is not a size; write e.g. 5GB, 512MiB or 100000000")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _adapter(hf_dir: str | os.PathLike[str]) -> Any:
+    from megatron_dapo.models import adapter_for
+
+    if not (Path(hf_dir) / "config.json").is_file():
+        raise CheckpointError(f"{hf_dir} has no config.json; pass the directory an HF model was saved to")
+    try:
+        return adapter_for(hf_dir)
+    except UserError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _hf_dtype(hf_dir: Path, override: str | None) -> Any:
+    """The parameter dtype: --dtype, else config.json's dtype/torch_dtype, else float32."""
+    import torch
+
+    name = override
+    if name is None:
+        raw = json.loads((hf_dir / "config.json").read_text())
+        name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    key = str(name).removeprefix("torch.")
+    if key not in _DTYPES:
+        raise UserError(
+            f"dtype {name!r} (from --dtype or {hf_dir / 'config.json'}) is not one of {sorted(set(_DTYPES.values()))}"
+        )
+    return getattr(torch, _DTYPES[key])
+
+
+def _init_layout(tp: int, pp: int, adapter: Any, device: str) -> Any:
+    """Check the layout against the launcher before any process group exists, then build it."""
+    import torch
+
+    from megatron_dapo import parallel
+
+    world = parallel.launcher_ranks()[1]
+    if world != tp * pp:
+        raise UserError(
+            f"--tp {tp} --pp {pp} needs {tp * pp} processes but {world} were launched; run "
+            f"`torchrun --nproc-per-node {tp * pp} ...` (or drop --tp/--pp for one process)"
+        )
+    parallel.validate_layout(
+        world_size=world,
+        tp=tp,
+        pp=pp,
+        cp=1,
+        device=torch.device("cpu"),
+        num_attention_heads=adapter.hf.num_attention_heads,
+        num_query_groups=adapter.hf.num_kv_heads,
+        num_layers=adapter.hf.num_layers,
+    )
+    parallel.init_distributed(device)
+    return parallel.initialize_model_parallel(
+        tp,
+        pp,
+        num_attention_heads=adapter.hf.num_attention_heads,
+        num_query_groups=adapter.hf.num_kv_heads,
+        num_layers=adapter.hf.num_layers,
+    )
+
+
+def adapter_for_checkpoint(adapter: Any, manifest: dict[str, Any], tp: int) -> Any:
+    """The adapter with vocab padding that reproduces the checkpoint's padded vocab at ``tp``.
+
+    Megatron pads the vocab to a multiple of make_vocab_size_divisible_by * tp, so a model
+    saved at TP=2 may have more rows than one built at TP=1; choosing the divisor as
+    saved_rows / tp makes every layout whose tp divides the saved rows allocate exactly them.
+    """
+    saved = int(manifest.get("model", {}).get("vocab_size", 0))
+    if saved <= 0 or adapter.padded_vocab_size(tp) == saved:
+        return adapter
+    if saved % tp != 0 or saved < adapter.hf.vocab_size:
+        raise CheckpointError(
+            f"checkpoint vocab has {saved} rows, which tp={tp} cannot split evenly (HF vocab {adapter.hf.vocab_size}); "
+            "use a tp that divides it"
+        )
+    return dataclasses.replace(adapter, make_vocab_size_divisible_by=saved // tp)
+
+
+# ----------------------------------------------------------------------------- HF -> mcore
+
+
+def hf_to_mcore(
+    hf_dir: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str | None = None, device: str = "cpu"
+) -> Path:
+    """Convert an HF checkpoint into a model-only torch_dist checkpoint; collective.
+
+    Args:
+        hf_dir: HF directory (config.json + safetensors + tokenizer files).
+        out: new output directory.
+        tp: tensor-parallel size of the writing layout (the result loads at any layout).
+        pp: pipeline-parallel size of the writing layout.
+        dtype: stored parameter dtype; default: the HF config's.
+        device: "cpu", "cuda" or "auto".
+
+    Returns:
+        The output directory.
+    """
+    hf = Path(hf_dir)
+    adapter = _adapter(hf)
+    torch_dtype = _hf_dtype(hf, dtype)
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise CheckpointError(f"output directory {out} exists and is not empty; pass a new --out directory")
+    dims = _init_layout(tp, pp, adapter, device)
+    model = adapter.build_model(dims, dtype=torch_dtype, init_weights=False)
+    try:
+        adapter.load_hf(model, hf, dims)
+    except UserError:
+        raise
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"HF checkpoint {hf}: {e}") from None
+    return save_model_checkpoint(out, [model], hf_dir=hf, model_family=adapter.hf.family)
+
+
+# ----------------------------------------------------------------------------- mcore -> HF
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """A checkpoint directory, or the one ``latest`` names when given a checkpoints root."""
+    p = Path(path)
+    if p.is_dir() and not (p / "manifest.json").is_file():
+        found = latest_checkpoint(p)
+        if found is not None:
+            return found
+    read_manifest(p)
+    return p
+
+
+class _ShardWriter:
+    """Writes HF tensors into safetensors shards as they fill; never holds more than one shard."""
+
+    def __init__(self, out: Path, max_shard_bytes: int) -> None:
+        self.out = out
+        self.max_shard_bytes = max_shard_bytes
+        self.pending: dict[str, Any] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: Any) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        # A copy: the adapter may yield views of live parameters.
+        self.pending[name] = tensor.detach().to("cpu").contiguous().clone()
+        self.pending_bytes += nbytes
+        self.total_bytes += nbytes
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = self.out / f".tmp-shard-{len(self.files) + 1:05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[Path]:
+        """Name the shards HF-style (model-0000i-of-0000n) and write the index."""
+        self.flush()
+        total = len(self.files)
+        weight_map: dict[str, str] = {}
+        final = []
+        for i, (tmp, names) in enumerate(self.files, start=1):
+            name = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
+            os.replace(tmp, self.out / name)
+            final.append(self.out / name)
+            weight_map.update(dict.fromkeys(names, name))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        return final
+
+
+def mcore_to_hf(
+    ckpt: str,
+    out: str,
+    *,
+    hf_config_from: str | None = None,
+    max_shard_size: str = "5GB",
+    tp: int = 1,
+    pp: int = 1,
+    device: str = "cpu",
+) -> Path:
+    """Export a torch_dist checkpoint (training or converted) as an HF directory; collective.
+
+    Args:
+        ckpt: a checkpoint directory, or a checkpoints root (its ``latest`` is used).
+        out: output directory (created; must be empty).
+        hf_config_from: HF directory with config.json + tokenizer files; default the
+            checkpoint's embedded ``hf/``.
+        max_shard_size: largest safetensors shard, e.g. "5GB".
+        tp: tensor-parallel size to load with (memory per rank ~ model / (tp*pp)).
+        pp: pipeline-parallel size to load with.
+        device: "cpu", "cuda" or "auto".
+
+    Returns:
+        The output directory.
+    """
+    import torch.distributed as dist
+
+    max_bytes = parse_size(max_shard_size)
+    path = resolve_checkpoint(ckpt)
+    manifest = read_manifest(path)
+    hf_src = Path(hf_config_from) if hf_config_from else hf_files_of(path)
+    if hf_src is None:
+        raise CheckpointError(
+            f"checkpoint {path} has no embedded {HF_DIR}/config.json (saved without an HF source); "
+            "pass --hf-config-from DIR with the model's config.json and tokenizer files"
+        )
+    adapter = _adapter(hf_src)
+    saved_family = manifest.get("model_family")
+    if saved_family and saved_family != adapter.hf.family:
+        raise CheckpointError(
+            f"checkpoint {path} holds a {saved_family!r} model but {hf_src / 'config.json'} describes a "
+            f"{adapter.hf.family!r} model; pass --hf-config-from of the same family"
+        )
+    out_dir = Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise CheckpointError(
+            f"output directory {out_dir} exists and is not empty; pass a new --out directory"
+        )
+    adapter = adapter_for_checkpoint(adapter, manifest, tp)
+    dims = _init_layout(tp, pp, adapter, device)
+    dtype = _hf_dtype(hf_src, manifest.get("params_dtype"))
+    model = adapter.build_model(dims, dtype=dtype, init_weights=False)
+    CheckpointManager(path.parent).load(path, [model], model_family=adapter.hf.family, load_rng=False)
+
+    writer = None
+    if dims.rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        writer = _ShardWriter(out_dir, max_bytes)
+    for name, tensor in adapter.export_hf(model, dims):
+        if writer is not None:
+            writer.add(name, tensor)
+    if writer is not None:
+        writer.finish()
+        copy_hf_files(hf_src, out_dir)
+    if dist.is_initialized():
+        dist.barrier()
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _add_hf_to_mcore_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--hf", required=True, help="HF checkpoint directory (config.json + safetensors + tokenizer)"
+    )
+    parser.add_argument("--out", required=True, help="new directory for the torch_dist checkpoint")
+    parser.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size (needs tp*pp processes via torchrun)"
+    )
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument(
+        "--dtype", default=None, help="stored dtype (float32|bfloat16|float16); default: the HF config's"
+    )
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="where to run")
+
+
+def _add_mcore_to_hf_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ckpt", required=True, help="checkpoint directory (step_<N> or converted), or a checkpoints root"
+    )
+    parser.add_argument("--out", required=True, help="new directory for the HF model")
+    parser.add_argument(
+        "--hf-config-from", default=None, help="HF dir with config.json + tokenizer (default: embedded)"
+    )
+    parser.add_argument(
+        "--max-shard-size", default="5GB", help="largest safetensors shard, e.g. 5GB or 512MiB"
+    )
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load with (torchrun)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load with (torchrun)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="where to run")
+
+
+def _run_hf_to_mcore(args: argparse.Namespace) -> int:
+    out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, device=args.device)
+    if _is_rank0():
+        print(f"wrote {out} (tp={args.tp} pp={args.pp}; loads at any layout)")
+    return 0
+
+
+def _run_mcore_to_hf(args: argparse.Namespace) -> int:
+    out = mcore_to_hf(
+        args.ckpt,
+        args.out,
+        hf_config_from=args.hf_config_from,
+        max_shard_size=args.max_shard_size,
+        tp=args.tp,
+        pp=args.pp,
+        device=args.device,
+    )
+    if _is_rank0():
+        print(f"wrote {out}")
+    return 0
+
+
+def add_convert_subparser(subparsers: Any) -> None:
+    """Add `convert hf-to-mcore|mcore-to-hf` to the `megatron-dapo` command's subparsers.
+
+    Each leaf sets ``func`` (argparse.Namespace -> exit code); UserErrors propagate to the
+    CLI, which prints one line and exits 2. Call parallel.destroy() after func returns.
+    """
+    convert = subparsers.add_parser("convert", help="convert checkpoints between HF and Megatron torch_dist")
+    sub = convert.add_subparsers(dest="direction", required=True, parser_class=type(convert))
+    to_mcore = sub.add_parser("hf-to-mcore", help="HF safetensors -> torch_dist model checkpoint")
+    _add_hf_to_mcore_args(to_mcore)
+    to_mcore.set_defaults(func=_run_hf_to_mcore)
+    to_hf = sub.add_parser("mcore-to-hf", help="torch_dist checkpoint -> HF safetensors directory")
+    _add_mcore_to_hf_args(to_hf)
+    to_hf.set_defaults(func=_run_mcore_to_hf)
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def tool_main(direction: str, argv: list[str] | None = None) -> int:
+    """Entry point of tools/convert_{hf_to_mcore,mcore_to_hf}.py: exit code, one line on user errors."""
+    prog = {"hf-to-mcore": "convert_hf_to_mcore", "mcore-to-hf": "convert_mcore_to_hf"}[direction]
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+    if direction == "hf-to-mcore":
+        _add_hf_to_mcore_args(parser)
+        run = _run_hf_to_mcore
+    else:
+        _add_mcore_to_hf_args(parser)
+        run = _run_mcore_to_hf
+    args = parser.parse_args(argv)
+    from megatron_dapo import parallel
+
+    try:
+        return run(args)
+    except UserError as e:
+        if _is_rank0():
+            print(f"{prog}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    finally:
+        parallel.destroy()
