@@ -238,3 +238,77 @@ def test_make_plan_reuses_the_configs_world_size_check() -> None:
     with pytest.raises(ConfigError, match=r"^trainer.nnodes x trainer.n_gpus_per_node = 16x8 but the launcher "
                                           r"started 120 processes \(--nodes 15 x --gpus-per-node 8\)"):
         make_plan(cfg, resolve_model(cfg), nodes=15, gpus_per_node=8, hardware=H100)
+
+
+def _megatron_state_bytes() -> dict[str, object]:
+    """Bytes of params, grads and optimizer state that megatron-core really allocates, on this rank."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_dapo import parallel
+
+    dims = parallel.initialize_model_parallel(1, 1, seed=3)
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                               normalization="RMSNorm", add_bias_linear=False, bf16=True,
+                               params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                               hidden_dropout=0.0, attention_dropout=0.0)
+    model = Float16Module(config, GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                                           vocab_size=128, max_sequence_length=16))
+    ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
+                                                 use_distributed_optimizer=True), [ddp])
+    tokens = torch.arange(16).view(2, 8) % 128
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    ddp(tokens, torch.arange(8).expand(2, 8), None, labels=tokens).float().mean().backward()
+    ddp.finish_grad_sync()
+    update_ok, _, _ = opt.step()  # Adam's m and v exist after the first step
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    # get_megatron_optimizer returns a ChainedOptimizer over one DistributedOptimizer per buffer group.
+    shards = getattr(opt, "chained_optimizers", [opt])
+    master = sum(nbytes(p) for o in shards for group in o.shard_fp32_from_float16_groups for p in group)
+    adam = sum(nbytes(v) for o in shards for state in o.optimizer.state.values() for k, v in state.items()
+               if k in ("exp_avg", "exp_avg_sq"))
+    return {
+        "dp": dims.dp,
+        "num_params": sum(p.numel() for p in ddp.parameters()),
+        "param_dtypes": {str(p.dtype) for p in ddp.parameters()},
+        "params": sum(nbytes(b.param_data) for b in ddp.buffers),
+        "grads": sum(nbytes(b.grad_data) for b in ddp.buffers),
+        "grad_dtype": str(ddp.buffers[0].grad_data.dtype),
+        "optimizer": master + adam,
+        "update_ok": update_ok,
+    }
+
+
+@pytest.mark.multirank
+def test_bytes_per_param_is_what_megatron_core_allocates() -> None:
+    """The planner's 6 + 12/DP against the buffers of a real DDP + distributed optimizer at DP 2."""
+    from dist_utils import run_distributed
+
+    from megatron_dapo.plan import model_state_bytes_per_param
+
+    ranks = run_distributed(_megatron_state_bytes, 2, timeout_s=300)
+    expected, formula = model_state_bytes_per_param(bf16=True, distributed_optimizer=True, dp=2)
+    assert (expected, formula) == (12.0, "6 + 12/DP = 6 + 12/2")
+    total_optimizer = 0
+    for r in ranks:
+        n = r["num_params"]
+        assert (r["dp"], r["param_dtypes"], r["grad_dtype"], r["update_ok"]) == (2, {"torch.bfloat16"},
+                                                                                  "torch.float32", True)
+        # Buffers are padded for aligned sharding: at most 0.2% over the formula here.
+        assert 2 * n <= r["params"] <= 2.002 * n
+        assert 4 * n <= r["grads"] <= 4.004 * n
+        assert (r["params"] + r["grads"] + r["optimizer"]) / n == pytest.approx(expected, rel=2e-3)
+        total_optimizer += r["optimizer"]
+    # The two shards hold fp32 master + m + v of every parameter exactly once (plus padding).
+    assert 12 * n <= total_optimizer <= 12.01 * n
