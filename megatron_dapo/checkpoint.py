@@ -464,9 +464,7 @@ def resolve_resume(resume: str, checkpoint_root: str | os.PathLike[str]) -> Path
         return latest_checkpoint(checkpoint_root)
     path = Path(resume)
     if path.is_dir() and not (path / MANIFEST).is_file():
-        found = latest_checkpoint(path)
-        if found is not None:
-            return found
+        path = latest_checkpoint(path) or path
     read_manifest(path)
     return path
 
@@ -614,6 +612,10 @@ class CheckpointManager:
             with _torch_adam_step_kept_aside(optimizer):
                 optimizer.load_state_dict(loaded["optimizer"])
         if scheduler is not None and manifest.get("has_scheduler") and "scheduler" in loaded:
+            if hasattr(scheduler, "num_steps"):
+                # OptimizerParamScheduler.load_state_dict ADDS the saved step count to its
+                # own: a scheduler that already stepped would end up ahead.
+                scheduler.num_steps = 0
             scheduler.load_state_dict(loaded["scheduler"])
         if load_rng and manifest.get("has_rng"):
             self._load_rng(ckpt, manifest, model_chunks)
