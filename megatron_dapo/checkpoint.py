@@ -33,6 +33,7 @@ that admits only checkpoint metadata classes (and checks every shard file's leng
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
 import json
 import logging
@@ -63,8 +64,11 @@ RNG_DIR = "rng"
 HF_DIR = "hf"
 TRAINER_STATE = "trainer_state.json"
 CONFIG_YAML = "config.yaml"
-OPTIMIZER_SHARDING = "fully_reshardable"
-"""Distributed-optimizer format: canonical per-parameter state, loadable at any TP/PP/DP."""
+OPTIMIZER_SHARDINGS = ("fully_reshardable", "dp_reshardable")
+"""Distributed-optimizer formats: fully_reshardable (default) gathers each parameter's state
+on DP rank 0 into canonical per-parameter tensors, loadable at any TP/PP/DP;
+dp_reshardable writes every rank's flat buffers in parallel (faster, less memory at 32B
+scale) but then loads only at the same TP/PP (any DP)."""
 
 _STEP_RE = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
@@ -478,12 +482,21 @@ class CheckpointManager:
     Every rank constructs it with the same arguments and calls save/load collectively.
     """
 
-    def __init__(self, root: str | os.PathLike[str], keep_last: int = 2) -> None:
+    def __init__(
+        self, root: str | os.PathLike[str], keep_last: int = 2, optimizer_sharding: str = "fully_reshardable"
+    ) -> None:
         """
         Args:
             root: checkpoints directory, e.g. ``<output_dir>/checkpoints``.
             keep_last: keep the newest K checkpoints, delete older ones after a save (0 = all).
+            optimizer_sharding: one of OPTIMIZER_SHARDINGS, for saving (loading reads the
+                checkpoint's own).
         """
+        if optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise CheckpointError(
+                f"optimizer_sharding={optimizer_sharding!r} is not one of {OPTIMIZER_SHARDINGS}; pick one of those"
+            )
+        self.optimizer_sharding = optimizer_sharding
         if keep_last < 0:
             raise CheckpointError(
                 f"keep_last={keep_last} must be >= 0 (0 = keep all); fix trainer.max_checkpoints_to_keep"
@@ -553,6 +566,7 @@ class CheckpointManager:
             hf_dir=hf_dir,
             model_family=model_family,
             with_rng=True,
+            optimizer_sharding=self.optimizer_sharding,
         )
         if rank == 0:
             self._publish(tmp, final)
@@ -599,6 +613,14 @@ class CheckpointManager:
             )
         model_sd = model_sharded_state_dict(model_chunks)
         state: dict[str, Any] = model_sharded_state_dict(model_chunks)
+        if load_optimizer and manifest.get("optimizer_sharding") == "dp_reshardable":
+            saved, now = manifest.get("layout", {}), current_layout(model_chunks)
+            if (saved.get("tp"), saved.get("pp")) != (now["tp"], now["pp"]):
+                raise CheckpointError(
+                    f"checkpoint {ckpt} holds dp_reshardable optimizer state saved at tp={saved.get('tp')} "
+                    f"pp={saved.get('pp')}, which loads only at that TP/PP (now tp={now['tp']} pp={now['pp']}); "
+                    "resume with the saved layout, or load the model alone (optimizer=None)"
+                )
         if load_optimizer:
             _prime_optimizer_state(optimizer)
             state["optimizer"] = optimizer.sharded_state_dict(
@@ -705,20 +727,27 @@ def _write_checkpoint(
     hf_dir: str | os.PathLike[str] | None,
     model_family: str | None,
     with_rng: bool,
+    optimizer_sharding: str = OPTIMIZER_SHARDINGS[0],
 ) -> None:
     """Fill the (empty, existing) directory ``tmp`` on every rank; the manifest goes in last."""
     from megatron.core import dist_checkpointing
+
+    if importlib.util.find_spec("psutil") is None:
+        # Without it megatron's torch_dist writer dies in a forked worker and the save hangs.
+        raise CheckpointError(
+            "saving a torch_dist checkpoint needs psutil (megatron-core's writer uses it): pip install psutil"
+        )
 
     rank = _rank()
     state: dict[str, Any] = model_sharded_state_dict(model_chunks)
     if optimizer is not None:
         model_sd = model_sharded_state_dict(model_chunks)
         state["optimizer"] = optimizer.sharded_state_dict(
-            model_sd, is_loading=False, metadata=_optim_metadata()
+            model_sd, is_loading=False, metadata=_optim_metadata(optimizer_sharding)
         )
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, str(tmp / DIST_DIR), content_metadata=_optim_metadata())
+    dist_checkpointing.save(state, str(tmp / DIST_DIR), content_metadata=_optim_metadata(optimizer_sharding))
     if with_rng:
         buf = io.BytesIO()
         torch.save(capture_rng_state(), buf)
@@ -731,6 +760,7 @@ def _write_checkpoint(
         if hf_dir is not None:
             family = copy_hf_files(hf_dir, tmp / HF_DIR) or family
         manifest = build_manifest(model_chunks, step=step, family=family, has_optimizer=optimizer is not None)
+        manifest["optimizer_sharding"] = optimizer_sharding if optimizer is not None else None
         manifest["has_scheduler"] = scheduler is not None
         manifest["has_rng"] = with_rng
     _barrier()
@@ -864,7 +894,7 @@ def _step_preserving_setter(opt: Any) -> Any:
 def _optim_metadata(sharding: str | None = None) -> dict[str, Any]:
     """sharded_state_dict metadata for model and optimizer (as Megatron-LM builds it)."""
     return {
-        "distrib_optim_sharding_type": sharding or OPTIMIZER_SHARDING,
+        "distrib_optim_sharding_type": sharding or OPTIMIZER_SHARDINGS[0],
         "singleton_local_shards": False,
         "chained_optim_avoid_prefix": True,
     }
@@ -882,7 +912,7 @@ def build_manifest(
         "layout": current_layout(model_chunks),
         "params_dtype": str(unwrap(model_chunks[0]).config.params_dtype).removeprefix("torch."),
         "has_optimizer": has_optimizer,
-        "optimizer_sharding": OPTIMIZER_SHARDING if has_optimizer else None,
+        "optimizer_sharding": OPTIMIZER_SHARDINGS[0] if has_optimizer else None,
         "has_scheduler": False,
         "has_rng": False,
         "megatron_core": _mcore_version(),

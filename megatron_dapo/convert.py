@@ -356,22 +356,32 @@ def _add_mcore_to_hf_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_hf_to_mcore(args: argparse.Namespace) -> int:
-    out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, device=args.device)
+    from megatron_dapo import parallel
+
+    try:
+        out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, device=args.device)
+    finally:
+        parallel.destroy()
     if _is_rank0():
         print(f"wrote {out} (tp={args.tp} pp={args.pp}; loads at any layout)")
     return 0
 
 
 def _run_mcore_to_hf(args: argparse.Namespace) -> int:
-    out = mcore_to_hf(
-        args.ckpt,
-        args.out,
-        hf_config_from=args.hf_config_from,
-        max_shard_size=args.max_shard_size,
-        tp=args.tp,
-        pp=args.pp,
-        device=args.device,
-    )
+    from megatron_dapo import parallel
+
+    try:
+        out = mcore_to_hf(
+            args.ckpt,
+            args.out,
+            hf_config_from=args.hf_config_from,
+            max_shard_size=args.max_shard_size,
+            tp=args.tp,
+            pp=args.pp,
+            device=args.device,
+        )
+    finally:
+        parallel.destroy()
     if _is_rank0():
         print(f"wrote {out}")
     return 0
@@ -381,7 +391,7 @@ def add_convert_subparser(subparsers: Any) -> None:
     """Add `convert hf-to-mcore|mcore-to-hf` to the `megatron-dapo` command's subparsers.
 
     Each leaf sets ``func`` (argparse.Namespace -> exit code); UserErrors propagate to the
-    CLI, which prints one line and exits 2. Call parallel.destroy() after func returns.
+    CLI, which prints one line and exits 2. func tears down the process groups it made.
     """
     convert = subparsers.add_parser("convert", help="convert checkpoints between HF and Megatron torch_dist")
     sub = convert.add_subparsers(dest="direction", required=True, parser_class=type(convert))
@@ -408,13 +418,9 @@ def tool_main(direction: str, argv: list[str] | None = None) -> int:
         _add_mcore_to_hf_args(parser)
         run = _run_mcore_to_hf
     args = parser.parse_args(argv)
-    from megatron_dapo import parallel
-
     try:
         return run(args)
     except UserError as e:
         if _is_rank0():
             print(f"{prog}: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
-    finally:
-        parallel.destroy()

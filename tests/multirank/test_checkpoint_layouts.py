@@ -216,11 +216,12 @@ def test_tp2_checkpoint_loads_at_tp1_and_pp2_with_equal_logits_and_next_step() -
 
 
 def _resume_exactness(root: str) -> dict:
-    """Dropout on: only restored RNG states make the continued run repeat itself."""
+    """Dropout on: only restored RNG states make the continued run repeat itself. Uses the
+    dp_reshardable optimizer format (the other test covers fully_reshardable)."""
     from megatron_dapo.checkpoint import CheckpointManager
 
     _, ddp, opt, sched = _build(tp=2, pp=1, dropout=0.1)
-    mgr = CheckpointManager(root, keep_last=1)
+    mgr = CheckpointManager(root, keep_last=1, optimizer_sharding="dp_reshardable")
     for step in range(2):
         _train_step(ddp, opt, sched, step)
     mgr.save(2, [ddp], opt, sched, {"step": 2}, {})

@@ -154,3 +154,21 @@ def test_parse_size(text: str, size: int) -> None:
 def test_parse_size_rejects_garbage() -> None:
     with pytest.raises(UserError, match=r"--max-shard-size 'lots' is not a size; write e.g. 5GB"):
         parse_size("lots")
+
+
+def test_convert_subparser_wires_both_directions() -> None:
+    import argparse
+
+    from megatron_dapo.convert import add_convert_subparser
+
+    parser = argparse.ArgumentParser(prog="megatron-dapo")
+    add_convert_subparser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["convert", "hf-to-mcore", "--hf", "H", "--out", "O", "--tp", "2"])
+    assert (args.hf, args.out, args.tp, args.pp, args.func.__name__) == ("H", "O", 2, 1, "_run_hf_to_mcore")
+    args = parser.parse_args(["convert", "mcore-to-hf", "--ckpt", "C", "--out", "O", "--max-shard-size", "1GB"])
+    assert (args.ckpt, args.hf_config_from, args.max_shard_size, args.func.__name__) == (
+        "C",
+        None,
+        "1GB",
+        "_run_mcore_to_hf",
+    )
