@@ -137,17 +137,41 @@ def test_pre_timeout_signal_requeues_the_job(slurm_cluster: SlurmCluster, tmp_pa
 
 # ------------------------------------------------------------------ with the trainer
 
-# A few seconds per step on two CPU ranks: the embedded task at its smallest.
+# A few seconds per step on two CPU ranks: a 2-layer random-init model, groups of 4, and a
+# reward with spread in every group (slurm_rewards.py) so dynamic sampling fills each batch.
 TINY_FAST = [
     "model.sft_warm_start.enable=false",
-    "trainer.val_before_train=false",
-    "trainer.test_freq=0",
+    "model.scratch.hidden_size=64",
+    "model.scratch.num_layers=2",
+    "model.scratch.intermediate_size=128",
+    "model.scratch.max_position_embeddings=88",
+    "data.max_prompt_length=80",
+    "data.max_response_length=8",
     "data.train_batch_size=4",
     "data.gen_batch_size=8",
+    "data.embedded.num_train=200",
+    "data.embedded.num_val=8",
     "rollout.n=4",
-    "trainer.ppo_mini_batch_size=4",
+    "reward.reward_fn=slurm_rewards:byte_parity",
     "reward.num_workers=0",
+    "reward.overlong_buffer.len=4",
+    "optim.lr=1e-3",
+    "optim.lr_warmup_steps=1",
+    "trainer.val_before_train=false",
+    "trainer.test_freq=0",
+    "trainer.ppo_mini_batch_size=2",
+    "trainer.max_tokens_per_microbatch=256",
+    "trainer.logprob_chunk_size=64",
 ]
+
+
+@pytest.fixture(scope="module")
+def trainer_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for trainer jobs: the test reward importable, caches (tokenizer) in one tmp dir."""
+    if (reason := _trainer_missing()) is not None:
+        pytest.skip(reason)
+    return {"PYTHON": sys.executable, "PYTHONPATH": f"{PROBE_DIR}:{REPO}",
+            "MEGATRON_DAPO_CACHE": str(tmp_path_factory.mktemp("cache"))}
 
 
 def _steps(out_dir: Path) -> list[int]:
@@ -157,31 +181,28 @@ def _steps(out_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
 
 
-def test_tiny_run_completes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    if (reason := _trainer_missing()) is not None:
-        pytest.skip(reason)
+def test_tiny_run_completes(slurm_cluster: SlurmCluster, trainer_env: dict[str, str], tmp_path: Path) -> None:
     log = tmp_path / "tiny.out"
     out_dir = tmp_path / "run"
     overrides = " ".join([*TINY_FAST, "trainer.total_training_steps=3", "trainer.save_interval=0",
                           f"trainer.output_dir={out_dir}"])
     job = _submit(slurm_cluster, "slurm/dapo_tiny.sbatch", log, wait=True,
-                  env={"OVERRIDES": overrides, "PYTHON": sys.executable, "LOG_ROOT": str(tmp_path / "logs")})
+                  env={**trainer_env, "OVERRIDES": overrides, "LOG_ROOT": str(tmp_path / "logs")})
     assert _steps(out_dir) == [1, 2, 3], _read(log)
     assert f"job {job} attempt 0: ranks exited with 0" in _read(log)
     assert not (out_dir / "PREEMPTED").exists()
     assert slurm_cluster.job_field(job, "Restarts") == "0"
 
 
-def test_signal_saves_requeues_and_resumes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    if (reason := _trainer_missing()) is not None:
-        pytest.skip(reason)
+def test_signal_saves_requeues_and_resumes(slurm_cluster: SlurmCluster, trainer_env: dict[str, str],
+                                           tmp_path: Path) -> None:
     log = tmp_path / "resume.out"
     out_dir = tmp_path / "run"
-    total = 6
+    total = 10
     overrides = " ".join([*TINY_FAST, f"trainer.total_training_steps={total}", "trainer.save_interval=100",
                           f"trainer.output_dir={out_dir}"])
     job = _submit(slurm_cluster, "slurm/dapo_tiny.sbatch", log,
-                  env={"OVERRIDES": overrides, "PYTHON": sys.executable, "LOG_ROOT": str(tmp_path / "logs")})
+                  env={**trainer_env, "OVERRIDES": overrides, "LOG_ROOT": str(tmp_path / "logs")})
     _wait_for(lambda: len(_steps(out_dir)) >= 1, 180, "the first step", log)
     slurm_cluster.run("scancel", "--signal=USR1", job)
     _wait_for(lambda: slurm_cluster.job_field(job, "Restarts") == "1", 120, "the requeue", log)
