@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -43,12 +44,15 @@ _CUDA_TYPE_NAMES = {
 }
 
 _cpu_mode: _CudaToCpuMode | None = None
+_thread_state = threading.local()
 
 
 def setup_device(kind: str = "auto") -> torch.device:
     """Select this process' device; without CUDA, make megatron-core CPU-capable.
 
     Idempotent: calling it again returns the same device and installs nothing twice.
+    On CPU, a thread other than the main one that creates megatron tensors must call it
+    too (the device-remapping mode is per thread; the rest of the layer is global).
 
     Args:
         kind: "auto" (CUDA when available, else CPU), "cuda" (fail without CUDA) or "cpu"
@@ -242,12 +246,14 @@ def _patch_megatron_rng() -> None:
 
 def _install_cpu_layer() -> None:
     global _cpu_mode
-    if _cpu_mode is not None:
-        return
-    assert not torch.cuda.is_available(), "the CPU layer must never patch a live CUDA runtime"
-    _patch_torch_cuda()
-    _patch_megatron_rng()
-    mode = _CudaToCpuMode()
-    # Entered for the life of the process: megatron creates CUDA tensors at arbitrary depth.
-    mode.__enter__()
-    _cpu_mode = mode
+    if _cpu_mode is None:
+        assert not torch.cuda.is_available(), "the CPU layer must never patch a live CUDA runtime"
+        _patch_torch_cuda()
+        _patch_megatron_rng()
+        _cpu_mode = _CudaToCpuMode()
+    # Torch function modes live on a per-thread stack, so every thread that builds or
+    # moves megatron tensors needs its own push; it stays entered for the thread's life
+    # because megatron creates CUDA tensors at arbitrary depth.
+    if not getattr(_thread_state, "mode_entered", False):
+        _cpu_mode.__enter__()
+        _thread_state.mode_entered = True

@@ -128,7 +128,9 @@ def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> Di
     if _env is not None:
         return _env
     rank, world_size, local_rank = launcher_ranks()
-    if rank == 0 and world_size == 1 and "MASTER_ADDR" not in os.environ:
+    if not _launched():
+        # A one-process world rendezvous with itself: a MASTER_ADDR left in the shell by
+        # another job would make it wait for a host that never answers.
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
     os.environ["LOCAL_RANK"] = str(local_rank)
@@ -333,6 +335,13 @@ def launcher_ranks() -> tuple[int, int, int]:
             env["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
         return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
     return 0, 1, 0
+
+
+def _launched() -> bool:
+    """Whether torchrun or SLURM started this process (else it is a one-process world)."""
+    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or (
+        "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
+    )
 
 
 def first_slurm_host(nodelist: str) -> str:

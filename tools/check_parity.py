@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 DEFAULT_TOLERANCE = {"fp32": 1e-4, "bf16": 0.1}
 
@@ -118,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: bad input -> one line on stderr and exit code 2."""
     args = parse_args(argv)
+    # megatron-core announces its CPU fallbacks on import; on CPU that is expected, and it
+    # would bury the one-line error below.
+    warnings.filterwarnings(
+        "ignore", message=r".*(Transformer Engine|Apex).*not installed", category=UserWarning
+    )
     from megatron_dapo import parallel
 
     try:

@@ -6,6 +6,8 @@ run in a spawned rank: the pytest process itself must stay unpatched.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from dist_utils import WorkerError, run_distributed
@@ -30,6 +32,15 @@ def _cpu_layer_checks() -> dict[str, object]:
     after = torch.get_rng_state()
     with tracker.fork():
         forked_next = torch.rand(4)
+    in_thread: list[str] = []
+
+    def make_tensor_in_thread() -> None:
+        setup_device("auto")
+        in_thread.append(str(torch.zeros(1, device="cuda").device))
+
+    thread = threading.Thread(target=make_tensor_in_thread)
+    thread.start()
+    thread.join()
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     torch.cuda.synchronize()
@@ -48,6 +59,7 @@ def _cpu_layer_checks() -> dict[str, object]:
         "elapsed": event.elapsed_time(event),
         "backend": torch.distributed.get_backend(),
         "is_controller": dims.is_controller,
+        "in_thread": in_thread,
     }
 
 
@@ -68,6 +80,7 @@ def test_cpu_layer_maps_cuda_to_cpu_and_forks_rng() -> None:
         "elapsed": 0.0,
         "backend": "gloo",
         "is_controller": True,
+        "in_thread": ["cpu"],
     }
 
 
@@ -191,7 +204,9 @@ def test_impossible_layouts_raise_one_line(kwargs: dict[str, int], message: str)
 
 def test_slurm_env_gives_ranks_and_master(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(key, raising=False)
+        # setenv first so that monkeypatch records the key and removes what launcher_ranks exports.
+        monkeypatch.setenv(key, "unset-by-test")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("SLURM_PROCID", "5")
     monkeypatch.setenv("SLURM_NTASKS", "8")
     monkeypatch.setenv("SLURM_LOCALID", "1")

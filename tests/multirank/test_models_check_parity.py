@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -25,8 +26,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def _run(command: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+def _run(command: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
 
 
 @pytest.mark.parametrize(("family", "tp", "pp"), [("qwen2", 2, 1), ("llama_tied", 1, 2)])
@@ -56,7 +57,9 @@ def test_torchrun_two_ranks_pass(tiny: dict[str, Path], family: str, tp: int, pp
 def test_difference_above_tolerance_exits_1(tiny: dict[str, Path]) -> None:
     # bf16 rounding differs between the two implementations by ~1e-3 in log p, far above 1e-6.
     command = [sys.executable, str(TOOL), "--hf-checkpoint", str(tiny["qwen2"]), "--num-tokens", "8"]
-    proc = _run([*command, "--dtype", "bf16", "--tolerance", "1e-6"])
+    # A stale MASTER_ADDR from the shell must not capture a one-process run's rendezvous.
+    env = {**os.environ, "MASTER_ADDR": "unreachable.invalid", "MASTER_PORT": "1"}
+    proc = _run([*command, "--dtype", "bf16", "--tolerance", "1e-6"], env=env)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     match = RESULT.search(proc.stdout)
     assert match is not None and match.group(1) == "FAIL"
