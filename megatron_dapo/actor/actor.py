@@ -1,0 +1,410 @@
+"""The Megatron actor: old log-probs (step 5) and the DAPO update (step 6) on any TP x PP x DP layout.
+
+`MegatronActor` owns this rank's pipeline stage of a GPTModel (built and loaded by a
+model adapter), wrapped in megatron-core's DistributedDataParallel, the (distributed)
+Megatron optimizer and a linear-warm-up-then-constant learning rate. Every rank calls
+the same methods with its data-parallel share of the batch (all TP and PP ranks of one
+data-parallel replica pass the same sequences).
+
+Global token-mean. DAPO's loss is the sum of per-token losses over the whole mini-batch
+divided by the number of those tokens. Megatron-core 0.16 normalises in two places, and
+both are undone so that the summed gradient is exactly that of the whole-batch loss:
+- the pipeline schedules divide a loss function's `(loss, reduced)` result by the number
+  of micro-batches (and multiply it by the context-parallel size) in forward_step_calc_loss;
+- DDP pre-scales gradients by 1 / (dp x cp) before summing them over data-parallel ranks
+  (calculate_per_token_loss=False, average_in_collective=False).
+So each micro-batch returns `(local loss sum / global count) x num_microbatches x dp`,
+where the global valid-token count (and sequence count, for the seq-* modes) is summed
+over micro-batches and all-reduced over data-parallel ranks before the step. Megatron's
+own per-token mode (calculate_per_token_loss) would also do token-mean, but it divides
+the gradient by a token count only, so it cannot express the seq-* modes or a KL/entropy
+term with its own normaliser; the explicit scale covers all of them in one rule.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_dapo.actor.logprobs import (
+    log_probs_and_entropy,
+    log_probs_from_logits,
+    te_parallel_cross_entropy_fn,
+)
+from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_microbatch, pack_microbatches
+from megatron_dapo.algo import LOSS_AGG_MODES, agg_loss, compute_policy_loss, kl_penalty
+from megatron_dapo.config import AlgorithmConfig, OptimConfig
+from megatron_dapo.models import ModelAdapter, te_available
+from megatron_dapo.parallel import ParallelDims
+
+__all__ = ["LossSettings", "MegatronActor", "WarmupConstantLR", "make_optimizer_config"]
+
+# Order of the per-micro-batch metric sums in the reduced vector.
+_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
+
+
+@dataclass(kw_only=True, slots=True)
+class LossSettings:
+    """What the DAPO loss of one update needs (from algorithm.* and rollout.temperature)."""
+
+    clip_ratio_low: float = 0.2
+    """eps_low of Clip-Higher."""
+    clip_ratio_high: float = 0.28
+    """eps_high of Clip-Higher."""
+    clip_ratio_c: float | None = None
+    """Dual-clip bound for negative advantages; None = off."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean (DAPO, global over the mini-batch) or a seq-* mode."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef x KL(pi || pi_ref); needs ref_log_probs in the batch."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL term."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator (see algo.kl)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature: the policy is softmax(logits / temperature)."""
+    loss_scale_factor: float | None = None
+    """Divisor of seq-mean-token-sum-norm; None = the longest sequence of the mini-batch (all DP ranks)."""
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r} (algorithm.loss_agg_mode) is not one of "
+                             f"{', '.join(LOSS_AGG_MODES)}")
+        if self.temperature <= 0:
+            raise ValueError(f"temperature={self.temperature} (rollout.temperature) must be > 0 for the actor; "
+                             "greedy rollouts cannot be trained on")
+
+    @classmethod
+    def from_config(cls, algorithm: AlgorithmConfig, temperature: float) -> LossSettings:
+        """Settings from the algorithm section and the rollout temperature."""
+        return cls(
+            clip_ratio_low=algorithm.clip_ratio_low, clip_ratio_high=algorithm.clip_ratio_high,
+            clip_ratio_c=algorithm.clip_ratio_c, loss_agg_mode=algorithm.loss_agg_mode,
+            entropy_coeff=algorithm.entropy_coeff, use_kl_loss=algorithm.use_kl_loss,
+            kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, temperature=temperature,
+        )
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmupConstantLR:
+    """Linear warm-up over `warmup_steps` optimizer steps, then constant (the DAPO paper)."""
+
+    lr: float
+    """Learning rate after warm-up."""
+    warmup_steps: int = 0
+    """Steps of warm-up; update k (0-based) uses lr x (k + 1) / warmup_steps, so none is wasted at 0."""
+    num_steps: int = 0
+    """Optimizer steps taken so far (checkpointed)."""
+
+    def current(self) -> float:
+        """The learning rate of the next optimizer step."""
+        if self.num_steps >= self.warmup_steps:
+            return self.lr
+        return self.lr * (self.num_steps + 1) / self.warmup_steps
+
+    def state_dict(self) -> dict[str, float | int]:
+        """What a checkpoint stores (the schedule's position and shape)."""
+        return {"lr": self.lr, "warmup_steps": self.warmup_steps, "num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        """Resume the schedule's position; lr and warm-up stay as configured for this run."""
+        self.num_steps = int(state["num_steps"])
+
+
+def make_optimizer_config(optim: OptimConfig, *, dtype: torch.dtype, use_distributed_optimizer: bool) -> OptimizerConfig:
+    """megatron-core OptimizerConfig for AdamW from the optim section.
+
+    Args:
+        optim: the optim section (lr, weight decay, betas, eps, clip).
+        dtype: parameter dtype; bf16 keeps fp32 master weights and fp32 gradients.
+        use_distributed_optimizer: shard optimizer state over data-parallel ranks.
+
+    Returns:
+        The OptimizerConfig (optimizer "adam" with decoupled weight decay = AdamW).
+    """
+    return OptimizerConfig(
+        optimizer="adam", lr=optim.lr, min_lr=optim.lr, weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1, adam_beta2=optim.adam_beta2, adam_eps=optim.adam_eps,
+        # clip 0 = off; an infinite bound still has megatron compute (and report) the norm.
+        clip_grad=optim.clip_grad if optim.clip_grad > 0 else math.inf,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+
+
+class MegatronActor:
+    """One pipeline stage of the policy with DDP, the Megatron optimizer and an lr schedule.
+
+    Args:
+        adapter: the model family's adapter (builds the GPTModel, loads HF weights).
+        dims: this rank's layout.
+        optimizer_config: megatron-core OptimizerConfig (make_optimizer_config); its
+            params_dtype is the model dtype.
+        lr_warmup_steps: linear warm-up steps of the learning rate.
+        hf_checkpoint: HF checkpoint directory to load; None keeps the random init.
+        recompute: activation recompute, "none" | "full" | "selective".
+        max_tokens_per_microbatch: token budget of one micro-batch (trainer.max_tokens_per_microbatch).
+        logprob_chunk_size: tokens per chunk of the log-prob/entropy computation.
+        packed: thd-packed micro-batches without padding (needs TE attention on CUDA);
+            None = packed exactly when TE is usable.
+    """
+
+    def __init__(
+        self,
+        *,
+        adapter: ModelAdapter,
+        dims: ParallelDims,
+        optimizer_config: OptimizerConfig,
+        lr_warmup_steps: int = 0,
+        hf_checkpoint: str | Path | None = None,
+        recompute: str = "none",
+        max_tokens_per_microbatch: int = 16384,
+        logprob_chunk_size: int = 1024,
+        packed: bool | None = None,
+    ) -> None:
+        use_te = te_available()
+        if packed is None:
+            packed = use_te
+        if packed and not use_te:
+            raise ValueError("packed=True needs Transformer Engine attention on CUDA (thd format); "
+                             "use packed=False (padded micro-batches) on this machine")
+        if max_tokens_per_microbatch < 1:
+            raise ValueError(f"max_tokens_per_microbatch={max_tokens_per_microbatch} must be >= 1")
+        self.adapter = adapter
+        self.dims = dims
+        self.packed = packed
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        self.logprob_chunk_size = logprob_chunk_size
+        self.vocab_size = adapter.hf.vocab_size
+
+        # init_weights=True even when loading: megatron-core 0.16 marks tensor-parallel
+        # shards (param.tensor_model_parallel, partition_dim) only inside its weight
+        # initialisers, and without those marks the optimizer's grad norm (the clip)
+        # counts each TP-sharded weight on TP rank 0 only.
+        model = adapter.build_model(dims, dtype=optimizer_config.params_dtype, recompute=recompute,
+                                    use_te=use_te, init_weights=True)
+        if hf_checkpoint is not None:
+            adapter.load_hf(model, hf_checkpoint, dims)  # before the optimizer copies fp32 masters
+        config = model.config
+        if config.calculate_per_token_loss:
+            raise ValueError("the model config has calculate_per_token_loss=True; the actor normalises the "
+                             "loss itself (global token-mean), build the model with it False")
+        # Micro-batches differ in shape: the pipeline must send shapes before tensors.
+        config.variable_seq_lengths = dims.pp > 1
+        config.finalize_model_grads_func = finalize_model_grads
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
+        )
+        self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
+        if optimizer_config.fp16:
+            config.grad_scale_func = self.optimizer.scale_loss
+        self.scheduler = WarmupConstantLR(lr=optimizer_config.lr, warmup_steps=lr_warmup_steps)
+
+    # ------------------------------------------------------------------ micro-batching
+
+    def _microbatches(self, batch: RolloutBatch) -> list[MicroBatch]:
+        """Token-budget micro-batches, as many on this rank as on the busiest DP rank."""
+        lengths = batch.seq_lens.tolist()
+        local = pack_microbatches(lengths, self.max_tokens_per_microbatch, padded=not self.packed)
+        count = torch.tensor([len(local)], device=self.dims.device)
+        if self.dims.dp > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+        plan = pack_microbatches(lengths, self.max_tokens_per_microbatch, padded=not self.packed,
+                                 num_microbatches=int(count))
+        on_device = _to_device(batch, self.dims.device)
+        return [build_microbatch(on_device, idx, packed=self.packed) for idx in plan]
+
+    def _run(self, microbatches: list[MicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
+        """Megatron's schedule over the micro-batches; returns the last stage's loss-function outputs."""
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iterator)
+            output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+            return output, partial(loss_func, mb)
+
+        first = microbatches[0].input_ids
+        return get_forward_backward_func(pp_size=self.dims.pp)(
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.model],
+            num_microbatches=len(microbatches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
+            forward_only=forward_only, collect_non_loss_data=forward_only,
+        )
+
+    def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float,
+                     entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy rows [n, S] of a micro-batch from its vocab-parallel logits."""
+        logits = output.reshape(-1, output.shape[-1])  # [n*S or sum L, V/tp]
+        targets = mb.targets.reshape(-1)
+        if mb.flat_index is not None:
+            targets = targets[mb.flat_index]
+        tp_group = self.dims.tp_group if self.dims.tp > 1 else None
+        kwargs = {"temperature": temperature, "tp_group": tp_group, "chunk_size": self.logprob_chunk_size,
+                  "vocab_size": self.vocab_size}
+        if not entropy_grad and torch.is_grad_enabled() and te_parallel_cross_entropy_fn() and logits.is_cuda:
+            # The fused kernel gives log-probs with gradient; entropy is then only a metric.
+            log_prob = log_probs_from_logits(logits, targets, **kwargs)
+            with torch.no_grad():
+                entropy = log_probs_and_entropy(logits.detach(), targets, **kwargs)[1]
+        else:
+            log_prob, entropy = log_probs_and_entropy(logits, targets, **kwargs)
+        return mb.to_rows(log_prob), mb.to_rows(entropy)
+
+    # ----------------------------------------------------------------------- step 5
+
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-probs and entropies of this rank's sequences under the current weights (forward only).
+
+        Collective over the model-parallel and data-parallel groups; the result is
+        broadcast from the last pipeline stage, so every rank of the replica returns it.
+
+        Args:
+            batch: this data-parallel rank's sequences (old_log_probs/advantages unused).
+            temperature: the rollout temperature; probabilities are softmax(logits / temperature).
+
+        Returns:
+            (log_probs [B, S], entropy [B, S]) fp32 on dims.device, aligned with
+            batch.input_ids: [b, t] is log p(token t | tokens < t) and the entropy of that
+            distribution; 0 at t = 0 and on padding.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} (rollout.temperature) must be > 0")
+        microbatches = self._microbatches(batch)
+        num_seqs, width = batch.input_ids.shape
+        out = torch.zeros(2, num_seqs, width, dtype=torch.float32, device=self.dims.device)
+
+        def keep(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True) -> None:
+            log_prob, entropy = self._token_stats(mb, output, temperature, entropy_grad=False)
+            if mb.indices:
+                rows = torch.as_tensor(mb.indices, device=out.device)
+                cols = mb.targets.shape[1]
+                # Row position t predicts token t + 1.
+                out[0, rows, 1:cols + 1] = torch.where(mb.valid, log_prob, 0.0)[:, : width - 1]
+                out[1, rows, 1:cols + 1] = torch.where(mb.valid, entropy, 0.0)[:, : width - 1]
+
+        self.model.eval()
+        with torch.no_grad():
+            self._run(microbatches, keep, forward_only=True)
+        if self.dims.pp > 1:
+            dist.broadcast(out, src=self.dims.pp_global_ranks[-1], group=self.dims.pp_group)
+        return out[0], out[1]
+
+    # ----------------------------------------------------------------------- step 6
+
+    def train_step(self, batch: RolloutBatch, loss: LossSettings) -> dict[str, float]:
+        """One optimizer step on this rank's share of a mini-batch with the DAPO loss.
+
+        Collective over all ranks. The loss of every micro-batch is its local sum over the
+        mini-batch's global counts, so the gradient equals that of the whole mini-batch's
+        loss for any micro-batch budget and any TP/PP/DP layout.
+
+        Args:
+            batch: this data-parallel rank's sequences with old_log_probs and advantages
+                (and ref_log_probs when loss.use_kl_loss).
+            loss: the loss settings.
+
+        Returns:
+            verl-named metrics, identical on every rank: actor/pg_loss, actor/pg_clipfrac,
+            actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy (token-mean over the
+            mini-batch), actor/grad_norm (before clipping), actor/lr, and actor/kl_loss when
+            the KL loss is on.
+        """
+        if batch.old_log_probs is None or batch.advantages is None:
+            raise ValueError("train_step needs batch.old_log_probs and batch.advantages; compute old log-probs "
+                             "with compute_log_probs (step 5) and advantages before the update")
+        if loss.use_kl_loss and batch.ref_log_probs is None:
+            raise ValueError("use_kl_loss=True but batch.ref_log_probs is None; compute reference log-probs "
+                             "or set algorithm.use_kl_loss=false")
+        dims = self.dims
+        microbatches = self._microbatches(batch)
+        num_mb = len(microbatches)
+        valid_mask = [mb.loss_mask for mb in microbatches]
+        # [tokens, sequences] of the whole mini-batch, and the longest sequence for *-norm.
+        counts = torch.stack([
+            sum(m.sum() for m in valid_mask), sum(m.any(dim=-1).sum() for m in valid_mask)
+        ]).to(torch.int64)
+        longest = batch.seq_lens.max().reshape(1).to(dims.device)
+        if dims.dp > 1:
+            dist.all_reduce(counts, group=dims.dp_group)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=dims.dp_group)
+        num_tokens, num_seqs = counts[0], counts[1]
+        scale_factor = loss.loss_scale_factor if loss.loss_scale_factor is not None else float(longest)
+        # Undo the schedule's 1/num_microbatches and DDP's 1/dp (module docstring).
+        undo_megatron_mean = num_mb * dims.dp
+
+        def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            log_prob, entropy = self._token_stats(mb, output, loss.temperature,
+                                                  entropy_grad=loss.entropy_coeff != 0)
+            agg = {"loss_agg_mode": loss.loss_agg_mode, "num_global_tokens": num_tokens,
+                   "num_global_seqs": num_seqs, "loss_scale_factor": scale_factor}
+            pg_loss, pg_metrics = compute_policy_loss(
+                log_prob, mb.old_log_probs, mb.advantages, mb.loss_mask, loss.clip_ratio_low,
+                loss.clip_ratio_high, loss.clip_ratio_c, **agg,
+            )
+            entropy_loss = agg_loss(entropy, mb.loss_mask, loss.loss_agg_mode, num_tokens, num_seqs, scale_factor)
+            total = pg_loss - loss.entropy_coeff * entropy_loss
+            kl_loss = torch.zeros((), device=total.device)
+            if loss.use_kl_loss:
+                kl = kl_penalty(log_prob, mb.ref_log_probs, loss.kl_loss_type)
+                kl_loss = agg_loss(kl, mb.loss_mask, loss.loss_agg_mode, num_tokens, num_seqs, scale_factor)
+                total = total + loss.kl_loss_coef * kl_loss
+            with torch.no_grad():
+                entropy_mean = agg_loss(entropy, mb.loss_mask, "token-mean", num_tokens)
+                reduced = torch.stack([pg_loss.detach(), pg_metrics["pg_clipfrac"], pg_metrics["pg_clipfrac_lower"],
+                                       pg_metrics["ppo_kl"], entropy_mean, kl_loss.detach()]).float()
+            return total * undo_megatron_mean, reduced
+
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(microbatches, loss_func, forward_only=False)
+        sums = torch.zeros(len(_METRICS), dtype=torch.float32, device=dims.device)
+        if dims.is_last_stage:
+            sums = torch.stack(outputs).sum(0)
+        if dims.pp > 1:
+            dist.broadcast(sums, src=dims.pp_global_ranks[-1], group=dims.pp_group)
+        if dims.dp > 1:
+            dist.all_reduce(sums, group=dims.dp_group)
+
+        lr = self.scheduler.current()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if not update_successful:
+            # Only fp16 loss scaling skips steps; the schedule does not advance on a skipped step.
+            grad_norm = math.nan
+        else:
+            self.scheduler.num_steps += 1
+        metrics = {f"actor/{name}": float(value) for name, value in zip(_METRICS, sums.tolist(), strict=True)}
+        if not loss.use_kl_loss:
+            del metrics["actor/kl_loss"]
+        metrics["actor/grad_norm"] = float(grad_norm)
+        metrics["actor/lr"] = lr
+        return metrics
+
+
+def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    def move(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return RolloutBatch(
+        input_ids=move(batch.input_ids), seq_lens=move(batch.seq_lens), response_mask=move(batch.response_mask),
+        old_log_probs=move(batch.old_log_probs), advantages=move(batch.advantages),
+        ref_log_probs=move(batch.ref_log_probs),
+    )
