@@ -136,5 +136,9 @@ def _worker(
         elif torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     # Written then renamed, so the parent never reads a half-written result.
-    torch.save(payload, partial)
+    try:
+        torch.save(payload, partial)
+    except Exception:
+        payload = ("error", f"the return value of {fn.__name__} cannot be saved:\n{traceback.format_exc()}")
+        torch.save(payload, partial)
     partial.rename(out)
