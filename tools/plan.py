@@ -10,7 +10,7 @@ from pathlib import Path
 # Runs from a checkout without `pip install -e .` too.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_dapo.plan import main  # noqa: E402
+from megatron_dapo.plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -213,6 +213,10 @@ def test_signal_saves_requeues_and_resumes(slurm_cluster: SlurmCluster, trainer_
     assert match is not None, text
     saved = int(match.group(1))
     assert 1 <= saved < total
-    # Resumed from the saved step: every step once, in order, none lost or repeated.
+    # The second attempt loaded that checkpoint (not a fresh start, which would also end
+    # with steps 1..total after the metrics file is truncated) ...
+    assert (out_dir / "checkpoints" / f"step_{saved}").is_dir()
+    assert re.search(rf"^0: .*resumed from \S*step_{saved} at step {saved}$", text, re.M), text
+    # ... and every step was logged once, in order, none lost or repeated.
     assert _steps(out_dir) == list(range(1, total + 1)), text
     assert not (out_dir / "PREEMPTED").exists()
