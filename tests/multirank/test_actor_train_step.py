@@ -10,7 +10,8 @@ that cuts the batch 1, 2 and 5 ways (DP ranks then run equalised counts):
   reference;
 - one plain SGD step (no decay, no clip, no momentum) moves the weights by exactly
   the float64 gradient of the whole-batch loss computed with transformers: the gradient
-  itself, with no optimizer in between to hide or amplify errors.
+  itself, with no optimizer in between to hide or amplify errors; for token-mean (DAPO)
+  and seq-mean-token-mean (GRPO, global sequence count).
 Several layouts share one spawned job since spawning and importing megatron dominate.
 """
 
@@ -80,17 +81,20 @@ def _hf_reference(directory: Path) -> dict[str, object]:
     mask[:, 0] = False
     old = (log_probs.detach() + t["noise_old"].double()).float().double()
     ref = (log_probs.detach() + t["noise_ref"].double()).float().double()
-    pg_loss, metrics = compute_policy_loss(log_probs, old, t["advantages"].double(), mask, LOSS["clip_ratio_low"],
-                                           LOSS["clip_ratio_high"], LOSS["clip_ratio_c"])
-    kl_loss = agg_loss(kl_penalty(log_probs, ref, LOSS["kl_loss_type"]), mask, "token-mean")
-    total = pg_loss - LOSS["entropy_coeff"] * agg_loss(entropy, mask, "token-mean") + LOSS["kl_loss_coef"] * kl_loss
-    total.backward()
-    return {
-        "log_probs": log_probs.detach(), "old": old.float(), "ref": ref.float(), "mask": mask,
-        "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
-        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "pg_loss": pg_loss.item(), "pg_clipfrac": metrics["pg_clipfrac"].item(), "kl_loss": kl_loss.item(),
-    }
+    out: dict[str, object] = {"log_probs": log_probs.detach(), "old": old.float(), "ref": ref.float(),
+                              "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        pg_loss, metrics = compute_policy_loss(log_probs, old, t["advantages"].double(), mask,
+                                               LOSS["clip_ratio_low"], LOSS["clip_ratio_high"],
+                                               LOSS["clip_ratio_c"], loss_agg_mode=mode)
+        kl_loss = agg_loss(kl_penalty(log_probs, ref, LOSS["kl_loss_type"]), mask, mode)
+        total = pg_loss - LOSS["entropy_coeff"] * agg_loss(entropy, mask, mode) + LOSS["kl_loss_coef"] * kl_loss
+        model.zero_grad()
+        total.backward(retain_graph=True)
+        out[f"grads/{mode}"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        if mode == "token-mean":
+            out.update(pg_loss=pg_loss.item(), pg_clipfrac=metrics["pg_clipfrac"].item(), kl_loss=kl_loss.item())
+    return out
 
 
 def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -134,9 +138,10 @@ def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Te
             out["steps"][ways] = {"metrics": metrics, "weights": export(a)}
         sgd = OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, lr=SGD_LR, min_lr=SGD_LR, weight_decay=0.0,
                               clip_grad=0.0, params_dtype=torch.float32, use_distributed_optimizer=False)
-        a = actor(sgd, BUDGETS[5])
-        a.train_step(mine, loss)
-        out["sgd_weights"] = export(a)
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            a = actor(sgd, BUDGETS[5])
+            a.train_step(mine, LossSettings(**LOSS, loss_agg_mode=mode))
+            out[f"sgd_weights/{mode}"] = export(a)
         out["indices"] = balance_across_dp(LENGTHS, dims.dp)[dims.dp_rank]
         results[(tp, pp)] = out
     return results
@@ -172,10 +177,11 @@ def _check_layout(out_by_rank: list[dict], layout: tuple[int, int], setup: dict)
         assert float(r["log_probs"][~valid].abs().max()) == 0.0
     r0 = out_by_rank[0][layout]
     # Plain SGD: (w0 - w1) / lr is the gradient; compare with float64 transformers.
-    grad_err = max(_rel((hf["weights"][n] - r0["sgd_weights"][n].double()) / SGD_LR, g)
-                   for n, g in hf["grads"].items())
-    errors["grad_rel"] = grad_err
-    assert grad_err < 1e-5, (layout, grad_err)
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        grad_err = max(_rel((hf["weights"][n] - r0[f"sgd_weights/{mode}"][n].double()) / SGD_LR, g)
+                       for n, g in hf[f"grads/{mode}"].items())
+        errors[f"grad_rel/{mode}"] = grad_err
+        assert grad_err < 1e-5, (layout, mode, grad_err)
     for ways in BUDGETS:
         step, ref_step = r0["steps"][ways], single["steps"][1]
         w_err = max(_rel(step["weights"][n], ref_step["weights"][n]) for n in ref_step["weights"])
