@@ -30,10 +30,10 @@ def _child_save(root: Path, kill_point: str) -> None:
     import torch
     from test_checkpoint_layouts import _build, _train_step
 
-    from megatron_dapo import checkpoint
+    from megatron_dapo.checkpoint import manager
 
     _, ddp, opt, sched = _build(tp=1, pp=1)
-    mgr = checkpoint.CheckpointManager(root / "ckpt", keep_last=2)
+    mgr = manager.CheckpointManager(root / "ckpt", keep_last=2)
     _train_step(ddp, opt, sched, 0)
     mgr.save(1, [ddp], opt, sched, {"step": 1}, {"seed": 7})
     torch.save({n: p.detach().clone() for n, p in ddp.module.named_parameters()}, root / "step1_params.pt")
@@ -49,11 +49,11 @@ def _child_save(root: Path, kill_point: str) -> None:
         return wrapper
 
     if kill_point == "shards_written":
-        checkpoint._fsync_tree = hold(checkpoint._fsync_tree)
+        manager.fsync_tree = hold(manager.fsync_tree)
     elif kill_point == "before_publish":
-        checkpoint.CheckpointManager._publish = hold(checkpoint.CheckpointManager._publish)
+        manager.CheckpointManager._publish = hold(manager.CheckpointManager._publish)
     else:
-        checkpoint.atomic_write_text = hold(checkpoint.atomic_write_text)
+        manager.atomic_write_text = hold(manager.atomic_write_text)
     mgr.save(2, [ddp], opt, sched, {"step": 2}, {"seed": 7})
 
 

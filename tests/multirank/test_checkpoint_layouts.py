@@ -9,6 +9,7 @@ steps, continue; restore from that checkpoint, continue: identical weights and l
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.multirank
 VOCAB, SEQ, HIDDEN, LAYERS = 64, 8, 32, 2
 
 
-def _build(tp: int, pp: int, dropout: float = 0.0):
+def _build(tp: int, pp: int, dropout: float = 0.0, dtype: torch.dtype = torch.float32, seed: int = 7):
     """Model chunk, optimizer and scheduler on this rank; the actor is not used so the
     checkpoint layer is tested on bare megatron-core objects."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -34,7 +35,7 @@ def _build(tp: int, pp: int, dropout: float = 0.0):
 
     from megatron_dapo import parallel
 
-    dims = parallel.initialize_model_parallel(tp, pp, seed=7)
+    dims = parallel.initialize_model_parallel(tp, pp, seed=seed)
     cfg = TransformerConfig(
         num_layers=LAYERS,
         hidden_size=HIDDEN,
@@ -49,8 +50,9 @@ def _build(tp: int, pp: int, dropout: float = 0.0):
         attention_dropout=dropout,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         use_cpu_initialization=True,
         sequence_parallel=False,
     )
@@ -69,7 +71,12 @@ def _build(tp: int, pp: int, dropout: float = 0.0):
     )
     opt = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=1e-2, min_lr=1e-3, use_distributed_optimizer=True, bf16=False, fp16=False
+            optimizer="adam",
+            lr=1e-2,
+            min_lr=1e-3,
+            use_distributed_optimizer=True,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
         ),
         [ddp],
     )
@@ -250,3 +257,34 @@ def test_restore_and_continue_is_bit_identical_with_dropout() -> None:
         assert r["resumed"] == r["straight"]
         assert r["params_equal"] is True
         assert r["rand_equal"] is True
+
+
+def _initial_checkpoint(root: str) -> dict:
+    """A model-only checkpoint (what HF conversion writes) as the start of bf16 training."""
+    from megatron_dapo.checkpoint import CheckpointManager, save_model_checkpoint
+
+    _, ddp, _, _ = _build(tp=2, pp=1, dtype=torch.bfloat16)
+    save_model_checkpoint(Path(root) / "init", [ddp], model_family="tiny")
+    saved = _full_params(ddp)
+    # A new random init; its optimizer already holds fp32 copies of those random weights.
+    _, ddp, opt, sched = _build(tp=2, pp=1, dtype=torch.bfloat16, seed=8)
+    fresh_differs = any(not torch.equal(p, saved[n]) for n, p in _full_params(ddp).items())
+    state = CheckpointManager(root).load(Path(root) / "init", [ddp], opt, sched, model_family="tiny")
+    # The warm-up's first lr is 0: the step only writes the fp32 main params back to the model.
+    _train_step(ddp, opt, sched, 0)
+    after = _full_params(ddp)
+    return {
+        "state": state,
+        "fresh_differs": fresh_differs,
+        "kept": all(torch.equal(after[n], saved[n]) for n in saved),
+        "dtype": str(next(iter(after.values())).dtype),
+    }
+
+
+def test_model_only_checkpoint_starts_bf16_training_from_its_weights() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = run_distributed(_initial_checkpoint, 2, root)
+        manifest = json.loads(Path(root, "init", "manifest.json").read_text())
+    assert manifest["has_optimizer"] is False and manifest["params_dtype"] == "bfloat16"
+    for r in results:
+        assert r == {"state": {}, "fresh_differs": True, "kept": True, "dtype": "torch.bfloat16"}

@@ -165,7 +165,9 @@ def test_convert_subparser_wires_both_directions() -> None:
     add_convert_subparser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["convert", "hf-to-mcore", "--hf", "H", "--out", "O", "--tp", "2"])
     assert (args.hf, args.out, args.tp, args.pp, args.func.__name__) == ("H", "O", 2, 1, "_run_hf_to_mcore")
-    args = parser.parse_args(["convert", "mcore-to-hf", "--ckpt", "C", "--out", "O", "--max-shard-size", "1GB"])
+    args = parser.parse_args(
+        ["convert", "mcore-to-hf", "--ckpt", "C", "--out", "O", "--max-shard-size", "1GB"]
+    )
     assert (args.ckpt, args.hf_config_from, args.max_shard_size, args.func.__name__) == (
         "C",
         None,

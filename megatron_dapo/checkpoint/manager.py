@@ -1,0 +1,529 @@
+"""CheckpointManager: collective save/load of model, distributed optimizer, scheduler, RNG, trainer state.
+
+Also the megatron-core 0.16.1 workarounds a save/load cycle needs without Apex/TE (the CPU
+case): a fresh optimizer has no torch Adam state to describe, and loading shares one "step"
+tensor across parameters; see _prime_optimizer_state and _torch_adam_step_kept_aside.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import json
+import logging
+import os
+import pickle
+import shutil
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from megatron_dapo.checkpoint.files import (
+    CONFIG_YAML,
+    DIST_DIR,
+    FORMAT_VERSION,
+    HF_DIR,
+    LATEST,
+    MANIFEST,
+    OPTIMIZER_SHARDINGS,
+    RNG_DIR,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    CheckpointError,
+    atomic_write_text,
+    barrier,
+    copy_hf_files,
+    fsync_dir,
+    fsync_tree,
+    process_rank,
+    write_synced,
+)
+from megatron_dapo.checkpoint.format import (
+    check_compatible,
+    complete_checkpoints,
+    current_layout,
+    latest_checkpoint,
+    model_architecture,
+    model_sharded_state_dict,
+    read_manifest,
+    unwrap,
+)
+from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
+
+logger = logging.getLogger(__name__)
+
+
+class CheckpointManager:
+    """Saves, finds and loads training checkpoints under one root directory.
+
+    Every rank constructs it with the same arguments and calls save/load collectively.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], keep_last: int = 2, optimizer_sharding: str = "fully_reshardable"
+    ) -> None:
+        """
+        Args:
+            root: checkpoints directory, e.g. ``<output_dir>/checkpoints``.
+            keep_last: keep the newest K checkpoints, delete older ones after a save (0 = all).
+            optimizer_sharding: one of OPTIMIZER_SHARDINGS, for saving (loading reads the
+                checkpoint's own).
+        """
+        if optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise CheckpointError(
+                f"optimizer_sharding={optimizer_sharding!r} is not one of {OPTIMIZER_SHARDINGS}; pick one of those"
+            )
+        self.optimizer_sharding = optimizer_sharding
+        if keep_last < 0:
+            raise CheckpointError(
+                f"keep_last={keep_last} must be >= 0 (0 = keep all); fix trainer.max_checkpoints_to_keep"
+            )
+        self.root = Path(root)
+        self.keep_last = keep_last
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        return latest_checkpoint(self.root)
+
+    def save(
+        self,
+        step: int,
+        model_chunks: Sequence[torch.nn.Module],
+        optimizer: Any | None,
+        scheduler: Any | None,
+        trainer_state: dict[str, Any],
+        config_dict: dict[str, Any],
+        *,
+        hf_dir: str | os.PathLike[str] | None = None,
+        model_family: str | None = None,
+    ) -> Path:
+        """Write ``<root>/step_<step>`` atomically; collective over all ranks.
+
+        Args:
+            step: completed RL steps; also the directory name.
+            model_chunks: this rank's model chunks (DDP-wrapped or not).
+            optimizer: megatron optimizer (DistributedOptimizer / ChainedOptimizer) or None.
+            scheduler: object with state_dict()/load_state_dict() (OptimizerParamScheduler) or None.
+            trainer_state: JSON-able loop state; the same on every rank (rank 0's is written).
+            config_dict: the resolved config (config.to_dict), stored as YAML.
+            hf_dir: directory with the source HF config.json + tokenizer files to embed
+                (an HF checkpoint, or a previous checkpoint's ``hf/``).
+            model_family: e.g. "qwen2", "llama"; default: model_type of hf_dir's config.json.
+
+        Returns:
+            The published checkpoint directory.
+        """
+
+        rank = process_rank()
+        final = self.root / f"step_{step}"
+        tmp = self.root / f"{TMP_PREFIX}step_{step}"
+        try:
+            trainer_json = json.dumps(trainer_state, sort_keys=True)
+        except TypeError as e:
+            raise CheckpointError(
+                f"trainer_state for step {step} is not JSON-able ({e}); pass plain ints/floats/str/lists/dicts"
+            ) from None
+        if rank == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._clean_leftovers()
+            (tmp / DIST_DIR).mkdir(parents=True)
+            (tmp / RNG_DIR).mkdir()
+        barrier()
+
+        _write_checkpoint(
+            tmp,
+            model_chunks,
+            optimizer,
+            scheduler,
+            step=step,
+            extra_files={
+                TRAINER_STATE: trainer_json.encode(),
+                CONFIG_YAML: yaml.safe_dump(config_dict, sort_keys=False).encode(),
+            },
+            hf_dir=hf_dir,
+            model_family=model_family,
+            with_rng=True,
+            optimizer_sharding=self.optimizer_sharding,
+        )
+        if rank == 0:
+            self._publish(tmp, final)
+            self._prune(keep=final)
+        barrier()
+        return final
+
+    def load(
+        self,
+        path: str | os.PathLike[str],
+        model_chunks: Sequence[torch.nn.Module],
+        optimizer: Any | None = None,
+        scheduler: Any | None = None,
+        *,
+        model_family: str | None = None,
+        load_rng: bool = True,
+    ) -> dict[str, Any]:
+        """Load a checkpoint into this rank's model chunks (and optimizer, scheduler, RNG).
+
+        Works across layouts (saved at TP=2, loaded at TP=1 or PP=2). A checkpoint without
+        optimizer state (a converted HF model) loads the model only: an initial checkpoint.
+
+        Args:
+            path: a ``step_<N>`` directory (see resolve_resume).
+            model_chunks: this rank's model chunks, built for the checkpoint's architecture.
+            optimizer: the megatron optimizer to restore, or None to skip.
+            scheduler: the lr scheduler to restore, or None to skip.
+            model_family: the family the config builds ("qwen2", "llama"), checked if given.
+            load_rng: restore RNG states (only when the layout equals the saved one).
+
+        Returns:
+            The trainer_state saved with the checkpoint ({} for a model-only checkpoint).
+
+        Raises:
+            CheckpointError: missing/truncated files, or the model does not match.
+        """
+        ckpt = Path(path)
+        manifest = read_manifest(ckpt)
+        check_compatible(manifest, model_chunks, str(ckpt), model_family)
+        load_optimizer = optimizer is not None and manifest.get("has_optimizer", False)
+        if optimizer is not None and not load_optimizer:
+            logger.warning(
+                "checkpoint %s has no optimizer state (a converted model): the optimizer starts fresh", ckpt
+            )
+        model_sd = model_sharded_state_dict(model_chunks)
+        state: dict[str, Any] = model_sharded_state_dict(model_chunks)
+        if load_optimizer and manifest.get("optimizer_sharding") == "dp_reshardable":
+            saved, now = manifest.get("layout", {}), current_layout(model_chunks)
+            if (saved.get("tp"), saved.get("pp")) != (now["tp"], now["pp"]):
+                raise CheckpointError(
+                    f"checkpoint {ckpt} holds dp_reshardable optimizer state saved at tp={saved.get('tp')} "
+                    f"pp={saved.get('pp')}, which loads only at that TP/PP (now tp={now['tp']} pp={now['pp']}); "
+                    "resume with the saved layout, or load the model alone (optimizer=None)"
+                )
+        if load_optimizer:
+            _prime_optimizer_state(optimizer)
+            state["optimizer"] = optimizer.sharded_state_dict(
+                model_sd, is_loading=True, metadata=_optim_metadata(manifest.get("optimizer_sharding"))
+            )
+        loaded = _dist_load(state, ckpt)
+        model_keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
+        for key, chunk in zip(model_keys, model_chunks):
+            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+        if load_optimizer:
+            # no_grad: megatron's dp_reshardable path copies into views of leaf parameters
+            # without it (its fully_reshardable path has it).
+            with _torch_adam_step_kept_aside(optimizer), torch.no_grad():
+                optimizer.load_state_dict(loaded["optimizer"])
+        elif optimizer is not None:
+            # The optimizer's fp32 main params were copied from the model before this load
+            # (bf16 training): refresh them, or the first step would revert the weights.
+            optimizer.reload_model_params()
+        if scheduler is not None and manifest.get("has_scheduler") and "scheduler" in loaded:
+            if hasattr(scheduler, "num_steps"):
+                # OptimizerParamScheduler.load_state_dict ADDS the saved step count to its
+                # own: a scheduler that already stepped would end up ahead.
+                scheduler.num_steps = 0
+            scheduler.load_state_dict(loaded["scheduler"])
+        if load_rng and manifest.get("has_rng"):
+            self._load_rng(ckpt, manifest, model_chunks)
+        barrier()
+        state_path = ckpt / TRAINER_STATE
+        if not state_path.is_file():
+            return {}
+        try:
+            return json.loads(state_path.read_text())
+        except ValueError as e:
+            raise CheckpointError(
+                f"checkpoint {ckpt}: {state_path} is corrupted ({e}); use an earlier checkpoint"
+            ) from None
+
+    # --------------------------------------------------------------------- internals
+
+    def _load_rng(
+        self, ckpt: Path, manifest: dict[str, Any], model_chunks: Sequence[torch.nn.Module]
+    ) -> None:
+        now = current_layout(model_chunks)
+        saved = manifest.get("layout", {})
+        if any(saved.get(k) != now[k] for k in ("tp", "pp", "world_size")):
+            if process_rank() == 0:
+                logger.warning(
+                    "checkpoint %s was saved at %s, now %s: RNG states stay as seeded (not bit-exact resume)",
+                    ckpt,
+                    {k: saved.get(k) for k in ("tp", "pp", "world_size")},
+                    {k: now[k] for k in ("tp", "pp", "world_size")},
+                )
+            return
+        rng_path = ckpt / RNG_DIR / f"rank_{process_rank():05d}.pt"
+        try:
+            rng = torch.load(rng_path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"checkpoint {ckpt}: {rng_path} is missing; copy the checkpoint again"
+            ) from None
+        except (RuntimeError, pickle.UnpicklingError, EOFError, OSError) as e:
+            raise CheckpointError(
+                f"checkpoint {ckpt}: {rng_path} is truncated or corrupted ({e}); use an earlier checkpoint"
+            ) from None
+        restore_rng_state(rng)
+
+    def _clean_leftovers(self) -> None:
+        """Delete what interrupted saves left behind (rank 0, before a new save)."""
+        for p in self.root.iterdir():
+            if p.name.startswith(TMP_PREFIX):
+                if p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        p.unlink()
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        if final.exists():
+            # Re-saving a step (after resuming from an older checkpoint): move the old copy
+            # aside first; `latest` falls back to the newest complete dir if we die in between.
+            aside = self.root / f"{TMP_PREFIX}replaced-{final.name}-{time.time_ns()}"
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        fsync_dir(self.root)
+        atomic_write_text(self.root / LATEST, final.name + "\n")
+
+    def _prune(self, keep: Path) -> None:
+        if self.keep_last == 0:
+            return
+        found = complete_checkpoints(self.root)
+        for old in found[: max(0, len(found) - self.keep_last)]:
+            if old != keep:
+                # Renamed first so a crash mid-delete leaves a .tmp- leftover, not a broken step_<N>.
+                aside = self.root / f"{TMP_PREFIX}deleting-{old.name}"
+                os.rename(old, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+
+
+def _write_checkpoint(
+    tmp: Path,
+    model_chunks: Sequence[torch.nn.Module],
+    optimizer: Any | None,
+    scheduler: Any | None,
+    *,
+    step: int | None,
+    extra_files: dict[str, bytes],
+    hf_dir: str | os.PathLike[str] | None,
+    model_family: str | None,
+    with_rng: bool,
+    optimizer_sharding: str = OPTIMIZER_SHARDINGS[0],
+) -> None:
+    """Fill the (empty, existing) directory ``tmp`` on every rank; the manifest goes in last."""
+    from megatron.core import dist_checkpointing
+
+    if importlib.util.find_spec("psutil") is None:
+        # Without it megatron's torch_dist writer dies in a forked worker and the save hangs.
+        raise CheckpointError(
+            "saving a torch_dist checkpoint needs psutil (megatron-core's writer uses it): pip install psutil"
+        )
+
+    rank = process_rank()
+    state: dict[str, Any] = model_sharded_state_dict(model_chunks)
+    if optimizer is not None:
+        model_sd = model_sharded_state_dict(model_chunks)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd, is_loading=False, metadata=_optim_metadata(optimizer_sharding)
+        )
+    if scheduler is not None:
+        state["scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(state, str(tmp / DIST_DIR), content_metadata=_optim_metadata(optimizer_sharding))
+    if with_rng:
+        buf = io.BytesIO()
+        torch.save(capture_rng_state(), buf)
+        write_synced(tmp / RNG_DIR / f"rank_{rank:05d}.pt", buf.getvalue())
+    manifest: dict[str, Any] = {}
+    if rank == 0:
+        for name, data in extra_files.items():
+            write_synced(tmp / name, data)
+        family = model_family
+        if hf_dir is not None:
+            family = copy_hf_files(hf_dir, tmp / HF_DIR) or family
+        manifest = build_manifest(model_chunks, step=step, family=family, has_optimizer=optimizer is not None)
+        manifest["optimizer_sharding"] = optimizer_sharding if optimizer is not None else None
+        manifest["has_scheduler"] = scheduler is not None
+        manifest["has_rng"] = with_rng
+    barrier()
+    if rank == 0:
+        fsync_tree(tmp)
+        # The manifest is the completeness mark, so it goes in after everything else is durable.
+        write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
+        fsync_dir(tmp)
+
+
+def save_model_checkpoint(
+    out: str | os.PathLike[str],
+    model_chunks: Sequence[torch.nn.Module],
+    *,
+    hf_dir: str | os.PathLike[str] | None = None,
+    model_family: str | None = None,
+) -> Path:
+    """Write a model-only checkpoint (no optimizer, RNG or trainer state) to ``out``; collective.
+
+    What HF -> Megatron conversion produces; the trainer loads it as an initial checkpoint.
+    Written next to ``out`` and renamed into place, so ``out`` is complete or absent.
+
+    Args:
+        out: target directory; must not exist yet.
+        model_chunks: this rank's model chunks, weights loaded.
+        hf_dir: HF directory whose config + tokenizer files are embedded (for export).
+        model_family: family name if hf_dir is None.
+
+    Returns:
+        ``out`` as a Path.
+    """
+    out = Path(out)
+    tmp = out.parent / f"{TMP_PREFIX}{out.name}"
+    if process_rank() == 0:
+        if out.exists() and any(out.iterdir()):
+            raise CheckpointError(
+                f"output directory {out} exists and is not empty; pass a new --out directory"
+            )
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / DIST_DIR).mkdir(parents=True)
+    barrier()
+    _write_checkpoint(
+        tmp,
+        model_chunks,
+        None,
+        None,
+        step=None,
+        extra_files={},
+        hf_dir=hf_dir,
+        model_family=model_family,
+        with_rng=False,
+    )
+    if process_rank() == 0:
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    barrier()
+    return out
+
+
+def _prime_optimizer_state(optimizer: Any) -> None:
+    """Give a never-stepped optimizer its Adam state tensors and step counter.
+
+    Without Apex/TE (CPU), DistributedOptimizer.state_dict() reads the step from torch
+    Adam's per-parameter state, which exists only after a first step; building the loading
+    state dict of a fresh optimizer would fail. The loaded checkpoint overwrites all of it.
+    """
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE
+
+    if HAVE_APEX_OR_TE:
+        return
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner, init_fn = getattr(opt, "optimizer", None), getattr(opt, "init_state_fn", None)
+        if inner is None or init_fn is None or len(inner.state) > 0:
+            continue
+        init_fn(inner, getattr(opt, "config", None))
+        for group in inner.param_groups:
+            for p in group["params"]:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept_aside(optimizer: Any) -> Iterator[None]:
+    """Work around megatron-core 0.16.1 loading torch Adam state (no Apex/TE, e.g. CPU).
+
+    DistributedOptimizer.load_state_dict puts the checkpoint's step into every parameter's
+    torch Adam state as ONE shared tensor, then copies the loaded tensors over that state
+    key by key and fails on "step", which the loaded tensors rightly lack. Keeping "step"
+    out of the state during each copy loads exactly what was saved; giving every parameter
+    its own step tensor afterwards keeps Adam from incrementing the shared one once per
+    parameter (which would change every later bias correction).
+    """
+    from megatron.core.optimizer.distrib_optimizer import HAVE_APEX_OR_TE, DistributedOptimizer
+
+    patched = []
+    if not HAVE_APEX_OR_TE:
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if isinstance(opt, DistributedOptimizer):
+                patched.append(opt)
+                opt._set_main_param_and_optimizer_states = _step_preserving_setter(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+    for opt in patched:
+        for state in opt.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _step_preserving_setter(opt: Any) -> Any:
+    original = type(opt)._set_main_param_and_optimizer_states
+
+    def setter(model_param: torch.nn.Parameter, tensors: dict[str, torch.Tensor]) -> None:
+        group_index, group_order = opt.model_param_group_index_map[model_param]
+        main_param = opt.optimizer.param_groups[group_index]["params"][group_order]
+        state = opt.optimizer.state[main_param]
+        step = state.pop("step", None)
+        try:
+            original(opt, model_param, tensors)
+        finally:
+            if step is not None:
+                state["step"] = step
+
+    return setter
+
+
+def _optim_metadata(sharding: str | None = None) -> dict[str, Any]:
+    """sharded_state_dict metadata for model and optimizer (as Megatron-LM builds it)."""
+    return {
+        "distrib_optim_sharding_type": sharding or OPTIMIZER_SHARDINGS[0],
+        "singleton_local_shards": False,
+        "chained_optim_avoid_prefix": True,
+    }
+
+
+def build_manifest(
+    model_chunks: Sequence[torch.nn.Module], *, step: int | None, family: str | None, has_optimizer: bool
+) -> dict[str, Any]:
+    """The manifest.json content for a checkpoint of ``model_chunks``."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "model_family": family,
+        "model": model_architecture(model_chunks[0]),
+        "layout": current_layout(model_chunks),
+        "params_dtype": str(unwrap(model_chunks[0]).config.params_dtype).removeprefix("torch."),
+        "has_optimizer": has_optimizer,
+        "optimizer_sharding": OPTIMIZER_SHARDINGS[0] if has_optimizer else None,
+        "has_scheduler": False,
+        "has_rng": False,
+        "megatron_core": _mcore_version(),
+        "created_unix": int(time.time()),
+    }
+
+
+def _mcore_version() -> str:
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
+
+
+def _dist_load(state: dict[str, Any], ckpt: Path) -> dict[str, Any]:
+    """dist_checkpointing.load with file-level failures turned into one-line CheckpointErrors."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    try:
+        return dist_checkpointing.load(state, str(ckpt / DIST_DIR))
+    except (CheckpointingException, OSError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(
+            f"checkpoint {ckpt}: loading {ckpt / DIST_DIR} failed ({type(e).__name__}: {first[:300]}); "
+            "the checkpoint is corrupted or from another model: use an earlier checkpoint"
+        ) from None
