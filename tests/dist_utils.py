@@ -25,8 +25,6 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from megatron_dapo.parallel import free_port
-
 
 class WorkerError(RuntimeError):
     """A rank raised; the message holds its rank and traceback text."""
@@ -52,6 +50,10 @@ def run_distributed(
         WorkerError: a rank raised or died; the message carries its traceback or exit code.
         TimeoutError: ranks were still running after timeout_s.
     """
+    # Imported here, not at module level: workers unpickle fn by importing this module,
+    # and a failing-fast worker should not pay for importing megatron.
+    from megatron_dapo.parallel import free_port
+
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="dist_test_") as tmp:

@@ -49,7 +49,13 @@ class ModelAdapter(Protocol):
     def padded_vocab_size(self, tp: int) -> int: ...
 
     def build_model(
-        self, dims: ParallelDims, *, dtype: torch.dtype, recompute: str = "none", use_te: bool | None = None
+        self,
+        dims: ParallelDims,
+        *,
+        dtype: torch.dtype,
+        recompute: str = "none",
+        use_te: bool | None = None,
+        init_weights: bool = True,
     ) -> GPTModel: ...
 
     def load_hf(self, model: Any, checkpoint: HFCheckpoint | str | Path, dims: ParallelDims) -> None: ...

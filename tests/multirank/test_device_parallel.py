@@ -2,6 +2,9 @@
 
 The CPU layer is process-global (a TorchFunctionMode), so even the single-process checks
 run in a spawned rank: the pytest process itself must stay unpatched.
+
+megatron_dapo.parallel is imported inside the functions so that the harness test's worker
+starts without importing megatron.
 """
 
 from __future__ import annotations
@@ -12,14 +15,13 @@ import pytest
 import torch
 from dist_utils import WorkerError, run_distributed
 
-from megatron_dapo import parallel
-
 pytestmark = pytest.mark.multirank
 
 
 def _cpu_layer_checks() -> dict[str, object]:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    from megatron_dapo import parallel
     from megatron_dapo.device import cpu_layer_active, setup_device
 
     device = setup_device("auto")
@@ -93,6 +95,8 @@ def _train_step_tp2_pp2() -> dict[str, object]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
     from megatron.core.transformer import TransformerConfig
+
+    from megatron_dapo import parallel
 
     dims = parallel.initialize_model_parallel(2, 2, seed=3, num_attention_heads=4, num_layers=2)
     config = TransformerConfig(
@@ -197,12 +201,16 @@ def test_run_distributed_propagates_worker_traceback() -> None:
     ],
 )
 def test_impossible_layouts_raise_one_line(kwargs: dict[str, int], message: str) -> None:
+    from megatron_dapo import parallel
+
     with pytest.raises(ValueError, match=message) as info:
         parallel.validate_layout(device=torch.device("cpu"), **kwargs)
     assert "\n" not in str(info.value)
 
 
 def test_slurm_env_gives_ranks_and_master(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_dapo import parallel
+
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         # setenv first so that monkeypatch records the key and removes what launcher_ranks exports.
         monkeypatch.setenv(key, "unset-by-test")
