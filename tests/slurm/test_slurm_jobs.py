@@ -175,10 +175,12 @@ def trainer_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _steps(out_dir: Path) -> list[int]:
+    """Steps in metrics.jsonl; a line still being written (no newline yet) is not counted."""
     path = out_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    complete = path.read_text().split("\n")[:-1]
+    return [json.loads(line)["step"] for line in complete if line.strip()]
 
 
 def test_tiny_run_completes(slurm_cluster: SlurmCluster, trainer_env: dict[str, str], tmp_path: Path) -> None:
