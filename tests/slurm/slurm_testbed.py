@@ -80,9 +80,13 @@ class SlurmCluster:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _bin(name: str) -> str:
+    """Full path of a SLURM/munge program; daemons live in /usr/sbin, often not on a CI PATH."""
+    return shutil.which(name) or str(Path("/usr/sbin", name))
+
+
 def _missing_binaries() -> list[str]:
-    return [b for b in (*DAEMONS, "sbatch", "srun", "scontrol", "sinfo") if shutil.which(b) is None
-            and not Path("/usr/sbin", b).exists()]
+    return [b for b in (*DAEMONS, "sbatch", "srun", "scontrol", "sinfo") if not Path(_bin(b)).exists()]
 
 
 def _install_or_skip() -> None:
@@ -111,7 +115,7 @@ def _free_port() -> int:
 
 def _node_resources() -> tuple[int, int]:
     """(CPUs, RealMemory MiB) as slurmd itself reports them, so the node is never drained."""
-    out = subprocess.run(["slurmd", "-C"], text=True, capture_output=True, check=True).stdout
+    out = subprocess.run([_bin("slurmd"), "-C"], text=True, capture_output=True, check=True).stdout
     fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
     # The tests run 2-task jobs: offer at least 2 CPUs (config_overrides below lets a
     # 1-CPU machine oversubscribe instead of leaving the jobs pending forever). Leave 5% of
@@ -208,7 +212,7 @@ def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen[bytes
     log = root / "log"
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        procs.append(_start(["munged", "-F", "--force", f"--socket={munge_socket}", f"--key-file={key}",
+        procs.append(_start([_bin("munged"), "-F", "--force", f"--socket={munge_socket}", f"--key-file={key}",
                              f"--pid-file={munge_dir / 'munged.pid'}", f"--seed-file={munge_dir / 'seed'}",
                              f"--log-file={log / 'munged.log'}"], log / "munged.out", env))
         for _ in range(100):
@@ -216,8 +220,8 @@ def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen[bytes
                 break
             time.sleep(0.1)
         # -i: ignore saved state (a fresh directory has none).
-        procs.append(_start(["slurmctld", "-D", "-i", "-f", str(conf)], log / "slurmctld.out", env))
-        procs.append(_start(["slurmd", "-D", "-f", str(conf), "-N", node], log / "slurmd.out", env))
+        procs.append(_start([_bin("slurmctld"), "-D", "-i", "-f", str(conf)], log / "slurmctld.out", env))
+        procs.append(_start([_bin("slurmd"), "-D", "-f", str(conf), "-N", node], log / "slurmd.out", env))
         _wait_idle(cluster, procs, timeout=60)
     except BaseException:
         stop_cluster(procs)
