@@ -134,12 +134,17 @@ def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> Di
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(free_port())
     os.environ["LOCAL_RANK"] = str(local_rank)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
     device = setup_device(device_kind)
     backend = distributed_backend(device)
     if not dist.is_initialized():
+        # env:// is the launchers' convention: it reads MASTER_ADDR/MASTER_PORT/RANK/
+        # WORLD_SIZE (exported above for SLURM and the one-process case) and, under
+        # torchrun, joins the agent's store instead of hosting a second one.
         dist.init_process_group(
             backend=backend,
-            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            init_method="env://",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(minutes=timeout_minutes),
