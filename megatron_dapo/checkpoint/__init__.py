@@ -20,9 +20,14 @@ directory without it was never complete.
 
 Why loading into another layout works: model tensors are ShardedTensors with global
 shapes, and the distributed optimizer is saved with ``fully_reshardable`` (canonical,
-per-parameter state), so dist_checkpointing reslices both for the loading layout. RNG
-states are per rank and only restored when the layout is unchanged (exact resume);
-otherwise they are left as seeded, with a warning.
+per-parameter state) by default, so dist_checkpointing reslices both for the loading
+layout (``dp_reshardable`` is the faster opt-in that reshards DP only). RNG states are per
+rank and only restored when the layout is unchanged (exact resume); otherwise they are
+left as seeded, with a warning. Megatron pads the vocab to a multiple of 128 * tp: build
+the loading model with convert.adapter_for_checkpoint so its padded vocab matches.
+
+Modules: files (names, durable writes, HF file copy), format (validation, architecture
+check, lookup of latest/resume), rng (per-rank RNG states), manager (save/load).
 
 Nothing untrusted is unpickled: per-rank files load with ``torch.load(weights_only=True)``,
 dist_checkpointing's common state also loads weights-only (torch >= 2.6 default), and the

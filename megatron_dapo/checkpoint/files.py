@@ -32,6 +32,8 @@ scale) but then loads only at the same TP/PP (any DP)."""
 
 STEP_RE = re.compile(r"^step_(\d+)$")
 TMP_PREFIX = ".tmp-"
+"""Names starting with it are unfinished work; the next save deletes them."""
+# Weights are ours to write; only the config and tokenizer files travel with a checkpoint.
 _HF_SKIP_SUFFIXES = (
     ".safetensors",
     ".bin",
@@ -44,6 +46,7 @@ _HF_SKIP_SUFFIXES = (
     ".index.json",
 )
 _HF_MAX_FILE_BYTES = 64 << 20
+# What must agree between a checkpoint and the model loading it (TransformerConfig + GPTModel).
 ARCH_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -65,10 +68,12 @@ class CheckpointError(UserError):
 
 
 def process_rank() -> int:
+    """Global rank, 0 without a process group (single-process tools and tests)."""
     return dist.get_rank() if dist.is_initialized() else 0
 
 
 def barrier() -> None:
+    """Wait for every rank; a no-op without a process group."""
     if dist.is_initialized():
         dist.barrier()
 
@@ -94,6 +99,7 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it before returning."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
