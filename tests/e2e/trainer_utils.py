@@ -17,11 +17,11 @@ REPO = TESTS_E2E.parents[1]
 TINY_CONFIG = {
     "model": {
         "scratch": {"hidden_size": 64, "num_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                    "intermediate_size": 128, "max_position_embeddings": 96},
+                    "intermediate_size": 128, "max_position_embeddings": 88},
         "sft_warm_start": {"enable": False},
     },
     "rollout": {"engine": "local", "n": 4, "val_kwargs": {"n": 2}},
-    "data": {"max_prompt_length": 48, "max_response_length": 8, "train_batch_size": 4, "gen_batch_size": 8,
+    "data": {"max_prompt_length": 80, "max_response_length": 8, "train_batch_size": 4, "gen_batch_size": 8,
              "embedded": {"num_train": 200, "num_val": 8, "num_sft": 50}},
     "algorithm": {"filter_groups": {"enable": True, "max_num_gen_batches": 6}},
     "reward": {"reward_fn": "e2e_reward_fns:char_parity", "num_workers": 1,
@@ -49,7 +49,7 @@ def trainer_env(cache_dir: Path) -> dict[str, str]:
 def train_command(config: Path, *overrides: str, nproc: int = 1) -> list[str]:
     if nproc == 1:
         return [sys.executable, "-m", "megatron_dapo.train", str(config), *overrides]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "0",
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
             "-m", "megatron_dapo.train", str(config), *overrides]
 
 
