@@ -28,6 +28,8 @@ setup(
         "pyarrow>=14",
         "wandb>=0.17",
         "matplotlib>=3.7",
+        # megatron-core's torch_dist checkpoint writer needs it and does not declare it.
+        "psutil>=5.9",
     ],
     extras_require={
         # apex is optional and not on the package index: build it from source when

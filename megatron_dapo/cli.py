@@ -3,6 +3,8 @@
     megatron-dapo config show FILE [key=value ...]      print the resolved config
     megatron-dapo config validate FILE [key=value ...]  check it, exit 2 if wrong
     megatron-dapo train FILE [key=value ...]            the DAPO run (see megatron_dapo/train.py)
+    megatron-dapo convert hf-to-mcore|mcore-to-hf ...    checkpoint conversion (tools/convert_*.py)
+    megatron-dapo plan FILE --nodes N ...               per-GPU memory and step-time plan (tools/plan.py)
 
 User mistakes (UserError) print one line to stderr and exit 2, never a traceback.
 """
@@ -42,7 +44,13 @@ def _train(args: argparse.Namespace) -> int:
     return train_main([args.file, *args.overrides])
 
 
-class _Parser(argparse.ArgumentParser):
+def _plan(args: argparse.Namespace) -> int:
+    from megatron_dapo.plan import run as plan_run
+
+    return plan_run(args.args)
+
+
+class CliParser(argparse.ArgumentParser):
     """argparse that exits 2 with a one-line message (its default is also 2, plus usage)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -50,11 +58,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="megatron-dapo", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = CliParser(prog="megatron-dapo", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
 
     cfg = sub.add_parser("config", help="show or validate an experiment config")
-    cfg_sub = cfg.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    cfg_sub = cfg.add_subparsers(dest="action", required=True, parser_class=CliParser)
     show = cfg_sub.add_parser("show", help="print the resolved config as YAML")
     show.add_argument("file", help="experiment YAML, e.g. examples/tiny_cpu.yaml")
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.clip_ratio_high=0.28")
@@ -69,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("file", help="experiment YAML, e.g. examples/tiny_cpu.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides")
     train.set_defaults(func=_train)
+
+    from megatron_dapo.convert import add_convert_subparser
+
+    add_convert_subparser(sub)
+    plan = sub.add_parser("plan", help="per-GPU memory and step time of a config on a cluster", add_help=False)
+    plan.add_argument("args", nargs=argparse.REMAINDER, help="see tools/plan.py --help")
+    plan.set_defaults(func=_plan)
     return parser
 
 

@@ -557,7 +557,7 @@ class Config:
         if p.context_parallel_size > 1:
             _check(t.device != "cpu", "parallel.context_parallel_size",
                    "needs Transformer Engine attention on CUDA; set it to 1 with trainer.device=cpu")
-        self.check_model_shape(*self._model_shape())
+        self._check_model_shape(*self._model_shape())
 
     def _model_shape(self) -> tuple[int, int, int, str]:
         """(num_attention_heads, num_key_value_heads, num_layers, where) of the configured model."""
@@ -577,7 +577,13 @@ class Config:
         return heads, int(hf.get("num_key_value_heads", heads)), int(hf.get("num_hidden_layers", 0)), str(cfg_path)
 
     def check_model_shape(self, heads: int, kv_heads: int, layers: int, where: str) -> None:
-        """Reject parallel sizes the model cannot be split into."""
+        """Reject parallel sizes the model cannot be split into (ConfigError, one line)."""
+        try:
+            self._check_model_shape(heads, kv_heads, layers, where)
+        except _FieldError as e:
+            raise ConfigError(f"{e.key}{e.message}" if e.message.startswith("=") else f"{e.key}: {e.message}") from None
+
+    def _check_model_shape(self, heads: int, kv_heads: int, layers: int, where: str) -> None:
         if heads == 0:
             return
         tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size

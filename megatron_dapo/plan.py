@@ -582,11 +582,11 @@ def format_plan(plan: Plan) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_dapo.cli import _Parser
+    from megatron_dapo.cli import CliParser
 
     defaults = Assumptions()
 
-    parser = _Parser(prog="tools/plan.py", description=__doc__.split("\n")[0])
+    parser = CliParser(prog="megatron-dapo plan", description=__doc__.split("\n")[0])
     parser.add_argument("config", help="experiment YAML, e.g. examples/dapo_qwen2.5_32b.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_model_parallel_size=4")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (default: trainer.nnodes)")
