@@ -12,7 +12,10 @@ schedules on CPU tensors with gloo (DESIGN.md, "Megatron-Core on CPU"):
 - ``torch.cuda`` entry points megatron-core calls unconditionally (current_device,
   synchronize, streams, events, RNG state, memory statistics) as CPU equivalents/no-ops;
 - megatron's model-parallel RNG tracker forking the CPU generator, which is the
-  generator CPU dropout and init actually draw from.
+  generator CPU dropout and init actually draw from;
+- megatron's activation recompute (CheckpointFunction.backward, CheckpointWithoutOutput's
+  recompute hook) re-entering the mode, because the forward it re-runs inside the
+  backward pass would otherwise run without it.
 
 This is the ``device: cpu`` product feature (laptop debugging, CI on the real stack). It
 refuses to install while CUDA is usable, so a GPU run can never be silently remapped.
@@ -21,6 +24,7 @@ refuses to install while CUDA is usable, so a GPU run can never be silently rema
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -244,6 +248,37 @@ def _patch_megatron_rng() -> None:
     logging.getLogger(mcore_random.__name__).addFilter(_DropTrackerForkWarning())
 
 
+def _under_cpu_mode(fn: Callable) -> Callable:
+    """``fn`` with the CUDA-to-CPU mode pushed on the calling thread's stack while it runs."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        assert _cpu_mode is not None, "the CPU layer is installed before megatron runs"
+        with _cpu_mode:
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _patch_megatron_recompute() -> None:
+    # The recomputed forward (full recompute: every layer, selective: core attention or
+    # the norm/MLP modules) runs inside the backward pass, where the mode is not on the
+    # stack: torch.autograd.backward and Tensor.backward dispatch to the mode themselves,
+    # and a mode is popped while its __torch_function__ runs, so the whole backward runs
+    # below it (megatron's schedules call torch.autograd.backward). Re-entering the mode
+    # around autograd.backward instead cannot work: the re-entered mode intercepts the
+    # same call again and is popped again; only torch's private engine entry point would
+    # avoid that. Pushing it inside the two recompute entry points also does not depend
+    # on which thread autograd runs them on, nor on how backward was started (a direct
+    # engine call keeps the mode, and a second push only remaps twice, idempotently).
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    function = mcore_random.CheckpointFunction
+    function.backward = staticmethod(_under_cpu_mode(function.backward))
+    without_output = mcore_random.CheckpointWithoutOutput
+    without_output._recompute = _under_cpu_mode(without_output._recompute)
+
+
 def _install_cpu_layer() -> None:
     global _cpu_mode
     if _cpu_mode is None:
@@ -251,6 +286,7 @@ def _install_cpu_layer() -> None:
         _patch_torch_cuda()
         _patch_megatron_rng()
         _cpu_mode = _CudaToCpuMode()
+        _patch_megatron_recompute()
     # Torch function modes live on a per-thread stack, so every thread that builds or
     # moves megatron tensors needs its own push; it stays entered for the thread's life
     # because megatron creates CUDA tensors at arbitrary depth.
