@@ -324,6 +324,8 @@ class EmbeddedTaskConfig:
     """Weight of two-operation problems with parentheses."""
     max_digits: int = 2
     """Digits of +/- operands (1..6)."""
+    solution_style: Literal["columns", "direct"] = "columns"
+    """SFT solutions of +/-: one line per digit column (learnable by a tiny model) or direct."""
     tokenizer_vocab_size: int = 320
     """Vocabulary of the sentencepiece tokenizer trained on the task (digits are single tokens)."""
 

@@ -32,7 +32,7 @@ from megatron_dapo.data.tokenizer import SPM_BOS_ID, SPM_EOS_ID, SPM_PAD_ID, Sen
 def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
     """Write (or reuse) the arithmetic task's train/val/SFT files and tokenizer."""
     mix = ArithmeticMix(add=embedded.add, sub=embedded.sub, mul=embedded.mul, two_step=embedded.two_step,
-                        max_digits=embedded.max_digits)
+                        max_digits=embedded.max_digits, solution_style=embedded.solution_style)
     key = digest({"mix": asdict(mix), "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
                    "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size})
     return prepare_arithmetic_task(

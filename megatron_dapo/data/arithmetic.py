@@ -9,7 +9,8 @@ math_dapo verifier scores responses exactly as it scores DAPO-Math-17K.
 What is written (`prepare_arithmetic_task`):
 - train / val prompt files in the plain jsonl schema {prompt, answer, data_source};
   validation problems never appear in the train or SFT files;
-- an SFT corpus of short worked solutions ("12+35=47\\nAnswer: 47") for the warm start
+- an SFT corpus of short worked solutions for the warm start (column by column for + and -:
+  "5+2=7\\n3+1=4\\nAnswer: 47" for 35+12; "7*8=56\\nAnswer: 56" for products)
   that teaches the answer format, so RL starts between "never right" and "always
   right" (groups with mixed accuracy are what dynamic sampling keeps);
 - the sentencepiece tokenizer trained on all of it (see `tokenizer.py`).
@@ -58,6 +59,9 @@ class ArithmeticMix:
     """Factors of a*b lie in 2..max_factor; the multiplier in two-step problems in 2..9."""
     allow_negative: bool = False
     """False redraws problems whose answer or intermediate result is negative."""
+    solution_style: str = "columns"
+    """Worked solutions of +/-: "columns" (one line per digit column, see `column_lines`)
+    or "direct" ("12+35=47")."""
 
     def __post_init__(self) -> None:
         weights = {kind: getattr(self, kind) for kind in PROBLEM_KINDS}
@@ -67,6 +71,8 @@ class ArithmeticMix:
                 f"ArithmeticMix weights {weights} must be >= 0 with a positive sum; "
                 "set at least one of add/sub/mul/two_step above 0"
             )
+        if self.solution_style not in ("columns", "direct"):
+            raise ValueError(f"ArithmeticMix.solution_style={self.solution_style!r} must be 'columns' or 'direct'")
         if not 1 <= self.max_digits <= 6:
             raise ValueError(f"ArithmeticMix.max_digits={self.max_digits} must be in 1..6")
         if self.max_factor < 2:
@@ -85,6 +91,8 @@ class ArithmeticProblem:
     """The value of the expression."""
     kind: str
     """One of PROBLEM_KINDS."""
+    lines: list[str] | None = None
+    """Column-by-column working (`column_lines`), replacing `steps` in the solution."""
 
     def prompt(self) -> str:
         """The prompt text: the question, then the answer-format instruction."""
@@ -92,7 +100,43 @@ class ArithmeticProblem:
 
     def solution(self) -> str:
         """A short worked solution ending with the DAPO answer line."""
+        if self.lines:
+            return "\n".join(self.lines) + f"\nAnswer: {self.answer}"
         return "=".join([self.expression, *self.steps]) + f"\nAnswer: {self.answer}"
+
+
+def column_lines(a: int, op: str, b: int) -> list[str]:
+    """Schoolbook working of a+b or a-b (a >= b >= 0), one line per digit column, units first.
+
+    Every line is a one-digit fact (with the carry or borrow written out), so a small model
+    that has learned those ~200 facts can work out sums it has never seen; the answer line
+    then reads the result digits back, most significant first. Examples:
+    47+38 -> ["7+8=15", "4+3+1=8"]; 52-17 -> ["12-7=5", "5-1-1=3"]; 9+5 -> ["9+5=14"].
+
+    Args:
+        a: first operand (>= 0).
+        op: "+" or "-".
+        b: second operand (>= 0; <= a for "-").
+
+    Returns:
+        One line per column of the longer operand.
+    """
+    assert a >= 0 and b >= 0 and (op == "+" or a >= b), (a, op, b)
+    width = max(len(str(a)), len(str(b)))
+    lines, carry = [], 0
+    for i in range(width):
+        x, y = a // 10**i % 10, b // 10**i % 10
+        extra = f"{op}1" if carry else ""
+        if op == "+":
+            total = x + y + carry
+            lines.append(f"{x}+{y}{extra}={total}")
+            carry = total // 10
+        else:
+            top = x - carry
+            borrow = top < y
+            lines.append(f"{x + 10 if borrow else x}-{y}{extra}={top + 10 * borrow - y}")
+            carry = int(borrow)
+    return lines
 
 
 def _operand(rng: random.Random, max_digits: int) -> int:
@@ -160,7 +204,8 @@ def draw_problem(rng: random.Random, mix: ArithmeticMix) -> ArithmeticProblem:
             a, b = b, a
     op = {"add": "+", "sub": "-", "mul": "*"}[kind]
     answer = _apply(a, op, b)
-    return ArithmeticProblem(expression=f"{a}{op}{b}", steps=[str(answer)], answer=answer, kind=kind)
+    lines = column_lines(a, op, b) if mix.solution_style == "columns" and op != "*" and answer >= 0 else None
+    return ArithmeticProblem(expression=f"{a}{op}{b}", steps=[str(answer)], answer=answer, kind=kind, lines=lines)
 
 
 def generate_problems(

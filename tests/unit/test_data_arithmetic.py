@@ -5,11 +5,14 @@ import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_dapo.data.arithmetic import (
     DATA_SOURCE,
     INSTRUCTION,
     ArithmeticMix,
+    column_lines,
     generate_problems,
     prepare_arithmetic_task,
 )
@@ -164,3 +167,44 @@ def test_prepare_task_files_and_tokenizer(tmp_path: Path) -> None:
     ds = load_prompt_dataset(task.val_path, tokenizer, max_prompt_length=64)
     assert len(ds) == 50 and ds.records[0].ground_truth == val[0]["answer"]
     assert max(len(r.prompt_ids) for r in ds.records) <= 40
+
+
+def _check_column_working(a: int, op: str, b: int) -> None:
+    lines = column_lines(a, op, b)
+    assert len(lines) == max(len(str(a)), len(str(b)))
+    digits = []
+    for line in lines:
+        lhs, rhs = line.split("=")
+        terms = [int(t) for t in lhs.replace("-", "+-").split("+") if t]
+        # Each line is a true one-column fact: its left side evaluates to its right side.
+        assert sum(terms) == int(rhs), line
+        digits.append(int(rhs) % 10)
+    top = int(lines[-1].split("=")[1])
+    # Reading back: the last column's full value, then the other columns' units digits.
+    read_back = int(str(top) + "".join(str(d) for d in reversed(digits[:-1])))
+    assert read_back == (a + b if op == "+" else a - b)
+
+
+def test_column_working_examples():
+    assert column_lines(47, "+", 38) == ["7+8=15", "4+3+1=8"]
+    assert column_lines(52, "-", 17) == ["12-7=5", "5-1-1=3"]
+    assert column_lines(100, "-", 1) == ["10-1=9", "10-0-1=9", "1-0-1=0"]
+    assert column_lines(3, "+", 47) == ["3+7=10", "0+4+1=5"]
+
+
+@given(st.integers(0, 99999), st.integers(0, 99999), st.sampled_from("+-"))
+@settings(max_examples=300, deadline=None)
+def test_column_working_is_exact(a, b, op):
+    if op == "-" and a < b:
+        a, b = b, a
+    _check_column_working(a, op, b)
+
+
+def test_columns_style_solution_and_direct_style():
+    cols = generate_problems(50, ArithmeticMix(add=1, sub=1, mul=0, two_step=0), seed=3)
+    direct = generate_problems(50, ArithmeticMix(add=1, sub=1, mul=0, two_step=0, solution_style="direct"), seed=3)
+    assert [p.expression for p in cols] == [p.expression for p in direct]
+    for c, d in zip(cols, direct):
+        assert c.solution().endswith(f"\nAnswer: {c.answer}")
+        assert c.solution().split("\n")[:-1] == c.lines
+        assert d.solution() == f"{d.expression}={d.answer}\nAnswer: {d.answer}"
