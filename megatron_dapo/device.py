@@ -269,8 +269,8 @@ def _patch_megatron_recompute() -> None:
     # around autograd.backward instead cannot work: the re-entered mode intercepts the
     # same call again and is popped again; only torch's private engine entry point would
     # avoid that. Pushing it inside the two recompute entry points also does not depend
-    # on which thread autograd runs them on, nor on how backward was started (a direct
-    # engine call keeps the mode, and a second push only remaps twice, idempotently).
+    # on which thread autograd runs them on, nor on how backward was started (where the
+    # mode is already on the stack, a second push only remaps twice, idempotently).
     from megatron.core.tensor_parallel import random as mcore_random
 
     function = mcore_random.CheckpointFunction

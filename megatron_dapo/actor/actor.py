@@ -193,12 +193,10 @@ class MegatronActor:
         self.logprob_chunk_size = logprob_chunk_size
         self.vocab_size = adapter.hf.vocab_size
 
-        # init_weights=True even when loading: megatron-core 0.16 marks tensor-parallel
-        # shards (param.tensor_model_parallel, partition_dim) only inside its weight
-        # initialisers, and without those marks the optimizer's grad norm (the clip)
-        # counts each TP-sharded weight on TP rank 0 only.
+        # No random init when a checkpoint overwrites every weight; build_model marks the
+        # TP shards (which the optimizer's grad norm relies on) either way.
         model = adapter.build_model(dims, dtype=optimizer_config.params_dtype, recompute=recompute,
-                                    use_te=use_te, init_weights=True)
+                                    use_te=use_te, init_weights=hf_checkpoint is None)
         if hf_checkpoint is not None:
             adapter.load_hf(model, hf_checkpoint, dims)  # before the optimizer copies fp32 masters
         config = model.config

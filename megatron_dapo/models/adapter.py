@@ -90,6 +90,47 @@ def unwrap_model(model: Any) -> GPTModel:
     return model
 
 
+def _mark_tensor_parallel_weights(gpt: GPTModel) -> None:
+    """Give every TP-sharded weight megatron's tensor-parallel attributes, initialised or not.
+
+    megatron-core 0.16 sets ``tensor_model_parallel`` / ``partition_dim`` /
+    ``partition_stride`` on the weights of its local-spec parallel layers only inside the
+    weight initialisers, which ``perform_initialization=False`` skips (biases are marked
+    either way). Unmarked, a shard counts as a TP duplicate, so the optimizer's grad norm
+    (and hence the clip) sees it on TP rank 0 only. Weights that already carry the marks
+    (initialised ones, Transformer Engine layers, which mark their own) are left alone.
+
+    Args:
+        gpt: a freshly built GPTModel of this pipeline stage.
+    """
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        set_tensor_model_parallel_attributes,
+    )
+    from megatron.core.transformer.mlp import MLP
+
+    # megatron builds a gated MLP's linear_fc1 with stride 2 ([gate; up] per TP shard)
+    # but keeps the stride only on the weight it marks; mirror MLP.__init__'s rule.
+    strides = {
+        id(module.linear_fc1): 2
+        for module in gpt.modules()
+        if isinstance(module, MLP) and module.config.gated_linear_unit and not module.config.use_kitchen
+    }
+    for module in gpt.modules():
+        if isinstance(module, VocabParallelEmbedding | ColumnParallelLinear):
+            partition_dim = 0
+        elif isinstance(module, RowParallelLinear):
+            partition_dim = 1
+        else:
+            continue
+        weight = module.weight  # None for an output layer that reuses the embedding
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        set_tensor_model_parallel_attributes(weight, True, partition_dim, strides.get(id(module), 1))
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class DecoderAdapter:
     """Adapter for Llama-style decoders (RMSNorm, SwiGLU, rope, GQA); subclassed per family."""
@@ -204,6 +245,8 @@ class DecoderAdapter:
             recompute: see transformer_config.
             use_te: TE layer spec; None picks it when te_available().
             init_weights: random-initialise parameters; False skips it (weights come from load_hf).
+                Either way TP-sharded weights carry megatron's tensor_model_parallel /
+                partition_dim / partition_stride attributes.
 
         Returns:
             The GPTModel of stage dims.pp_rank (embedding on the first stage, output layer on the last).
@@ -233,6 +276,7 @@ class DecoderAdapter:
             position_embedding_type="rope",
             rotary_base=self.hf.rope_theta,
         )
+        _mark_tensor_parallel_weights(model)
         return model.to(dims.device)
 
     def _maps(self, gpt: GPTModel) -> list[mapping.TensorMap]:
