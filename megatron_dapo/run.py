@@ -2,8 +2,9 @@
 
 `build_run(cfg)` brings up, in order: the process group and device, the data (the
 embedded task or the user's files), the initial HF checkpoint (given, or a scratch
-model with an SFT warm start, cached), Megatron's parallel layout and the actor, then on
-the controller the rollout engines, the reward pool and the metrics, and finally resumes
+model with an SFT warm start, cached), Megatron's parallel layout and the actor, the
+colocated SGLang engines (their leader ranks on every node start them), then on the
+controller the engine clients, the reward pool and the metrics, and finally resumes
 from the latest checkpoint. `Run` carries these to the loop in trainer.py and offers the
 small collective helpers the loop needs (dispatching the batch over DP ranks, weight
 sync, checkpointing).
@@ -33,6 +34,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
 from megatron_dapo.rewards.pool import RewardPool
+from megatron_dapo.rollout.colocated import ColocatedEngines, launch_colocated_engines
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
@@ -74,6 +76,8 @@ class Run:
     sampler: PromptSampler | None = None
     val_prompts: list[PromptRecord] = field(default_factory=list)
     rollout: RolloutController | None = None
+    colocated: ColocatedEngines | None = None
+    """rollout.engine=sglang: this rank's share of the engines on every node (all ranks)."""
     rewards: RewardPool | None = None
     collect_settings: CollectSettings | None = None
     val_sampling: SamplingParams | None = None
@@ -102,10 +106,13 @@ class Run:
 
     def sync_weights(self) -> WeightSyncStats:
         """Step 7: stream the actor's weights, as HF tensors, to every engine."""
+        export = self.adapter.export_hf(self.actor.model, self.dims)
+        bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
+        if self.colocated is not None:
+            # Each engine's own ranks feed it through CUDA IPC (rollout/colocated.py).
+            return self.colocated.sync_weights(export, bucket_bytes=bucket_bytes)
         engines = self.rollout.engines if self.rollout is not None else []
-        return sync_weights(self.adapter.export_hf(self.actor.model, self.dims), engines,
-                            is_controller=self.dims.is_controller,
-                            bucket_bytes=self.cfg.rollout.update_weights_bucket_megabytes << 20)
+        return sync_weights(export, engines, is_controller=self.dims.is_controller, bucket_bytes=bucket_bytes)
 
     def rollout_throughput(self) -> dict[str, float]:
         """Per-engine generation throughput of the last step (controller)."""
@@ -151,6 +158,8 @@ class Run:
             self.rewards.close()
         if self.rollout is not None:
             self.rollout.shutdown()
+        if self.colocated is not None:
+            self.colocated.shutdown()
 
 
 # ------------------------------------------------------------------------ building
@@ -187,6 +196,10 @@ def build_run(cfg: Config, config_source: str) -> Run:
               hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
               dp_rank_of=dp_rank_of)
+    if cfg.rollout.engine == "sglang":
+        # Collective: the leader ranks of every node start their engines.
+        run.colocated = launch_colocated_engines(cfg.rollout, hf_dir, rank=env.rank, world_size=env.world_size,
+                                                 local_rank=env.local_rank, log_dir=output_dir / "engine_logs")
     if dims.is_controller:
         _build_controller(run, hf_dir, sources)
 
@@ -278,7 +291,7 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    run.rollout = RolloutController(_make_engines(cfg, hf_dir))
+    run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated))
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
@@ -286,14 +299,14 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
                                 wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl)
 
 
-def _make_engines(cfg: Config, hf_dir: Path) -> list[Any]:
+def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None) -> list[Any]:
+    """The controller's engines: one local engine, or a client of every colocated SGLang engine."""
     if cfg.rollout.engine == "local":
         from megatron_dapo.rollout.local_engine import LocalEngine
 
         return [LocalEngine(hf_dir, name="local0")]
-    from megatron_dapo.rollout.sglang_engine import launch_node_engines
-
-    return launch_node_engines(cfg.rollout, hf_dir)
+    assert colocated is not None and colocated.clients, "launch_colocated_engines runs before the controller"
+    return colocated.clients
 
 
 def _broadcast(obj: Any) -> Any:

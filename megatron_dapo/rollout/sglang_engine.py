@@ -186,6 +186,7 @@ class SGLangEngine:
         num_retries: int = 3,
         serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
         deterministic: bool = False,
+        log_location: str = "",
     ) -> None:
         """Attach to a server (launched by :meth:`start`/:meth:`launch`, or already running).
 
@@ -202,6 +203,8 @@ class SGLangEngine:
             serializer: bucket -> string for /update_weights_from_tensor; default SGLang's
                 MultiprocessingSerializer (CUDA IPC handles).
             deterministic: the server runs --enable-deterministic-inference; seeds are sent.
+            log_location: where the server's log is when another process owns the server
+                (named in errors; colocated engines on other nodes).
         """
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -214,6 +217,7 @@ class SGLangEngine:
         self._num_retries = num_retries
         self._serializer = serializer or _default_serializer
         self._deterministic = deterministic
+        self._log_location = log_location
 
     @classmethod
     def start(
@@ -315,7 +319,9 @@ class SGLangEngine:
         )
 
     def _log_hint(self) -> str:
-        return "" if self.process is None else f"; server log: {self.process.log_path}"
+        if self.process is not None:
+            return f"; server log: {self.process.log_path}"
+        return f"; server log: {self._log_location}" if self._log_location else ""
 
     # ------------------------------------------------------------------ RolloutEngine
 
@@ -356,13 +362,22 @@ class SGLangEngine:
                     f"SGLang engine {self.name}: tensor {name!r} is on {tensor.device}; colocated weight "
                     "updates pass CUDA IPC handles, so export the weights on the GPU"
                 )
-        serialized = self._serializer(list(bucket))
-        payload = {
-            # SGLang's TP worker r deserializes entry r and shards the full tensors itself.
-            "serialized_named_tensors": [serialized] * self._tp_size,
-            "load_format": None,
-            "flush_cache": False,
-        }
+        # One process holds the bucket: every TP worker opens the same handles.
+        self.update_weights_from_serialized([self._serializer(list(bucket))] * self._tp_size)
+
+    def update_weights_from_serialized(self, serialized: Sequence[str]) -> None:
+        """POST one bucket already serialized per TP rank (colocated.py gathers one per GPU).
+
+        Args:
+            serialized: entry r is what the server's TP worker r deserializes, a bucket of
+                full tensors (the worker cuts its own shard); len == the server's TP size.
+        """
+        if len(serialized) != self._tp_size:
+            raise ValueError(
+                f"SGLang engine {self.name}: got {len(serialized)} serialized buckets for tp_size={self._tp_size}; "
+                "send one per TP rank"
+            )
+        payload = {"serialized_named_tensors": list(serialized), "load_format": None, "flush_cache": False}
         self._request("POST", "/update_weights_from_tensor", payload, timeout_s=self._control_timeout_s)
 
     def init_weight_update_group(
@@ -512,6 +527,9 @@ def launch_node_engines(
     startup_timeout_s: float = 900.0,
 ) -> list[SGLangEngine]:
     """Launch one engine per ``tensor_model_parallel_size`` GPUs of this node, all loading at once.
+
+    One process drives them all: single-node use. Multi-node colocated training launches
+    through colocated.launch_colocated_engines, where each engine's leader rank starts it.
 
     Args:
         config: the rollout section (TP size, memory fraction, host, request timeout).

@@ -1,0 +1,603 @@
+"""SGLang engines colocated with training on every node: placement, launch, weight sync, memory.
+
+Steps 1 and 7 of the RL step (DESIGN.md) on a multi-node GPU job. Training runs one process
+per GPU; the rollout engines live on the same GPUs, so each engine belongs to the training
+ranks whose GPUs it uses, and those ranks, not the controller, start it and feed it weights.
+
+Placement
+    Node n holds global ranks ``[n*G, (n+1)*G)`` with local ranks ``0..G-1`` (G = ranks per
+    node: LOCAL_WORLD_SIZE under torchrun, SLURM_NTASKS_PER_NODE under srun; one rank per
+    GPU, local rank = GPU index). With T = ``rollout.tensor_model_parallel_size``, the node's
+    GPUs are cut into G/T engines of T consecutive local ranks, so engine ``e = rank // T``
+    holds global ranks ``[e*T, (e+1)*T)``, its engine TP rank ``r = rank % T`` runs on the GPU
+    of that training rank. The first rank of the group, the *engine leader*, launches the
+    server with ``--base-gpu-id`` = its local rank, ``--tp-size T`` and ``--host`` = the node's
+    address. T must divide G: an engine never spans nodes, because CUDA IPC handles only
+    open on the node (here: the very GPU) that made them. Flagship: 16 nodes x 8 H-class
+    GPUs at T=8 give 16 engines, leaders at ranks 0, 8, ..., 120.
+
+Launch
+    Leaders start their servers at once (each in its own process) and wait for health. Every
+    rank then all-gathers every engine's address, API key, leader and log path, or the
+    error of a leader whose server did not come up; in that case every rank raises (naming
+    the engine, its node and log tail) and healthy leaders stop their servers, so no rank is
+    left waiting in a later collective. The controller (global rank 0) builds one HTTP client
+    per engine (``SGLangEngine`` without a process; its own engine 0 it already holds) and
+    the RolloutController spreads generation over all engines of all nodes. Leaders own the
+    server processes: death detection with the log tail on every call they make, shutdown.
+
+Weight sync (step 7)
+    ``export_hf`` is collective and hands every rank every full HF tensor, on its own GPU.
+    All ranks cut the stream into the same buckets (same names, sizes and order). For each
+    bucket, each rank serializes its own copy: a CUDA IPC handle to memory on its GPU, which
+    is exactly what the engine's TP worker on that GPU opens. The engine's group (a gloo
+    group per engine, built once at launch) gathers the strings to the leader, which POSTs
+    /update_weights_from_tensor with the list in engine TP-rank order (each TP worker takes
+    its full tensors and cuts its own shard). The leader then broadcasts the outcome to its
+    group, and only then do members drop the bucket and take the next one, so a group moves
+    in lockstep with its engine (torch also keeps a block shared over IPC in its "limbo"
+    until the server, after syncing its stream, let go of it; ``ipc_collect`` then frees it).
+    After the last bucket each leader flushes the radix cache. A failed
+    engine's group stops sending but keeps consuming the export (its collectives must stay
+    in lockstep with the other ranks); one all-gather at the end makes every rank raise
+    an EngineError naming every failed engine.
+
+Memory
+    Each rank holds one bucket of full tensors at a time (at most the bucket budget plus
+    one tensor) and the engines read it in place through IPC: no extra copy on the trainer
+    side, no tensor bytes over the network; only handles (a few hundred bytes per tensor)
+    cross processes, over gloo inside a node. Blocks the engine has released go back to the
+    caching allocator after every bucket (``torch.cuda.ipc_collect``): the peak stays one bucket.
+    Around training, ``release_memory`` (before) and ``resume_memory`` (before the sync)
+    are collectives: each leader calls its own engine, and an all-gather makes every rank
+    wait until every engine of the job has given back, or taken, its memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.errors import UserError
+from megatron_dapo.rollout.engine import EngineError, RolloutEngine
+from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketMeter, WeightSyncStats, iter_buckets
+
+if TYPE_CHECKING:
+    from megatron_dapo.config import RolloutConfig
+
+__all__ = [
+    "ColocatedEngines",
+    "EngineInfo",
+    "EnginePlacement",
+    "EngineSlot",
+    "LeaderEngine",
+    "launch_colocated_engines",
+    "plan_placement",
+    "ranks_per_node_from_env",
+    "serialize_cuda_ipc",
+]
+
+logger = logging.getLogger(__name__)
+
+Serializer = Callable[[list[tuple[str, torch.Tensor]]], str]
+
+
+# ------------------------------------------------------------------------ placement
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineSlot:
+    """Where one engine runs."""
+
+    index: int
+    """Global engine index (engines of node 0 first)."""
+    name: str
+    """Engine name in logs and metrics: ``sglang<index>``."""
+    node: int
+    """Node index (global rank // ranks per node)."""
+    leader_rank: int
+    """Global rank that launches the server and posts its weights."""
+    base_gpu_id: int
+    """--base-gpu-id: the leader's local rank."""
+    tp_size: int
+    """--tp-size: GPUs of the engine."""
+    ranks: tuple[int, ...]
+    """Global ranks on the engine's GPUs, in engine TP-rank order."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EnginePlacement:
+    """One engine per ``engine_tp`` consecutive local ranks of every node (see the module docstring)."""
+
+    num_nodes: int
+    """Nodes of the job."""
+    gpus_per_node: int
+    """Ranks (= GPUs) per node."""
+    engine_tp: int
+    """GPUs per engine (rollout.tensor_model_parallel_size)."""
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the job."""
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def engines_per_node(self) -> int:
+        """Engines on each node."""
+        return self.gpus_per_node // self.engine_tp
+
+    @property
+    def num_engines(self) -> int:
+        """Engines of the job."""
+        return self.num_nodes * self.engines_per_node
+
+    def engine_of(self, rank: int) -> int:
+        """Index of the engine that uses this global rank's GPU."""
+        return rank // self.engine_tp
+
+    def tp_rank_of(self, rank: int) -> int:
+        """Engine TP rank whose worker runs on this global rank's GPU."""
+        return rank % self.engine_tp
+
+    def is_leader(self, rank: int) -> bool:
+        """Whether this global rank launches and feeds an engine."""
+        return rank % self.engine_tp == 0
+
+    def slot(self, index: int) -> EngineSlot:
+        """Where engine ``index`` runs."""
+        assert 0 <= index < self.num_engines, (index, self.num_engines)
+        leader = index * self.engine_tp
+        return EngineSlot(
+            index=index, name=f"sglang{index}", node=leader // self.gpus_per_node, leader_rank=leader,
+            base_gpu_id=leader % self.gpus_per_node, tp_size=self.engine_tp,
+            ranks=tuple(range(leader, leader + self.engine_tp)),
+        )  # fmt: skip
+
+    def group_ranks(self) -> list[list[int]]:
+        """Global ranks of every engine's group, by engine (the per-engine process groups)."""
+        return [list(self.slot(e).ranks) for e in range(self.num_engines)]
+
+
+def plan_placement(*, world_size: int, gpus_per_node: int, engine_tp: int) -> EnginePlacement:
+    """Check the job's shape against the rollout TP size and place the engines.
+
+    Args:
+        world_size: ranks of the job (one per GPU).
+        gpus_per_node: ranks per node.
+        engine_tp: rollout.tensor_model_parallel_size.
+
+    Returns:
+        The placement.
+
+    Raises:
+        UserError: one line naming the values and the fix (the CLI prints it, exit code 2).
+    """
+    if gpus_per_node < 1 or world_size % gpus_per_node:
+        raise UserError(
+            f"world size {world_size} is not a multiple of {gpus_per_node} ranks per node; colocated SGLang "
+            "engines need the same number of ranks (one per GPU) on every node"
+        )
+    if engine_tp < 1 or gpus_per_node % engine_tp:
+        divisors = ", ".join(str(d) for d in range(1, gpus_per_node + 1) if gpus_per_node % d == 0)
+        raise UserError(
+            f"rollout.tensor_model_parallel_size={engine_tp} does not divide the {gpus_per_node} GPUs per node; "
+            f"set it to one of {divisors} (a colocated engine cannot span nodes: CUDA IPC is node-local)"
+        )
+    return EnginePlacement(num_nodes=world_size // gpus_per_node, gpus_per_node=gpus_per_node, engine_tp=engine_tp)
+
+
+def ranks_per_node_from_env(world_size: int) -> int:
+    """Ranks per node as the launcher reports it.
+
+    Args:
+        world_size: ranks of the job (a one-process job needs no launcher variable).
+
+    Returns:
+        LOCAL_WORLD_SIZE (torchrun), else SLURM_NTASKS_PER_NODE (srun --ntasks-per-node).
+    """
+    env = os.environ
+    if "LOCAL_WORLD_SIZE" in env:
+        return int(env["LOCAL_WORLD_SIZE"])
+    value = env.get("SLURM_NTASKS_PER_NODE")
+    if value is not None:
+        # "8", or "8(x16)" when SLURM compresses equal counts; "8,4" = uneven nodes.
+        match = re.fullmatch(r"(\d+)(?:\(x\d+\))?", value.strip())
+        if match is None:
+            raise UserError(
+                f"SLURM_NTASKS_PER_NODE={value!r}: colocated SGLang engines need the same number of ranks on "
+                "every node; launch with srun --ntasks-per-node=<GPUs per node>"
+            )
+        return int(match.group(1))
+    if world_size == 1:
+        return 1
+    raise UserError(
+        "neither LOCAL_WORLD_SIZE (torchrun) nor SLURM_NTASKS_PER_NODE (srun --ntasks-per-node) is set, so the "
+        "ranks per node are unknown; launch with torchrun or srun --ntasks-per-node=<GPUs per node>"
+    )
+
+
+def check_node_layout(placement: EnginePlacement, *, rank: int, local_rank: int) -> None:
+    """Collective: verify that node n holds global ranks [n*G, (n+1)*G) in local-rank order.
+
+    Engines are placed by global rank, which is right only if the launcher put ranks on
+    nodes in contiguous blocks (torchrun, srun's default block distribution) and the ranks
+    of a block share a host. Raises the same UserError on every rank otherwise.
+    """
+    seen: list[Any] = [None] * placement.world_size
+    dist.all_gather_object(seen, (socket.gethostname(), local_rank))
+    g = placement.gpus_per_node
+    for r, (host, local) in enumerate(seen):
+        node_host = seen[r - r % g][0]
+        if local != r % g or host != node_host:
+            raise UserError(
+                f"rank {r} runs on {host} as local rank {local}, but colocated engines expect node {r // g} "
+                f"({node_host}) to hold ranks {r - r % g}..{r - r % g + g - 1} in order; launch ranks in node "
+                "blocks (torchrun, or srun --distribution=block)"
+            )
+
+
+# ------------------------------------------------------------------------ engines
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineInfo:
+    """What every rank learns about one engine at launch (all-gathered)."""
+
+    name: str
+    """Engine name."""
+    url: str
+    """``http://address:port`` reachable from the other nodes."""
+    api_key: str
+    """Bearer token of the server."""
+    tp_size: int
+    """GPUs of the engine."""
+    leader_rank: int
+    """Global rank that owns the server process."""
+    node: int
+    """Node index."""
+    host: str
+    """Host name of the node (for messages)."""
+    log_path: str
+    """The server's log file on that node."""
+    deterministic: bool = False
+    """Server runs --enable-deterministic-inference (clients send seeds)."""
+
+
+class LeaderEngine(Protocol):
+    """What a leader needs from the engine it owns (SGLangEngine; a fake in tests)."""
+
+    def update_weights_from_serialized(self, serialized: Sequence[str]) -> None:
+        """Load one bucket, one serialized entry per engine TP rank, in TP-rank order."""
+        ...
+
+    def finish_weight_update(self) -> None:
+        """Drop caches computed with the old weights."""
+        ...
+
+    def release_memory(self) -> None:
+        """Give weights and KV cache back for training."""
+        ...
+
+    def resume_memory(self) -> None:
+        """Take the memory back; weights must be synced afterwards."""
+        ...
+
+    def health(self) -> bool:
+        """Whether the server answers; raises EngineError with the log tail when its process died."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop the server (idempotent)."""
+        ...
+
+
+StartEngine = Callable[[EngineSlot], tuple[LeaderEngine, EngineInfo]]
+MakeClient = Callable[[EngineInfo], RolloutEngine]
+
+
+def serialize_cuda_ipc(bucket: list[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's MultiprocessingSerializer of a bucket: CUDA IPC handles to this rank's GPU memory.
+
+    The handles name the GPU by UUID (SGLang's torch reduction patch, also applied by its
+    servers), so they open correctly even if the server saw a different CUDA_VISIBLE_DEVICES.
+
+    Args:
+        bucket: (hf_name, full tensor on this rank's GPU).
+
+    Returns:
+        The base64 string one TP worker deserializes.
+    """
+    for name, tensor in bucket:
+        if tensor.device.type != "cuda":
+            raise UserError(
+                f"colocated weight sync: tensor {name!r} is on {tensor.device}; CUDA IPC needs the export on "
+                "this rank's GPU (trainer.device: cuda)"
+            )
+    try:  # GPU-only dependency; the module moved in SGLang 0.5
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:
+        from sglang.srt.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.serialize(bucket, output_str=True)
+
+
+class ColocatedEngines:
+    """This rank's share of the job's colocated engines; every rank holds one (collective methods)."""
+
+    def __init__(
+        self,
+        *,
+        placement: EnginePlacement,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        engine: LeaderEngine | None,
+        infos: list[EngineInfo],
+        clients: list[RolloutEngine],
+        serializer: Serializer,
+    ) -> None:
+        """Use :meth:`create` (or :func:`launch_colocated_engines`); this only stores the parts."""
+        self.placement = placement
+        self.rank = rank
+        self.slot = placement.slot(placement.engine_of(rank))
+        self.group = group
+        self.engine = engine
+        self.infos = infos
+        self.clients = clients
+        self._serializer = serializer
+
+    @property
+    def is_leader(self) -> bool:
+        """Whether this rank owns an engine's server."""
+        return self.engine is not None
+
+    @classmethod
+    def create(
+        cls,
+        placement: EnginePlacement,
+        *,
+        rank: int,
+        local_rank: int,
+        start_engine: StartEngine,
+        make_client: MakeClient,
+        serializer: Serializer | None = None,
+    ) -> ColocatedEngines:
+        """Collective: check the node layout, build the per-engine groups, start and announce engines.
+
+        Args:
+            placement: from :func:`plan_placement` (the same on every rank).
+            rank: this global rank.
+            local_rank: this rank's index on its node.
+            start_engine: called on leaders only: start the slot's server, wait until healthy,
+                return the owned engine and its info.
+            make_client: called on the controller: an HTTP client of another rank's engine.
+            serializer: bucket -> string for the engine's TP worker on this GPU; default
+                :func:`serialize_cuda_ipc`.
+
+        Returns:
+            On leaders ``engine`` is set; on the controller ``clients`` holds every engine.
+
+        Raises:
+            UserError: the ranks are not laid out in node blocks.
+            EngineError: on every rank, when any engine failed to start.
+        """
+        check_node_layout(placement, rank=rank, local_rank=local_rank)
+        # Built once, by every rank in the same order (new_group is collective over the world).
+        # gloo: the payloads are small host strings, and the default group may be NCCL.
+        group, _ = dist.new_subgroups_by_enumeration(placement.group_ranks(), backend="gloo")
+        slot = placement.slot(placement.engine_of(rank))
+        engine: LeaderEngine | None = None
+        outcome: tuple[EngineInfo | None, str | None] = (None, None)
+        if placement.is_leader(rank):
+            try:
+                engine, info = start_engine(slot)
+                outcome = (info, None)
+            except Exception as err:
+                outcome = (None, f"{slot.name} (rank {rank} on {socket.gethostname()}): {err}")
+        outcomes: list[Any] = [None] * placement.world_size
+        dist.all_gather_object(outcomes, outcome)
+        errors = [error for _, error in outcomes if error is not None]
+        if errors:
+            if engine is not None:
+                engine.shutdown()
+            raise EngineError(f"{len(errors)} colocated SGLang engine(s) failed to start: " + "; ".join(errors))
+        infos = [outcomes[placement.slot(e).leader_rank][0] for e in range(placement.num_engines)]
+        clients: list[RolloutEngine] = []
+        if rank == 0:
+            # The controller's own engine (0) keeps its process handle: errors then carry the log tail.
+            clients = [engine if e == slot.index and engine is not None else make_client(info)  # type: ignore[misc]
+                       for e, info in enumerate(infos)]
+        logger.info("colocated engines: %d on %d node(s), tp %d; this rank: %s tp rank %d%s",
+                    placement.num_engines, placement.num_nodes, placement.engine_tp, slot.name,
+                    placement.tp_rank_of(rank), " (leader)" if engine is not None else "")
+        return cls(placement=placement, rank=rank, group=group, engine=engine, infos=infos, clients=clients,
+                   serializer=serializer or serialize_cuda_ipc)
+
+    # ------------------------------------------------------------------ weight sync
+
+    def sync_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> WeightSyncStats:
+        """Collective: stream the export into every engine, bucket by bucket (module docstring).
+
+        Args:
+            named_tensors: the adapter's export_hf generator: every full tensor on every
+                rank, consumed fully here.
+            bucket_bytes: budget per bucket (rollout.update_weights_bucket_megabytes).
+
+        Returns:
+            Bytes, tensors and buckets this rank's engine received, seconds, the bucket peak.
+
+        Raises:
+            EngineError: on every rank, when any engine failed (names every such engine).
+        """
+        start = time.perf_counter()
+        meter = BucketMeter()
+        failure: str | None = None  # this engine's first failure, known to every rank of its group
+        num_bytes = num_tensors = num_buckets = 0
+        for bucket in iter_buckets(named_tensors, bucket_bytes, meter):
+            if failure is None:
+                failure = self._send_bucket(bucket)
+            num_buckets += 1
+            num_tensors += len(bucket)
+            num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            on_cuda = bucket[0][1].is_cuda
+            del bucket
+            if on_cuda:
+                # Blocks shared over IPC wait in torch's limbo until the server let go of them.
+                torch.cuda.ipc_collect()
+        if failure is None and self.engine is not None:
+            failure = _call(self.engine.finish_weight_update)
+        self._raise_if_any_failed(failure, "weight sync")
+        return WeightSyncStats(num_bytes=num_bytes, num_tensors=num_tensors, num_buckets=num_buckets,
+                               seconds=time.perf_counter() - start, peak_bucket_bytes=meter.peak_bytes)
+
+    def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
+        """Serialize, gather to the leader, POST, share the outcome in the group; returns the failure."""
+        payload: str | None = None
+        error: str | None = None
+        try:
+            payload = self._serializer(bucket)
+        except Exception as err:
+            error = f"rank {self.rank}: {type(err).__name__}: {err}"
+        if self.slot.tp_size == 1:
+            gathered: list[Any] | None = [(payload, error)]
+        else:
+            gathered = [None] * self.slot.tp_size if self.is_leader else None
+            dist.gather_object((payload, error), gathered, group=self.group, group_dst=0)
+        status: list[str | None] = [None]
+        if gathered is not None:
+            errors = [e for _, e in gathered if e is not None]
+            if errors:
+                status[0] = "; ".join(errors)
+            else:
+                assert self.engine is not None
+                status[0] = _call(self.engine.update_weights_from_serialized, [p for p, _ in gathered])
+        if self.slot.tp_size > 1:
+            # Members hold their bucket until the leader's POST returned: the server reads it in place.
+            dist.broadcast_object_list(status, group=self.group, group_src=0)
+        return status[0]
+
+    # ------------------------------------------------------------------ memory and lifetime
+
+    def release_memory(self) -> None:
+        """Collective: every leader releases its engine's weights and KV cache (before training)."""
+        failure = _call(self.engine.release_memory) if self.engine is not None else None
+        self._raise_if_any_failed(failure, "release_memory")
+
+    def resume_memory(self) -> None:
+        """Collective: every leader takes its engine's memory back (before the weight sync)."""
+        failure = _call(self.engine.resume_memory) if self.engine is not None else None
+        self._raise_if_any_failed(failure, "resume_memory")
+
+    def health(self) -> dict[str, bool]:
+        """Collective: every leader asks its own server; the answers of all engines, on every rank.
+
+        Raises:
+            EngineError: on every rank, when a leader found its server process dead (log tail included).
+        """
+        healthy, failure = True, None
+        if self.engine is not None:
+            try:
+                healthy = bool(self.engine.health())
+            except Exception as err:
+                failure = f"{type(err).__name__}: {err}"
+        answers: list[Any] = [None] * self.placement.world_size
+        dist.all_gather_object(answers, (self.slot.name, self.is_leader, healthy, failure))
+        dead = [f"{name}: {f}" for name, _, _, f in answers if f is not None]
+        if dead:
+            raise EngineError(f"health failed on {len(dead)} engine(s): " + "; ".join(dead))
+        return {name: ok for name, leader, ok, _ in answers if leader}
+
+    def shutdown(self) -> None:
+        """Stop this rank's server if it leads one (not collective; idempotent)."""
+        if self.engine is not None:
+            self.engine.shutdown()
+
+    def _raise_if_any_failed(self, failure: str | None, what: str) -> None:
+        """All-gather every rank's failure; raise the same EngineError everywhere if any."""
+        failures: list[Any] = [None] * self.placement.world_size
+        dist.all_gather_object(failures, (self.slot.name, failure))
+        by_engine = dict.fromkeys(f"{name}: {f}" for name, f in failures if f is not None)
+        if by_engine:
+            raise EngineError(f"{what} failed on {len(by_engine)} engine(s): " + "; ".join(by_engine))
+
+
+def _call(fn: Callable[..., Any], *args: Any) -> str | None:
+    """Run fn; return None, or its error as text (re-raised on every rank by the caller)."""
+    try:
+        fn(*args)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+# ------------------------------------------------------------------------ SGLang launch
+
+
+def launch_colocated_engines(
+    config: RolloutConfig,
+    model_path: str | Path,
+    *,
+    rank: int,
+    world_size: int,
+    local_rank: int,
+    log_dir: str | Path | None = None,
+    startup_timeout_s: float = 900.0,
+    serializer: Serializer | None = None,
+) -> ColocatedEngines:
+    """Collective: start SGLang engines on the GPUs of every node and connect the controller to all.
+
+    Args:
+        config: the rollout section (TP size, memory fraction, host, request timeout).
+        model_path: HF checkpoint every server loads at start (reachable on every node).
+        rank: global rank.
+        world_size: ranks of the job.
+        local_rank: rank on this node (= its GPU).
+        log_dir: directory of the engine logs (sglang<e>.log); None = the cwd of each leader.
+        startup_timeout_s: how long a server may take to load.
+        serializer: override of :func:`serialize_cuda_ipc`.
+
+    Returns:
+        This rank's ColocatedEngines; on the controller ``clients`` holds every engine.
+    """
+    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.rollout.sglang_server import SGLangServerConfig, node_address, resolve_server_config
+
+    placement = plan_placement(world_size=world_size, gpus_per_node=ranks_per_node_from_env(world_size),
+                               engine_tp=config.tensor_model_parallel_size)
+    host = config.host or node_address()
+
+    def start(slot: EngineSlot) -> tuple[LeaderEngine, EngineInfo]:
+        server = resolve_server_config(SGLangServerConfig(
+            model_path=str(model_path), tp_size=slot.tp_size, base_gpu_id=slot.base_gpu_id,
+            mem_fraction_static=config.gpu_memory_utilization, host=host,
+            log_path=str(Path(log_dir) / f"{slot.name}.log") if log_dir is not None else "",
+        ), slot.name)  # fmt: skip
+        engine = SGLangEngine.launch(server, name=slot.name, startup_timeout_s=startup_timeout_s,
+                                     request_timeout_s=config.request_timeout_s)
+        # A server bound to every interface is reached through the node's own address.
+        address = node_address() if server.host in ("0.0.0.0", "::") else server.host
+        info = EngineInfo(name=slot.name, url=f"http://{address}:{server.port}", api_key=server.api_key,
+                          tp_size=slot.tp_size, leader_rank=slot.leader_rank, node=slot.node,
+                          host=socket.gethostname(), log_path=server.log_path, deterministic=server.deterministic)
+        return engine, info
+
+    def client(info: EngineInfo) -> RolloutEngine:
+        return SGLangEngine(info.url, name=info.name, api_key=info.api_key, tp_size=info.tp_size,
+                            request_timeout_s=config.request_timeout_s, deterministic=info.deterministic,
+                            log_location=f"{info.host}:{info.log_path} (owned by rank {info.leader_rank})")
+
+    return ColocatedEngines.create(placement, rank=rank, local_rank=local_rank, start_engine=start,
+                                   make_client=client, serializer=serializer)
