@@ -114,6 +114,16 @@ class Run:
         engines = self.rollout.engines if self.rollout is not None else []
         return sync_weights(export, engines, is_controller=self.dims.is_controller, bucket_bytes=bucket_bytes)
 
+    def release_rollout_memory(self) -> None:
+        """Colocated engines hand their GPU memory (weights, KV cache) to training (collective)."""
+        if self.colocated is not None:
+            self.colocated.release_memory()
+
+    def resume_rollout_memory(self) -> None:
+        """Colocated engines take their memory back; weights must be synced next (collective)."""
+        if self.colocated is not None:
+            self.colocated.resume_memory()
+
     def rollout_throughput(self) -> dict[str, float]:
         """Per-engine generation throughput of the last step (controller)."""
         if self.rollout is None:

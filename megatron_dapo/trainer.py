@@ -72,12 +72,14 @@ def fit(run: Run) -> dict[str, float]:
             metrics.update(collect_metrics)
             metrics.update(run.rollout_throughput())
         with timer("dispatch"):
-            shards = run.dispatch(groups)  # this rank's mini-batches: list[RolloutBatch]
+            shards = run.dispatch(groups)  # this rank's mini-batches: list[Shard]
+            run.release_rollout_memory()  # colocated engines free the GPUs for training
         with timer("old_log_prob"):
             drift = compute_old_log_probs(run, shards)
         with timer("update_actor"):
             actor_metrics = [actor.train_step(shard.batch, run.loss) for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
         with timer("sync"):
+            run.resume_rollout_memory()
             sync_stats = run.sync_weights()
         metrics.update(mean_metrics(actor_metrics))
         metrics.update(drift)
