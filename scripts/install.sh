@@ -16,5 +16,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
     "$PY" -m pip install "torch>=2.4,<2.14" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-"$PY" -c "import megatron_dapo, megatron.core, pytest, hypothesis, ruff" 2>/dev/null \
-  || "$PY" -m pip install -q -e ".[test]"
+# Idempotent and quick when everything is there; also picks up new requirements.
+"$PY" -m pip install -q -e ".[test]"
