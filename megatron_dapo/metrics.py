@@ -44,8 +44,12 @@ CONSOLE_KEYS: tuple[tuple[str, str, str], ...] = (
     ("response_length/mean", "resp_len", "{:.1f}"),
     ("actor/pg_clipfrac", "clipfrac", "{:.4f}"),
     ("train/num_gen_batches", "gen_rounds", "{:.0f}"),
+    # The DAPO invariants, visible per step: the batch size and the kept groups' accuracy range.
+    ("train/num_responses", "responses", "{:.0f}"),
+    ("train/kept_group_acc_min", "kept_acc_min", "{:.2f}"),
+    ("train/kept_group_acc_max", "kept_acc_max", "{:.2f}"),
     ("timing_s/step", "step_s", "{:.2f}"),
-    ("perf/throughput", "tok/s", "{:.0f}"),
+    ("perf/throughput*", "tok/s", "{:.0f}"),
 )
 
 

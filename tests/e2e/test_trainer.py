@@ -43,7 +43,7 @@ def test_few_steps_hold_the_dapo_invariants(tmp_path, cache_dir, nproc, override
         assert row["rollout/train_logprob_abs_diff"] < 1e-4
         assert row["actor/lr"] == pytest.approx(1e-3)
     # The console shows the invariants too (kept groups and batch size per step).
-    assert "gen_rounds" in proc.stdout
+    assert "gen_rounds" in proc.stdout and "responses 16" in proc.stdout and "kept_acc_min" in proc.stdout
     assert (out / "checkpoints" / "step_2" / "manifest.json").is_file()
 
 
