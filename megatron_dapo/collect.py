@@ -13,6 +13,7 @@ the same generate-and-score path without filtering.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -118,9 +119,12 @@ def generate_and_score(
     """Generate params.n responses per prompt and score them with the verifier.
 
     Returns:
-        One Group per prompt (samples in sample order) and the round's reward-pool counts.
+        One Group per prompt (samples in sample order), the round's reward-pool counts and
+        its generation and scoring seconds (timing_s/gen, timing_s/reward).
     """
+    start = time.perf_counter()
     results: list[GenerationResult] = rollout.generate([p.prompt_ids for p in prompts], params)
+    generated_at = time.perf_counter()
     groups = [Group(prompt=p) for p in prompts]
     for r in results:
         groups[r.prompt_index].samples.append(
@@ -134,7 +138,8 @@ def generate_and_score(
     for s, out in zip(samples, scored):
         s.score = float(out["score"])
         s.acc = bool(out["acc"])
-    return groups, {"reward/num_errors": float(stats.num_errors), "reward/num_timeouts": float(stats.num_timeouts)}
+    return groups, {"reward/num_errors": float(stats.num_errors), "reward/num_timeouts": float(stats.num_timeouts),
+                    "timing_s/gen": generated_at - start, "timing_s/reward": time.perf_counter() - generated_at}
 
 
 def apply_overlong_penalty(groups: Sequence[Group], settings: CollectSettings) -> None:
@@ -191,7 +196,8 @@ def collect_batch(
     """
     buffer = DynamicSamplingBuffer(settings.train_batch_size, settings.max_num_gen_batches)
     generated: list[Group] = []
-    counts: dict[str, float] = {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0}
+    counts: dict[str, float] = {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0, "timing_s/gen": 0.0,
+                                "timing_s/reward": 0.0}
     dropped = {"all_correct": 0, "all_wrong": 0, "other": 0}
     num_rounds = 0
     while True:

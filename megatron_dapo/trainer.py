@@ -65,7 +65,7 @@ def fit(run: Run) -> dict[str, float]:
         metrics: dict[str, float] = {}
         groups: list[Group] = []
         if dims.is_controller:
-            with timer("gen"):
+            with timer("collect"):  # steps 1-4; split into timing_s/gen and timing_s/reward below
                 groups, collect_metrics = collect_batch(
                     run.sampler, step, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
                     settings=run.collect_settings)

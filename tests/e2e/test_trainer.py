@@ -10,7 +10,7 @@ TRAIN_KEYS = [
     "response_length/clip_ratio", "train/num_gen_batches", "train/num_groups", "train/num_responses",
     "train/kept_group_acc_min", "train/kept_group_acc_max", "actor/pg_loss", "actor/pg_clipfrac",
     "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
-    "rollout/train_logprob_abs_diff", "timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor",
+    "rollout/train_logprob_abs_diff", "timing_s/gen", "timing_s/reward", "timing_s/collect", "timing_s/old_log_prob", "timing_s/update_actor",
     "timing_s/sync", "timing_s/step", "perf/throughput_tokens_per_s", "reward/num_errors",
 ]
 
