@@ -58,6 +58,11 @@ def fit(run: Run) -> dict[str, float]:
     preemption = PreemptionFlag()
     timer = Timer()
     last: dict[str, float] = {}
+    if run.start_step >= cfg.trainer.total_training_steps:
+        logger.warning("%s already holds a checkpoint of step %d of %d: nothing to train; raise "
+                       "trainer.total_training_steps, or start afresh with trainer.resume=disable or a new "
+                       "trainer.output_dir", run.output_dir, run.start_step, cfg.trainer.total_training_steps)
+        return last
     if run.start_step == 0 and cfg.trainer.val_before_train and cfg.trainer.test_freq > 0:
         last = run.log(0, validate(run))
     for step in range(run.start_step + 1, cfg.trainer.total_training_steps + 1):
