@@ -110,6 +110,10 @@ def test_bad_override_fails_the_job_with_one_line(slurm_cluster: SlurmCluster, t
     assert "probe rank" not in _read(log)  # no rank was started
 
 
+# Seconds between a requeue and the release of the requeued job (see the credential note below).
+REQUEUE_RELEASE_S = 10
+
+
 def test_pre_timeout_signal_requeues_the_job(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     log = tmp_path / "preempt.out"
     out_dir = tmp_path / "run"
@@ -119,8 +123,10 @@ def test_pre_timeout_signal_requeues_the_job(slurm_cluster: SlurmCluster, tmp_pa
     # What SLURM sends --signal=USR1@60 before the time limit; scancel delivers it to the ranks.
     slurm_cluster.run("scancel", "--signal=USR1", job)
     _wait_for(lambda: slurm_cluster.job_field(job, "Restarts") == "1", 60, "the requeue", log)
-    # A requeued job is held until its begin time; release it now instead of waiting.
-    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    # A requeued job is held until its begin time; release it sooner, but not at once: slurmd
+    # keeps the first attempt's credential revoked for a few seconds, and a launch inside that
+    # window fails the job ("Job credential revoked").
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", f"StartTime=now+{REQUEUE_RELEASE_S}", check=False)
     assert slurm_cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 180) == "COMPLETED", _read(log)
     text = _read(log)
     assert f"job {job} attempt 0: ranks exited with 0" in text
@@ -208,7 +214,7 @@ def test_signal_saves_requeues_and_resumes(slurm_cluster: SlurmCluster, trainer_
     _wait_for(lambda: len(_steps(out_dir)) >= 1, 180, "the first step", log)
     slurm_cluster.run("scancel", "--signal=USR1", job)
     _wait_for(lambda: slurm_cluster.job_field(job, "Restarts") == "1", 120, "the requeue", log)
-    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    slurm_cluster.run("scontrol", "update", f"JobId={job}", f"StartTime=now+{REQUEUE_RELEASE_S}", check=False)
     assert slurm_cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 240) == "COMPLETED", _read(log)
     text = _read(log)
     match = re.search(rf"checkpointed at step (\d+) before the time limit; requeueing job {job}", text)
