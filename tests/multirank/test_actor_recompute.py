@@ -84,7 +84,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 _CONFIGS = {"none": (None, None), "full": ("full", "uniform"), "selective": ("selective", None)}
 
 
-def _check(results: dict, tp: int, recompute: str, checkpoint: str) -> None:
+def check_recompute_matches(results: dict, tp: int, recompute: str, checkpoint: str) -> None:
     """Assert that ``recompute`` reproduces recompute="none" bit for bit at this TP size."""
     from safetensors.torch import load_file
 
@@ -103,11 +103,11 @@ def _check(results: dict, tp: int, recompute: str, checkpoint: str) -> None:
 
 def test_recompute_matches_no_recompute_tp1(checkpoint: str) -> None:
     (results,) = run_distributed(_recompute_worker, 1, [1], ["none", "full", "selective"], checkpoint)
-    _check(results, 1, "full", checkpoint)
-    _check(results, 1, "selective", checkpoint)
+    check_recompute_matches(results, 1, "full", checkpoint)
+    check_recompute_matches(results, 1, "selective", checkpoint)
 
 
 def test_full_recompute_matches_no_recompute_tp2(checkpoint: str) -> None:
     results = run_distributed(_recompute_worker, 2, [2], ["none", "full"], checkpoint)
-    _check(results[0], 2, "full", checkpoint)
+    check_recompute_matches(results[0], 2, "full", checkpoint)
     assert results[1][(2, "full")]["metrics"] == results[0][(2, "full")]["metrics"]

@@ -72,7 +72,7 @@ def _convert_and_run(
     return results
 
 
-def _check(
+def check_layouts(
     results_by_rank: list[dict], layouts: list[tuple[int, int]], reference: dict[str, torch.Tensor]
 ) -> None:
     for (tp, pp), name in [(layout, name) for layout in layouts for name in reference]:
@@ -95,16 +95,16 @@ def _check(
 def test_single_rank_layout(checkpoints, tokens, reference) -> None:
     layouts = [(1, 1)]
     paths = {k: str(v) for k, v in checkpoints.items()}
-    _check(run_distributed(_convert_and_run, 1, layouts, paths, tokens), layouts, reference)
+    check_layouts(run_distributed(_convert_and_run, 1, layouts, paths, tokens), layouts, reference)
 
 
 def test_two_rank_layouts_tp2_pp2_dp2(checkpoints, tokens, reference) -> None:
     layouts = [(2, 1), (1, 2), (1, 1)]
     paths = {k: str(v) for k, v in checkpoints.items()}
-    _check(run_distributed(_convert_and_run, 2, layouts, paths, tokens), layouts, reference)
+    check_layouts(run_distributed(_convert_and_run, 2, layouts, paths, tokens), layouts, reference)
 
 
 def test_four_rank_layout_tp2_pp2(checkpoints, tokens, reference) -> None:
     layouts = [(2, 2)]
     paths = {k: str(v) for k, v in checkpoints.items()}
-    _check(run_distributed(_convert_and_run, 4, layouts, paths, tokens, timeout_s=300), layouts, reference)
+    check_layouts(run_distributed(_convert_and_run, 4, layouts, paths, tokens, timeout_s=300), layouts, reference)
