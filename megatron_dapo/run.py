@@ -98,11 +98,7 @@ class Run:
             payloads = [per_dp[self.dp_rank_of[r]] for r in range(self.dims.world_size)]
         received: list[Any] = [None]
         dist.scatter_object_list(received, payloads if self.dims.is_controller else None, src=0)
-        return [_to_shard(rows, self.pad_id) for rows in received[0]]
-
-    @property
-    def pad_id(self) -> int:
-        return 0
+        return [_to_shard(rows) for rows in received[0]]
 
     def sync_weights(self) -> WeightSyncStats:
         """Step 7: stream the actor's weights, as HF tensors, to every engine."""
@@ -350,12 +346,15 @@ def _split_batch(groups: list[Group], mini_batch_groups: int, dp: int, overlong_
     return per_dp
 
 
-def _to_shard(rows: list[tuple], pad_id: int) -> Shard:
-    """Right-padded tensors of one mini-batch share, aligned like input_ids."""
+def _to_shard(rows: list[tuple]) -> Shard:
+    """Right-padded tensors of one mini-batch share, aligned like input_ids.
+
+    The pad value never matters: padding is causal-masked and outside response_mask.
+    """
     lengths = [len(p) + len(r) for p, r, *_ in rows] or [1]
     width = max(lengths)
     num = len(rows)
-    input_ids = torch.full((num, width), pad_id, dtype=torch.long)
+    input_ids = torch.zeros((num, width), dtype=torch.long)
     mask = torch.zeros((num, width), dtype=torch.bool)
     advantages = torch.zeros((num, width), dtype=torch.float32)
     rollout_lp = torch.zeros((num, width), dtype=torch.float32)
