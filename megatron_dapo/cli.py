@@ -15,11 +15,11 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from megatron_dapo.errors import EXIT_USER_ERROR, UserError
+from megatron_dapo.errors import EXIT_USER_ERROR, CliParser, UserError
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from megatron_dapo.config import load_config, to_yaml
+    from megatron_dapo.config_loader import load_config, to_yaml
 
     cfg = load_config(args.file, args.overrides)
     sys.stdout.write(to_yaml(cfg))
@@ -27,7 +27,7 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def _config_validate(args: argparse.Namespace) -> int:
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config_loader import load_config
 
     cfg = load_config(args.file, args.overrides)
     if args.world_size is not None:
@@ -48,13 +48,6 @@ def _plan(args: argparse.Namespace) -> int:
     from megatron_dapo.plan import run as plan_run
 
     return plan_run(args.args)
-
-
-class CliParser(argparse.ArgumentParser):
-    """argparse that exits 2 with a one-line message (its default is also 2, plus usage)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,9 +4,18 @@ Entry points catch `UserError`, print its one-line message and exit with code 2;
 exception is a bug and keeps its traceback.
 """
 
+import argparse
+
 
 class UserError(ValueError):
     """A mistake the user can fix; `str(err)` names what is wrong, where, and the fix."""
 
 
 EXIT_USER_ERROR = 2
+
+
+class CliParser(argparse.ArgumentParser):
+    """argparse that exits 2 with a one-line message (its default is also 2, plus usage)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

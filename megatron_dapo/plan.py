@@ -23,7 +23,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config import Config, ConfigError, load_config
+from megatron_dapo.config import Config, ConfigError
+from megatron_dapo.config_loader import load_config
+from megatron_dapo.errors import CliParser
 
 GIB = 1024**3
 MODEL_CONFIG_DIR = Path(__file__).resolve().parents[1] / "examples" / "model_configs"
@@ -582,8 +584,6 @@ def format_plan(plan: Plan) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_dapo.cli import CliParser
-
     defaults = Assumptions()
 
     parser = CliParser(prog="megatron-dapo plan", description=__doc__.split("\n")[0])

@@ -26,7 +26,8 @@ from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimize
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.collect import CollectSettings, Group
-from megatron_dapo.config import Config, OptimConfig, to_dict
+from megatron_dapo.config import Config, OptimConfig
+from megatron_dapo.config_loader import to_dict
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
 from megatron_dapo.data.tokenizer import Tokenizer, load_tokenizer
 from megatron_dapo.embedded import scratch_checkpoint, task_for

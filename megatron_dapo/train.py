@@ -24,7 +24,7 @@ EXIT_DYNAMIC_SAMPLING = 3
 def train(config_path: str, overrides: list[str]) -> dict[str, float]:
     """Load the config, build the run, train; returns the last metrics on the controller."""
     from megatron_dapo import parallel
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config_loader import load_config
     from megatron_dapo.run import build_run
     from megatron_dapo.trainer import fit
 

@@ -1,0 +1,234 @@
+"""YAML <-> Config: strict loading with dotted command-line overrides, and the way back.
+
+config.py holds the typed dataclasses and their validation; this module only reads and
+writes them. Loading is strict: an unknown key, a wrong type or an inconsistent value
+fails with one line naming the key, where it came from (the file or the command line)
+and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from megatron_dapo.config import Config, ConfigError, _FieldError
+
+
+class _YamlLoader(yaml.SafeLoader):
+    """SafeLoader that reads 1e-6 as a float (YAML 1.1 wants 1.0e-6; every user writes 1e-6)."""
+
+
+_YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
+
+
+# ------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (types.UnionType, typing.Union):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"list[{_type_name(typing.get_args(tp)[0])}]"
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against the annotation `tp`; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, key)
+            except _FieldError:
+                continue
+        raise _FieldError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            extra = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise _FieldError(key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}{extra}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            raise _FieldError(key, f"expected a list, got {type(value).__name__} {value!r}")
+        (item_tp,) = typing.get_args(tp)
+        return [_coerce(v, item_tp, key) for v in value]
+    if tp is type(None):
+        if value is not None:
+            raise _FieldError(key, f"expected null, got {value!r}")
+        return None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _FieldError(key, f"expected true or false, got {type(value).__name__} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _FieldError(key, f"expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _FieldError(key, f"expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _FieldError(key, f"expected a string, got {type(value).__name__} {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _FieldError(key, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, key + ".")
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")  # a bug in this module, not user input
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in data:
+        if key not in names:
+            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            fix = f"did you mean '{prefix}{hint[0]}'?" if hint else f"valid keys: {', '.join(names)}"
+            raise _FieldError(f"{prefix}{key}", f"unknown key; {fix}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except _FieldError as e:
+        raise _FieldError(prefix + e.key, e.message) from None
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Parse a dotted command-line override `a.b.c=value` (value in YAML syntax)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"command line: bad override {text!r}; expected dotted.key=value, e.g. "
+                          "algorithm.clip_ratio_high=0.28")
+    try:
+        value = _yaml_load(raw) if raw != "" else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"command line: cannot parse the value of {key!r}: {e.problem}") from None
+    return key.split("."), value
+
+
+def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"command line: cannot set {'.'.join(path)}: {part} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML experiment file, apply dotted overrides, validate everything.
+
+    Args:
+        path: the YAML file; None = all defaults.
+        overrides: `dotted.key=value` strings, applied in order after the file.
+
+    Returns:
+        The validated Config.
+
+    Raises:
+        ConfigError: one line naming the key, its source (file or command line) and the fix.
+    """
+    source = str(path) if path is not None else "defaults"
+    tree: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"{source}: no such config file; pick one of examples/*.yaml")
+        try:
+            loaded = _yaml_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"{source}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{source}: the top level must be a mapping of sections (model, data, ...)")
+        tree = loaded
+    overridden: set[str] = set()
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_dotted(tree, keys, value)
+        overridden.add(".".join(keys))
+    try:
+        return _build(Config, tree, "")
+    except _FieldError as e:
+        origin = "command line" if any(_related(e.key, k) for k in overridden) else source
+        raise ConfigError(f"{origin}: {_describe(tree, e)}") from None
+
+
+_MISSING = object()
+
+
+def _related(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _describe(tree: dict[str, Any], err: _FieldError) -> str:
+    """`key=value: problem`, or `key=value problem` when the message starts with the value."""
+    if err.message.startswith("="):
+        return f"{err.key}{err.message}"
+    value = _lookup(tree, err.key)
+    shown = f"={value!r}" if value is not _MISSING and not err.message.startswith("unknown key") else ""
+    return f"{err.key}{shown}: {err.message}"
+
+
+def _lookup(tree: dict[str, Any], key: str) -> Any:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The config as plain containers (what `config show` prints and checkpoints store)."""
+    return {f.name: (to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v)
+            for f in dataclasses.fields(cfg)}
+
+
+def to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML that load_config reads back to an equal Config."""
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
+def from_dict(data: dict[str, Any], source: str = "checkpoint") -> Config:
+    """Rebuild a Config from to_dict output (e.g. a checkpoint's stored config)."""
+    try:
+        return _build(Config, data, "")
+    except _FieldError as e:
+        raise ConfigError(f"{source}: {_describe(data, e)}") from None
