@@ -572,8 +572,9 @@ def launch_colocated_engines(
     Returns:
         This rank's ColocatedEngines; on the controller ``clients`` holds every engine.
     """
+    from megatron_dapo.rollout.server_process import node_address
     from megatron_dapo.rollout.sglang_engine import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServerConfig, node_address, resolve_server_config
+    from megatron_dapo.rollout.sglang_server import SGLangServerConfig, resolve_server_config
 
     placement = plan_placement(world_size=world_size, gpus_per_node=ranks_per_node_from_env(world_size),
                                engine_tp=config.tensor_model_parallel_size)

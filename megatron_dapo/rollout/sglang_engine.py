@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import threading
 import time
 import urllib.error
@@ -53,8 +52,8 @@ from megatron_dapo.rollout.engine import (
     check_prompts,
     response_seed,
 )
+from megatron_dapo.rollout.server_process import ServerProcess, server_environment
 from megatron_dapo.rollout.sglang_server import (
-    ServerProcess,
     SGLangServerConfig,
     build_launch_command,
     resolve_server_config,
@@ -240,7 +239,9 @@ class SGLangEngine:
             An engine that owns its (still loading) server process.
         """
         resolved = resolve_server_config(config, name)
-        env = {**os.environ, **resolved.env, "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+        # The launcher's variables are scrubbed: under torchrun the server would otherwise join
+        # the trainer's agent store and hang in its own init_process_group (server_process.py).
+        env = server_environment({**resolved.env, "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"})
         process = ServerProcess(build_launch_command(resolved), name=name, log_path=resolved.log_path, env=env)
         return cls(
             f"http://{resolved.host}:{resolved.port}",

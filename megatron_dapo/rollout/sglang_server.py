@@ -16,21 +16,14 @@ names the engine, its exit code and the log's last lines.
 
 from __future__ import annotations
 
-import os
 import secrets
-import socket
-import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.server_process import free_port, node_address
 
-__all__ = ["SGLangServerConfig", "ServerProcess", "build_launch_command", "node_address", "resolve_server_config"]
-
-_LOG_TAIL_LINES = 40
-
+__all__ = ["SGLangServerConfig", "build_launch_command", "resolve_server_config"]
 
 @dataclass(kw_only=True, slots=True)
 class SGLangServerConfig:
@@ -76,21 +69,6 @@ class SGLangServerConfig:
                 f"SGLangServerConfig.mem_fraction_static={self.mem_fraction_static} must be in (0, 1) "
                 "(rollout.gpu_memory_utilization)"
             )
-
-
-def node_address() -> str:
-    """This node's address as other processes reach it (hostname lookup, else loopback)."""
-    try:
-        address = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-    return address
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def build_launch_command(config: SGLangServerConfig, *, python: str = sys.executable) -> list[str]:
@@ -142,8 +120,8 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         base_gpu_id=config.base_gpu_id,
         mem_fraction_static=config.mem_fraction_static,
         host=host,
-        port=config.port or _free_port(host),
-        nccl_port=config.nccl_port or _free_port(host),
+        port=config.port or free_port(host),
+        nccl_port=config.nccl_port or free_port(host),
         api_key=config.api_key or secrets.token_urlsafe(24),
         dtype=config.dtype,
         random_seed=config.random_seed,
@@ -152,64 +130,3 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         extra_args=config.extra_args,
         env=dict(config.env),
     )
-
-
-class ServerProcess:
-    """A server subprocess whose output goes to a log file; knows how to report its death."""
-
-    def __init__(self, command: Sequence[str], *, name: str, log_path: str | Path, env: dict[str, str] | None = None):
-        """Start the process (in its own session, so stop() takes its children too).
-
-        Args:
-            command: argv.
-            name: engine name for messages.
-            log_path: file receiving stdout and stderr (created, parents too).
-            env: full environment; None inherits ours.
-        """
-        self.name = name
-        self.log_path = Path(log_path)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
-            self._popen = subprocess.Popen(
-                list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    @property
-    def pid(self) -> int:
-        """Process id of the server."""
-        return self._popen.pid
-
-    @property
-    def returncode(self) -> int | None:
-        """Exit code, or None while the process runs."""
-        return self._popen.poll()
-
-    def log_tail(self, num_lines: int = _LOG_TAIL_LINES) -> str:
-        """The last lines of the log file ("" when it is empty or unreadable)."""
-        try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
-        except OSError:
-            return ""
-        return "\n".join(lines[-num_lines:])
-
-    def check_alive(self) -> None:
-        """Raise EngineError naming the engine, its exit code and log when the process ended."""
-        code = self._popen.poll()
-        if code is not None:
-            raise EngineError(
-                f"SGLang engine {self.name} (pid {self._popen.pid}) exited with code {code}; "
-                f"log {self.log_path}, last lines:\n{self.log_tail()}"
-            )
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the process group, SIGKILL it after timeout_s."""
-        if self._popen.poll() is not None:
-            return
-        try:
-            os.killpg(self._popen.pid, 15)
-            self._popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._popen.pid, 9)
-            self._popen.wait(timeout=timeout_s)
-        except ProcessLookupError:
-            pass

@@ -15,12 +15,11 @@ import torch.distributed as dist
 
 from megatron_dapo.config import RolloutConfig
 from megatron_dapo.rollout.engine import EngineError, SamplingParams, response_seed
+from megatron_dapo.rollout.server_process import ServerProcess, node_address
 from megatron_dapo.rollout.sglang_engine import SGLangEngine, create_weight_update_group, launch_node_engines
 from megatron_dapo.rollout.sglang_server import (
-    ServerProcess,
     SGLangServerConfig,
     build_launch_command,
-    node_address,
     resolve_server_config,
 )
 

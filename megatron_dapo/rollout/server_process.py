@@ -1,0 +1,178 @@
+"""What every inference-server engine (SGLang, vLLM) needs from the launching rank.
+
+- ``server_environment``: the server's environment, scrubbed of the launcher's variables.
+  A trainer rank started by torchrun carries ``TORCHELASTIC_USE_AGENT_STORE=True`` (and
+  RANK, WORLD_SIZE, MASTER_ADDR, ...). A server that inherits them and then builds its own
+  process group with ``init_process_group("tcp://host:port", ...)`` gets a client-only
+  TCPStore that waits for a master which never comes: the server hangs at start
+  (torch's rendezvous honours the agent-store flag for tcp:// too). So the server sees
+  none of them; it is not a member of the trainer's job.
+- ``node_address``: the address other nodes reach this one at. ``gethostbyname(gethostname())``
+  is 127.0.1.1 in many containers and Debian hosts, so the address is that of the interface
+  whose route reaches MASTER_ADDR (a UDP ``connect`` sends no packet), unless overridden.
+- ``ServerProcess``: a server subprocess with its log file, death detection and clean stop.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from megatron_dapo.rollout.engine import EngineError
+
+__all__ = [
+    "HOST_ENV",
+    "LAUNCHER_VARIABLES",
+    "ServerProcess",
+    "free_port",
+    "node_address",
+    "server_environment",
+]
+
+_LOG_TAIL_LINES = 40
+
+HOST_ENV = "MEGATRON_DAPO_ENGINE_HOST"
+"""Environment override of the address engines bind to and advertise (rollout.host wins)."""
+
+LAUNCHER_VARIABLES = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_DEVICE_MAX_CONNECTIONS",
+)  # fmt: skip
+"""Variables a torchrun/srun trainer rank has that a server must not inherit. Besides the
+rendezvous ones: CUDA_DEVICE_MAX_CONNECTIONS=1 is Megatron's setting for its own
+communication/compute overlap and serialises an inference server's kernels."""
+
+_LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
+
+
+def server_environment(extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment of an inference server launched from a trainer rank.
+
+    Args:
+        extra: variables to set on top (the engine's own settings win over the base).
+        base: the environment to start from; None = this process's.
+
+    Returns:
+        A new dict without the launcher's variables (LAUNCHER_VARIABLES, TORCHELASTIC_*).
+    """
+    env = dict(os.environ if base is None else base)
+    for key in list(env):
+        if key in LAUNCHER_VARIABLES or key.startswith(_LAUNCHER_PREFIXES):
+            del env[key]
+    env.update(extra or {})
+    return env
+
+
+def node_address(master_addr: str | None = None) -> str:
+    """This node's address as processes on other nodes reach it.
+
+    Args:
+        master_addr: the job's rendezvous host; None = $MASTER_ADDR.
+
+    Returns:
+        $MEGATRON_DAPO_ENGINE_HOST when set; else the local address of the interface whose
+        route reaches master_addr (loopback when master_addr is this machine or unset and
+        the hostname does not resolve to a routable address).
+    """
+    override = os.environ.get(HOST_ENV, "").strip()
+    if override:
+        return override
+    target = master_addr if master_addr is not None else os.environ.get("MASTER_ADDR", "")
+    if target:
+        try:
+            family = socket.AF_INET6 if ":" in target else socket.AF_INET
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect((target, 9))  # UDP connect: picks the route, sends nothing
+                return str(sock.getsockname()[0])
+        except OSError:
+            pass
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+    # 127.0.1.1 (Debian's /etc/hosts entry for the hostname) is loopback: only this node.
+    return address if not ipaddress.ip_address(address).is_loopback else "127.0.0.1"
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` right now (the server binds it shortly after)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """A server subprocess whose output goes to a log file; knows how to report its death."""
+
+    def __init__(
+        self,
+        command: Sequence[str],
+        *,
+        name: str,
+        log_path: str | Path,
+        env: dict[str, str] | None = None,
+        kind: str = "SGLang",
+    ):
+        """Start the process (in its own session, so stop() takes its children too).
+
+        Args:
+            command: argv.
+            name: engine name for messages.
+            log_path: file receiving stdout and stderr (created, parents too).
+            env: full environment; None inherits ours.
+            kind: the server's name in messages ("SGLang", "vLLM").
+        """
+        self.name = name
+        self.kind = kind
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._popen = subprocess.Popen(
+                list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    @property
+    def pid(self) -> int:
+        """Process id of the server."""
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit code, or None while the process runs."""
+        return self._popen.poll()
+
+    def log_tail(self, num_lines: int = _LOG_TAIL_LINES) -> str:
+        """The last lines of the log file ("" when it is empty or unreadable)."""
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-num_lines:])
+
+    def check_alive(self) -> None:
+        """Raise EngineError naming the engine, its exit code and log when the process ended."""
+        code = self._popen.poll()
+        if code is not None:
+            raise EngineError(
+                f"{self.kind} engine {self.name} (pid {self._popen.pid}) exited with code {code}; "
+                f"log {self.log_path}, last lines:\n{self.log_tail()}"
+            )
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the process group, SIGKILL it after timeout_s."""
+        if self._popen.poll() is not None:
+            return
+        try:
+            os.killpg(self._popen.pid, 15)
+            self._popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._popen.pid, 9)
+            self._popen.wait(timeout=timeout_s)
+        except ProcessLookupError:
+            pass
