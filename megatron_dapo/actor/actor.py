@@ -44,6 +44,7 @@ from megatron_dapo.actor.logprobs import (
     log_probs_and_entropy,
     log_probs_from_logits,
     te_parallel_cross_entropy_fn,
+    triton_log_probs_fn,
 )
 from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_microbatch, pack_microbatches
 from megatron_dapo.algo import LOSS_AGG_MODES, agg_loss, compute_policy_loss, kl_penalty
@@ -215,6 +216,7 @@ class MegatronActor:
         if optimizer_config.fp16:
             config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = WarmupConstantLR(lr=optimizer_config.lr, warmup_steps=lr_warmup_steps)
+        self.weight_decay = optimizer_config.weight_decay
 
     # ------------------------------------------------------------------ micro-batching
 
@@ -255,8 +257,11 @@ class MegatronActor:
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         kwargs = {"temperature": temperature, "tp_group": tp_group, "chunk_size": self.logprob_chunk_size,
                   "vocab_size": self.vocab_size}
-        if not entropy_grad and torch.is_grad_enabled() and te_parallel_cross_entropy_fn() and logits.is_cuda:
-            # The fused kernel gives log-probs with gradient; entropy is then only a metric.
+        fused_both = logits.is_cuda and triton_log_probs_fn() is not None
+        if (not fused_both and not entropy_grad and torch.is_grad_enabled() and te_parallel_cross_entropy_fn()
+                and logits.is_cuda):
+            # TE's kernel gives log-probs with gradient; entropy is then only a metric (a second
+            # pass). The Triton kernel, where available, gives both in one pass instead.
             log_prob = log_probs_from_logits(logits, targets, **kwargs)
             with torch.no_grad():
                 entropy = log_probs_and_entropy(logits.detach(), targets, **kwargs)[1]
@@ -382,7 +387,10 @@ class MegatronActor:
 
         lr = self.scheduler.current()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            # megatron-core gives norms and biases wd_mult=0 (and lr_mult) per param group, but
+            # only its own scheduler applies them; without this they would be decayed too.
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
         update_successful, grad_norm, _ = self.optimizer.step()
         if not update_successful:
             # Only fp16 loss scaling skips steps; the schedule does not advance on a skipped step.

@@ -265,9 +265,15 @@ class DecoderAdapter:
                 )
         config = self.transformer_config(dtype=dtype, tp=dims.tp, pp=dims.pp, recompute=recompute)
         config.perform_initialization = init_weights
+        use_te = te_available() if use_te is None else use_te
+        if use_te:
+            # TE's fused RoPE; wgrad accumulation fused into main_grad where the non-TE output
+            # layer can do it too (it needs apex's fused_weight_gradient_mlp_cuda).
+            config.apply_rope_fusion = True
+            config.gradient_accumulation_fusion = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
         model = GPTModel(
             config=config,
-            transformer_layer_spec=self.layer_spec(te_available() if use_te is None else use_te),
+            transformer_layer_spec=self.layer_spec(use_te),
             vocab_size=self.padded_vocab_size(dims.tp),
             max_sequence_length=self.hf.max_position_embeddings,
             pre_process=dims.is_first_stage,
@@ -277,6 +283,14 @@ class DecoderAdapter:
             rotary_base=self.hf.rope_theta,
         )
         _mark_tensor_parallel_weights(model)
+        # Every parameter in the model dtype, as Megatron-LM's Float16Module makes it: torch's
+        # RMSNorm (the fallback without apex/TE) creates fp32 weights in a bf16 model, and the
+        # distributed optimizer orders a param group's fp32 and bf16 shards differently from
+        # its index map, so its state_dict paired the wrong tensors and checkpoints failed
+        # (seen on the first save of a bf16 run on an H100, 2026-11-22).
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != dtype:
+                param.data = param.data.to(dtype)
         return model.to(dims.device)
 
     def _maps(self, gpt: GPTModel) -> list[mapping.TensorMap]:
