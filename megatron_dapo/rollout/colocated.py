@@ -50,7 +50,10 @@ Memory
     caching allocator after every bucket (``torch.cuda.ipc_collect``): the peak stays one bucket.
     Around training, ``release_memory`` (before) and ``resume_memory`` (before the sync)
     are collectives: each leader calls its own engine, and an all-gather makes every rank
-    wait until every engine of the job has given back, or taken, its memory.
+    wait until every engine of the job has given back, or taken, its memory. Before the
+    resume every rank empties its caching allocator (Megatron's training peak is still
+    cached there) and a CPU barrier makes sure all have, since an engine allocates on all
+    GPUs of its TP group (DESIGN.md, "Memory hand-over").
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ import torch.distributed as dist
 
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EngineError, RolloutEngine
+from megatron_dapo.rollout.sglang_engine import sglang_serialize
 from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketMeter, WeightSyncStats, iter_buckets
 
 if TYPE_CHECKING:
@@ -323,14 +327,7 @@ def serialize_cuda_ipc(bucket: list[tuple[str, torch.Tensor]]) -> str:
                 f"colocated weight sync: tensor {name!r} is on {tensor.device}; CUDA IPC needs the export on "
                 "this rank's GPU (trainer.device: cuda)"
             )
-    try:  # GPU-only dependency; the module moved in SGLang 0.5
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    except ImportError:
-        from sglang.srt.patch_torch import monkey_patch_torch_reductions
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    monkey_patch_torch_reductions()
-    return MultiprocessingSerializer.serialize(bucket, output_str=True)
+    return sglang_serialize(bucket)
 
 
 class ColocatedEngines:
@@ -356,6 +353,8 @@ class ColocatedEngines:
         self.infos = infos
         self.clients = clients
         self._serializer = serializer
+        # Barriers of the memory hand-over run on CPU: no NCCL kernel on GPUs the engines use.
+        self._cpu_world = dist.new_group(backend="gloo")
 
     @property
     def is_leader(self) -> bool:
@@ -496,8 +495,15 @@ class ColocatedEngines:
         failure = _call(self.engine.release_memory) if self.engine is not None else None
         self._raise_if_any_failed(failure, "release_memory")
 
-    def resume_memory(self) -> None:
-        """Collective: every leader takes its engine's memory back (before the weight sync)."""
+    def resume_memory(self, release_cache: Callable[[], None] = lambda: None) -> None:
+        """Collective: every leader takes its engine's memory back (before the weight sync).
+
+        Args:
+            release_cache: frees this rank's cached allocator memory; every rank calls it,
+                and a CPU barrier follows, before any engine allocates on the node's GPUs.
+        """
+        release_cache()
+        dist.barrier(group=self._cpu_world)
         failure = _call(self.engine.resume_memory) if self.engine is not None else None
         self._raise_if_any_failed(failure, "resume_memory")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -103,10 +104,20 @@ def _scenario(tp: int, *, fail_update_on: int | None = None, fail_start_on: int 
     rank = dist.get_rank()
     servers: list[_FakeServer] = []
     shutdowns: list[str] = []
+    released_at: list[float] = []
+    resumed_at: list[float] = []
 
     class OwnedEngine(SGLangEngine):
         def shutdown(self) -> None:
             shutdowns.append(self.name)
+
+        def resume_memory(self) -> None:
+            resumed_at.append(time.time())
+            super().resume_memory()
+
+    def release_cache() -> None:
+        time.sleep(0.5 if rank % 2 else 0.0)  # a slow member rank: its engine must wait for it
+        released_at.append(time.time())
 
     def start(slot):
         if slot.index == fail_start_on:
@@ -138,7 +149,8 @@ def _scenario(tp: int, *, fail_update_on: int | None = None, fail_start_on: int 
         out["stats"] = engines.sync_weights(_export(), bucket_bytes=BUCKET_BYTES)
         out["health"] = engines.health()
         engines.release_memory()
-        engines.resume_memory()
+        engines.resume_memory(release_cache=release_cache)
+        out["released_at"], out["resumed_at"] = released_at, resumed_at
     except EngineError as err:
         out["sync_error"] = str(err)
     # Everyone is done posting before the leaders read their records.
@@ -214,6 +226,9 @@ def test_colocated_engines_on_two_nodes() -> None:
             assert (stats.num_buckets, stats.num_tensors) == (len(buckets), len(SHAPES))
             assert stats.peak_bucket_bytes <= BUCKET_BYTES + 128 * 32 * 4
         assert all(runs[rank]["health"] == {f"sglang{e}": True for e in range(num_engines)} for rank in range(4))
+        # Memory hand-over: every rank emptied its allocator cache before any engine resumed.
+        assert sorted(len(r["released_at"]) for r in runs) == [1, 1, 1, 1]
+        assert max(t for r in runs for t in r["released_at"]) <= min(t for r in runs for t in r["resumed_at"])
         # The controller reaches every engine of both nodes with its address and key.
         clients = runs[0]["clients"]
         assert [c[0] for c in clients] == [f"sglang{e}" for e in range(num_engines)]
