@@ -29,6 +29,8 @@ before top-k/top-p, the quantity engine.py specifies; the launcher pins that var
 
 from __future__ import annotations
 
+import base64
+import binascii
 import inspect
 import json
 import threading
@@ -162,10 +164,38 @@ def parse_generate_response(
     return results
 
 
-def _default_serializer(bucket: list[tuple[str, torch.Tensor]]) -> str:
-    from sglang.srt.utils import MultiprocessingSerializer  # GPU-only dependency: import lazily
+def payload_text(serialized: str | bytes) -> str:
+    """The JSON-safe string SGLang's deserializer takes, from what its serializer returned.
 
-    return MultiprocessingSerializer.serialize(bucket, output_str=True)
+    ``MultiprocessingSerializer.serialize(obj, output_str=True)`` returns base64 text, except
+    in sglang 0.5.4, where it returns the base64 as bytes (json.dumps then fails on the
+    payload). The server's ``deserialize`` base64-decodes a str and unpickles bytes as they
+    are, so bytes are passed on as text: decoded when they are base64 already, encoded when
+    they are the raw pickle.
+    """
+    if isinstance(serialized, str):
+        return serialized
+    try:
+        base64.b64decode(serialized, validate=True)
+        return serialized.decode("ascii")
+    except (binascii.Error, UnicodeDecodeError):
+        return base64.b64encode(serialized).decode("ascii")
+
+
+def sglang_serialize(bucket: list[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's MultiprocessingSerializer of a bucket (CUDA IPC handles for CUDA tensors).
+
+    The handles name the GPU by UUID (SGLang's torch reduction patch, also applied by its
+    servers), so they open correctly even if the server saw a different CUDA_VISIBLE_DEVICES.
+    """
+    try:  # GPU-only dependency; the module moved in SGLang 0.5
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    except ImportError:
+        from sglang.srt.patch_torch import monkey_patch_torch_reductions
+    from sglang.srt.utils import MultiprocessingSerializer
+
+    monkey_patch_torch_reductions()
+    return payload_text(MultiprocessingSerializer.serialize(bucket, output_str=True))
 
 
 class SGLangEngine:
@@ -214,7 +244,7 @@ class SGLangEngine:
         self._request_timeout_s = request_timeout_s
         self._control_timeout_s = control_timeout_s
         self._num_retries = num_retries
-        self._serializer = serializer or _default_serializer
+        self._serializer = serializer or sglang_serialize
         self._deterministic = deterministic
         self._log_location = log_location
 
@@ -358,7 +388,7 @@ class SGLangEngine:
                 which they do because the server has copied them by then.
         """
         for name, tensor in bucket:
-            if tensor.device.type != "cuda" and self._serializer is _default_serializer:
+            if tensor.device.type != "cuda" and self._serializer is sglang_serialize:
                 raise ValueError(
                     f"SGLang engine {self.name}: tensor {name!r} is on {tensor.device}; colocated weight "
                     "updates pass CUDA IPC handles, so export the weights on the GPU"
