@@ -456,8 +456,16 @@ class TrainerConfig:
     """Nodes in the job (checked against the launcher's world size)."""
     n_gpus_per_node: int | None = None
     """Processes per node; null = taken from the launcher (WORLD_SIZE / SLURM_NTASKS)."""
+    collective_timeout_minutes: int = 30
+    """Timeout of the device (NCCL) collectives; with TORCH_NCCL_ASYNC_ERROR_HANDLING a hung one
+    ends the job after this long."""
+    controller_wait_timeout_minutes: int = 360
+    """How long the other ranks wait, on CPU (gloo), for the controller's rollout and validation
+    between two steps; at 32B one step's generation can take hours."""
 
     def __post_init__(self) -> None:
+        _check(self.collective_timeout_minutes > 0, "collective_timeout_minutes", "must be > 0 (minutes)")
+        _check(self.controller_wait_timeout_minutes > 0, "controller_wait_timeout_minutes", "must be > 0 (minutes)")
         _check(self.total_training_steps > 0, "total_training_steps", "must be > 0")
         _check(self.ppo_mini_batch_size > 0, "ppo_mini_batch_size", "must be > 0")
         _check(self.ppo_epochs >= 1, "ppo_epochs", "must be >= 1")

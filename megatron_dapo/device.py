@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import os
 import threading
@@ -88,15 +89,36 @@ def setup_device(kind: str = "auto") -> torch.device:
 
 
 def distributed_backend(device: torch.device) -> str:
-    """The torch.distributed backend for ``device``.
+    """The torch.distributed backend of the default group for ``device``.
+
+    On CUDA it is ``cpu:gloo,cuda:nccl``: megatron-core creates its groups with the default
+    backend, so every group (TP, PP, DP, ...) then sends CUDA tensors over NCCL and CPU
+    tensors over gloo, and object collectives (which torch runs on CPU when a group has a
+    CPU backend) never stage pickles on the GPU. That is the rule for the control plane
+    (DESIGN.md, "Where tensors live"): flags, counts, metric sums and pickled batches are
+    CPU tensors; model data stays on the device. An NCCL-only default would fail, or hang,
+    on the first CPU tensor.
 
     Args:
         device: the value :func:`setup_device` returned.
 
     Returns:
-        "nccl" for CUDA, "gloo" for CPU.
+        "cpu:gloo,cuda:nccl" for CUDA, "gloo" for CPU.
     """
-    return "nccl" if device.type == "cuda" else "gloo"
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """Give this process' cached but unused device memory back to the driver.
+
+    The caching allocator keeps the training peak (activations, logits, gradients) after
+    the tensors are freed; colocated engines resuming their weights and KV cache on the
+    same GPU would otherwise run out of memory. Garbage is collected first so tensors held
+    only by reference cycles are freed before the cache is emptied.
+    """
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def cpu_layer_active() -> bool:

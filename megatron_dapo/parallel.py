@@ -16,6 +16,7 @@ import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -103,6 +104,83 @@ class ParallelDims:
     def is_controller(self) -> bool:
         """Whether this rank drives rollouts, rewards and logging (global rank 0)."""
         return self.rank == 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ControlGroups:
+    """CPU (gloo) groups of the control plane, with the long timeout of waiting for the controller.
+
+    Between two steps every rank but the controller waits while it generates, scores and
+    validates (hours at 32B). Those waits happen here, in gloo collectives on CPU tensors:
+    no NCCL kernel spins on the GPU the colocated engines are using, and the NCCL timeout
+    (trainer.collective_timeout_minutes) stays short for real hangs. The batch travels
+    controller -> the first rank of every data-parallel replica (`leaders`) -> the replica's
+    other ranks (`replica`), so the controller pickles each data-parallel share once, not
+    once per TP x PP x CP rank.
+    """
+
+    world: dist.ProcessGroup
+    """Every rank: the end-of-step agreement (preemption) waits here."""
+    replica: dist.ProcessGroup
+    """The ranks of this rank's data-parallel replica (same dp_rank: TP x PP x CP ranks)."""
+    replica_src: int
+    """Global rank of the replica's first rank, which receives the replica's share."""
+    leaders: dist.ProcessGroup | None
+    """The first rank of every replica (the controller is one); None on the other ranks."""
+    leader_ranks: tuple[int, ...]
+    """Global rank of each replica's first rank, by data-parallel rank."""
+
+
+def build_control_groups(dims: ParallelDims, timeout_minutes: float) -> ControlGroups:
+    """Create the control-plane gloo groups (collective: every rank calls it, in the same order).
+
+    Args:
+        dims: this rank's layout.
+        timeout_minutes: how long a rank may wait in these groups (the controller's rollout).
+
+    Returns:
+        This rank's ControlGroups.
+    """
+    timeout = timedelta(minutes=timeout_minutes)
+    dp_rank_of: list[int] = [0] * dims.world_size
+    dist.all_gather_object(dp_rank_of, dims.dp_rank)
+    replicas = [[r for r in range(dims.world_size) if dp_rank_of[r] == d] for d in range(dims.dp)]
+    leader_ranks = tuple(ranks[0] for ranks in replicas)
+    world = dist.new_group(list(range(dims.world_size)), backend="gloo", timeout=timeout)
+    replica = None
+    for ranks in replicas:  # every rank creates every group, in the same order
+        group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+        if dims.rank in ranks:
+            replica = group
+    leaders = dist.new_group(list(leader_ranks), backend="gloo", timeout=timeout)
+    assert replica is not None and leader_ranks[0] == 0, "the controller leads data-parallel replica 0"
+    return ControlGroups(world=world, replica=replica, replica_src=replicas[dims.dp_rank][0],
+                         leaders=leaders if dims.rank in leader_ranks else None, leader_ranks=leader_ranks)
+
+
+def scatter_to_replicas(shares: list[Any] | None, control: ControlGroups) -> Any:
+    """Hand each data-parallel replica its share of the controller's data (collective, CPU).
+
+    Args:
+        shares: on the controller, one picklable share per data-parallel rank; None elsewhere.
+        control: this rank's control groups.
+
+    Returns:
+        This rank's share (every rank of a replica gets the same one).
+    """
+    box: list[Any] = [None]
+    if control.leaders is not None:
+        payload = None
+        if shares is not None:
+            if len(shares) != len(control.leader_ranks):
+                raise ValueError(f"got {len(shares)} shares for {len(control.leader_ranks)} data-parallel ranks")
+            # Group ranks follow global ranks: order the shares by their leader's global rank.
+            order = sorted(range(len(shares)), key=lambda d: control.leader_ranks[d])
+            payload = [shares[d] for d in order]
+        dist.scatter_object_list(box, payload, src=0, group=control.leaders)
+    if dist.get_world_size(control.replica) > 1:
+        dist.broadcast_object_list(box, src=control.replica_src, group=control.replica)
+    return box[0]
 
 
 _env: DistEnv | None = None

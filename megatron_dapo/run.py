@@ -30,6 +30,7 @@ from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config_loader import to_dict
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
 from megatron_dapo.data.tokenizer import Tokenizer, load_tokenizer
+from megatron_dapo.device import release_cached_memory
 from megatron_dapo.embedded import scratch_checkpoint, task_for
 from megatron_dapo.errors import UserError
 from megatron_dapo.metrics import MetricsLogger
@@ -70,8 +71,8 @@ class Run:
     hf_dir: Path
     """The HF checkpoint the run started from (its config/tokenizer files go into checkpoints)."""
     checkpoints: CheckpointManager
-    dp_rank_of: list[int]
-    """Data-parallel rank of every global rank (for dispatching the batch)."""
+    control: parallel.ControlGroups
+    """CPU groups where ranks wait for the controller and receive the batch."""
     start_step: int = 0
     tokenizer: Tokenizer | None = None
     sampler: PromptSampler | None = None
@@ -92,22 +93,23 @@ class Run:
         Collective over the world: every rank receives its share of every mini-batch (TP and
         PP peers the same share), as `Shard`s in mini-batch order.
         """
-        payloads: list[Any] = [None] * self.dims.world_size
+        per_dp = None
         if self.dims.is_controller:
             per_dp = _split_batch(groups, self.cfg.trainer.ppo_mini_batch_size, self.dims.dp,
                                   self.cfg.algorithm.overlong_filtering)
-            payloads = [per_dp[self.dp_rank_of[r]] for r in range(self.dims.world_size)]
-        received: list[Any] = [None]
-        dist.scatter_object_list(received, payloads if self.dims.is_controller else None, src=0)
-        return [_to_shard(rows) for rows in received[0]]
+        # CPU/gloo, long timeout: the other ranks have waited here for the whole rollout.
+        return [_to_shard(rows) for rows in parallel.scatter_to_replicas(per_dp, self.control)]
 
     def sync_weights(self) -> WeightSyncStats:
         """Step 7: stream the actor's weights, as HF tensors, to every engine."""
         export = self.adapter.export_hf(self.actor.model, self.dims)
         bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
         if self.colocated is not None:
-            # Each engine's own ranks feed it through CUDA IPC (rollout/colocated.py).
-            return self.colocated.sync_weights(export, bucket_bytes=bucket_bytes)
+            # Each engine's own ranks feed it through CUDA IPC (rollout/colocated.py); the
+            # gathered export buffers go back to the driver before the engines generate.
+            stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes)
+            release_cached_memory(self.dims.device)
+            return stats
         engines = self.rollout.engines if self.rollout is not None else []
         return sync_weights(export, engines, is_controller=self.dims.is_controller, bucket_bytes=bucket_bytes)
 
@@ -117,9 +119,12 @@ class Run:
             self.colocated.release_memory()
 
     def resume_rollout_memory(self) -> None:
-        """Colocated engines take their memory back; weights must be synced next (collective)."""
+        """Colocated engines take their memory back; weights must be synced next (collective).
+
+        The caching allocator still holds the training peak: every rank empties it first.
+        """
         if self.colocated is not None:
-            self.colocated.resume_memory()
+            self.colocated.resume_memory(release_cache=lambda: release_cached_memory(self.dims.device))
 
     def rollout_throughput(self) -> dict[str, float]:
         """Per-engine generation throughput of the last step (controller)."""
@@ -174,7 +179,7 @@ class Run:
 
 def build_run(cfg: Config, config_source: str) -> Run:
     """Bring up a run from a validated config (collective: call on every rank)."""
-    env = parallel.init_distributed(cfg.trainer.device)
+    env = parallel.init_distributed(cfg.trainer.device, timeout_minutes=cfg.trainer.collective_timeout_minutes)
     cfg.check_world_size(env.world_size, _launcher_source())
     output_dir = Path(cfg.trainer.output_dir)
     cache_dir = Path(os.environ.get("MEGATRON_DAPO_CACHE", ".cache/megatron-dapo"))
@@ -192,17 +197,17 @@ def build_run(cfg: Config, config_source: str) -> Run:
         seed=cfg.trainer.seed, num_attention_heads=hf.num_attention_heads,
         num_query_groups=hf.num_kv_heads, num_layers=hf.num_layers)
 
+    control = parallel.build_control_groups(dims, cfg.trainer.controller_wait_timeout_minutes)
+
     if cfg.model.hf_checkpoint is None and cfg.model.sft_warm_start.enable:
-        hf_dir = _warm_start(cfg, adapter, hf_dir, sources, dims, cache_dir)
+        hf_dir = _warm_start(cfg, adapter, hf_dir, sources, dims, control, cache_dir)
     actor = build_actor(cfg, adapter, hf_dir, dims)
 
-    dp_rank_of: list[Any] = [None] * dims.world_size
-    dist.all_gather_object(dp_rank_of, dims.dp_rank)
     run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor,
               loss=LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature), output_dir=output_dir,
               hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
-              dp_rank_of=dp_rank_of)
+              control=control)
     if cfg.rollout.engine == "sglang":
         # Collective: the leader ranks of every node start their engines.
         run.colocated = launch_colocated_engines(cfg.rollout, hf_dir, rank=env.rank, world_size=env.world_size,
@@ -242,7 +247,7 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
 
 
 def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],
-                dims: parallel.ParallelDims, cache_dir: Path) -> Path:
+                dims: parallel.ParallelDims, control: parallel.ControlGroups, cache_dir: Path) -> Path:
     """The SFT'd HF checkpoint of the scratch model: from the cache, or trained now."""
     out = sft_cache_dir(cfg, init_dir, sources["sft_path"], cache_dir)
     if _broadcast((out / "config.json").is_file() if dims.is_controller else None):
@@ -251,7 +256,7 @@ def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: d
     sft_optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=cfg.optim.clip_grad,
                             lr_warmup_steps=min(10, s.num_steps))
     actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim)
-    run_sft(actor, sources["sft_path"], sources["tokenizer"], num_steps=s.num_steps, batch_size=s.batch_size,
+    run_sft(actor, control, sources["sft_path"], sources["tokenizer"], num_steps=s.num_steps, batch_size=s.batch_size,
             seed=cfg.trainer.seed)
     export_hf_checkpoint(adapter, actor.model, dims, init_dir, out)
     return out
@@ -298,7 +303,7 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated))
+    run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated, run.dims.device))
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
@@ -306,12 +311,13 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
                                 wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl)
 
 
-def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None) -> list[Any]:
-    """The controller's engines: one local engine, or a client of every colocated SGLang engine."""
+def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None, device: torch.device) -> list[Any]:
+    """The controller's engines: one local engine on the controller's device, or a client of every
+    colocated SGLang engine."""
     if cfg.rollout.engine == "local":
         from megatron_dapo.rollout.local_engine import LocalEngine
 
-        return [LocalEngine(hf_dir, name="local0")]
+        return [LocalEngine(hf_dir, name="local0", device=device)]
     assert colocated is not None and colocated.clients, "launch_colocated_engines runs before the controller"
     return colocated.clients
 

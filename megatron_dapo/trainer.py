@@ -41,8 +41,13 @@ class PreemptionFlag:
         logger.warning("received %s: saving a checkpoint after this step, then exiting", signal.Signals(signum).name)
         self.requested = True
 
-    def agreed(self, group: dist.ProcessGroup | None = None) -> bool:
-        """True on every rank if any rank got the signal (ranks must stop at the same step)."""
+    def agreed(self, group: dist.ProcessGroup) -> bool:
+        """True on every rank if any rank got the signal (ranks must stop at the same step).
+
+        Args:
+            group: a gloo group of every rank (the flag is a CPU tensor; the controller may
+                still be validating while the others wait here).
+        """
         flag = torch.tensor([1.0 if self.requested else 0.0])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
@@ -96,10 +101,12 @@ def fit(run: Run) -> dict[str, float]:
         metrics["timing_s/step"] = time.perf_counter() - step_start
         num_tokens = sum(int(shard.batch.seq_lens.sum()) for shard in shards)
         metrics["perf/throughput_tokens_per_s"] = run.sum_over_dp(num_tokens) / metrics["timing_s/step"]
+        if dims.device.type == "cuda":  # this rank's peak (the controller's: actor + local engine)
+            metrics["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated(dims.device) / 2**30
         # Log before saving: a run killed in between redoes this step after the resume, and
         # the resume drops the logged line first (metrics.truncate_after), so no step is lost.
         last = run.log(step, metrics)
-        stop = preemption.agreed()
+        stop = preemption.agreed(run.control.world)
         if stop or run.should_save(step):
             run.save(step)
         if stop and step < cfg.trainer.total_training_steps:
@@ -119,10 +126,12 @@ def compute_old_log_probs(run: Run, shards: list[Shard]) -> dict[str, float]:
     for shard in shards:
         log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
         shard.batch.old_log_probs = log_probs
-        mask = shard.batch.response_mask
-        diff_sum += float((log_probs - shard.rollout_log_probs).abs()[mask].sum())
+        # The engine's log-probs arrive on CPU; the actor's live on its device.
+        mask = shard.batch.response_mask.to(log_probs.device)
+        diff = (log_probs - shard.rollout_log_probs.to(log_probs.device)).abs()
+        diff_sum += float(diff[mask].sum())
         num_tokens += int(mask.sum())
-    totals = torch.tensor([diff_sum, float(num_tokens)], dtype=torch.float64)
+    totals = torch.tensor([diff_sum, float(num_tokens)], dtype=torch.float64)  # CPU: control plane
     dist.all_reduce(totals, group=run.dims.dp_group)
     return {"rollout/train_logprob_abs_diff": float(totals[0] / totals[1].clamp(min=1))}
 

@@ -46,12 +46,13 @@ def sft_cache_dir(cfg: Config, init_dir: Path, sft_path: str, cache_dir: Path) -
                                                "dtype": cfg.model.dtype}))
 
 
-def run_sft(actor: MegatronActor, sft_path: str, tokenizer_path: str, *, num_steps: int, batch_size: int,
-            seed: int) -> None:
+def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str, tokenizer_path: str, *,
+            num_steps: int, batch_size: int, seed: int) -> None:
     """Supervised steps on worked solutions through the actor's DAPO train step (collective).
 
     Args:
         actor: the actor to train (its optimizer carries the SFT learning rate).
+        control: the control groups the sequences are dispatched over.
         sft_path: jsonl of {prompt, response, answer} (read by the controller only).
         tokenizer_path: the task's tokenizer.
         num_steps: optimizer steps.
@@ -61,19 +62,15 @@ def run_sft(actor: MegatronActor, sft_path: str, tokenizer_path: str, *, num_ste
     dims = actor.dims
     rows = _load_sft_rows(sft_path, tokenizer_path) if dims.is_controller else []
     rng = random.Random(seed)
-    dp_rank_of: list[Any] = [None] * dims.world_size
-    dist.all_gather_object(dp_rank_of, dims.dp_rank)
     # Ratio 1 everywhere: no clip is active and the gradient is that of the token-mean NLL.
     loss = LossSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean")
     for step in range(1, num_steps + 1):
-        payload: list[Any] = [None] * dims.world_size
+        per_dp = None
         if dims.is_controller:
             chosen = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-            shards = balance_across_dp([len(p) + len(r) for p, r in chosen], dims.dp)
-            payload = [[chosen[i] for i in shards[dp_rank_of[r]]] for r in range(dims.world_size)]
-        box: list[Any] = [None]
-        dist.scatter_object_list(box, payload if dims.is_controller else None, src=0)
-        batch = _sft_batch(box[0])
+            per_dp = [[chosen[i] for i in shard] for shard in balance_across_dp([len(p) + len(r) for p, r in chosen],
+                                                                                  dims.dp)]
+        batch = _sft_batch(parallel.scatter_to_replicas(per_dp, control))
         batch.old_log_probs, _ = actor.compute_log_probs(batch, temperature=1.0)
         actor.train_step(batch, loss)
         if dims.is_controller and (step % 50 == 0 or step == num_steps):

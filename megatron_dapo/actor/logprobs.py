@@ -24,12 +24,13 @@ statistics are already global.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["log_probs_and_entropy", "log_probs_from_logits", "te_parallel_cross_entropy_fn"]
+__all__ = ["log_probs_and_entropy", "log_probs_from_logits", "te_parallel_cross_entropy_fn", "triton_log_probs_fn"]
 
 
 def _tp_size_rank(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -195,7 +196,9 @@ def log_probs_and_entropy(
     """Log-probability of each target token and the entropy of each token's distribution.
 
     Differentiable in both outputs; the backward recomputes the softmax one chunk at a
-    time instead of keeping it. Call it on every rank of `tp_group` (it all-reduces).
+    time instead of keeping it. On CUDA with triton both passes are one fused kernel each
+    (actor/triton_logprobs.py; MEGATRON_DAPO_LOGPROB_KERNEL=torch forces the chunked
+    path). Call it on every rank of `tp_group` (it all-reduces).
 
     Args:
         logits: [T, V/tp] this rank's vocabulary slice of the logits, any float dtype.
@@ -220,17 +223,77 @@ def log_probs_and_entropy(
     if logits.dim() != 2 or target.shape != logits.shape[:1]:
         raise ValueError(f"expected logits [T, V/tp] and target [T], got {tuple(logits.shape)} "
                          f"and {tuple(target.shape)}; flatten batch and sequence first")
+    fused = triton_log_probs_fn() if logits.is_cuda else None
+    if fused is not None:
+        return fused(logits, target, temperature=float(temperature), tp_group=tp_group, vocab_size=vocab_size)
     return _ChunkedLogProbEntropy.apply(logits, target, float(temperature), int(chunk_size), tp_group, vocab_size)
+
+
+LOGPROB_KERNEL_ENV = "MEGATRON_DAPO_LOGPROB_KERNEL"
+"""auto (default): the Triton kernel on CUDA where triton imports; torch: always the chunked path."""
+
+
+@functools.cache
+def triton_log_probs_fn() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """The fused Triton log-prob/entropy function, or None (no triton, or the chunked path is forced)."""
+    if os.environ.get(LOGPROB_KERNEL_ENV, "auto") == "torch":
+        return None
+    try:
+        from megatron_dapo.actor.triton_logprobs import triton_log_probs_and_entropy
+    except ImportError:
+        return None
+    return triton_log_probs_and_entropy
+
+
+TE_CROSS_ENTROPY_MIN_VERSION = "2.8"
+"""Before TE 2.8, te_parallel_cross_entropy's backward read only grad_output[0] for a
+per-token gradient (TE PR #2139): every token got row 0's gradient scale, and row 0 of a
+micro-batch is a masked prompt token, so whole micro-batches got zero gradient."""
+
+
+def te_cross_entropy_supported(version: str) -> bool:
+    """Whether a Transformer Engine version has a per-token-correct fused cross entropy backward."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(version) >= Version(TE_CROSS_ENTROPY_MIN_VERSION)
+    except InvalidVersion:
+        return False
 
 
 @functools.cache
 def te_parallel_cross_entropy_fn() -> Callable[..., torch.Tensor] | None:
-    """Transformer Engine's fused vocab-parallel cross entropy, or None where TE is missing."""
+    """Transformer Engine's fused vocab-parallel cross entropy, or None (TE missing or < 2.8)."""
     try:
+        import transformer_engine
         from megatron.core.extensions.transformer_engine import te_parallel_cross_entropy
     except ImportError:
         return None
+    if not te_cross_entropy_supported(getattr(transformer_engine, "__version__", "0")):
+        return None
     return te_parallel_cross_entropy
+
+
+def _fused_log_probs(
+    fused: Callable[..., torch.Tensor],
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    temperature: float,
+    tp_group: dist.ProcessGroup | None,
+    vocab_size: int | None,
+) -> torch.Tensor:
+    """log p(target) through a fused cross-entropy kernel with TE's signature (x [s, b, v], target, group)."""
+    # In fp32, as on the chunked path: bf16 logits / T rounded to bf16 moved log-probs by
+    # 0.1-0.25 at T = 0.6-0.7, so old and new log-probs (one path each) disagreed on-policy.
+    # The division also gives TE the fresh tensor it overwrites with the gradient.
+    scaled = logits.float().div_(temperature).unsqueeze(1)  # [T, 1, V/tp], TE wants [s, b, v]
+    _, tp_rank = _tp_size_rank(tp_group)
+    num_real = _num_real_columns(tp_rank * logits.shape[1], logits.shape[1], vocab_size)
+    if num_real < logits.shape[1]:
+        # exp(finfo.min - max) is exactly 0: padding columns get no mass and no gradient.
+        scaled[..., num_real:] = torch.finfo(scaled.dtype).min
+    loss = fused(scaled, target.unsqueeze(1), tp_group)  # [T, 1] = -log p
+    return -loss.squeeze(1).float()
 
 
 def log_probs_from_logits(
@@ -245,8 +308,8 @@ def log_probs_from_logits(
 ) -> torch.Tensor:
     """Log-probability of each target token only (no entropy), differentiable.
 
-    On CUDA with Transformer Engine this is TE's fused parallel cross entropy (one kernel,
-    gradient written in place); elsewhere the chunked path above.
+    On CUDA with Transformer Engine >= 2.8 this is TE's fused parallel cross entropy (one
+    kernel, gradient written in place); elsewhere the chunked path above.
 
     Args:
         logits: [T, V/tp] this rank's vocabulary slice.
@@ -268,13 +331,4 @@ def log_probs_from_logits(
         )[0]
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0")
-    # TE overwrites its input with the gradient, so it must get a fresh tensor: the
-    # division makes one (and the caller's logits stay intact for the entropy pass).
-    scaled = (logits / temperature).unsqueeze(1)  # [T, 1, V/tp], TE wants [s, b, v]
-    _, tp_rank = _tp_size_rank(tp_group)
-    num_real = _num_real_columns(tp_rank * logits.shape[1], logits.shape[1], vocab_size)
-    if num_real < logits.shape[1]:
-        # exp(finfo.min - max) is exactly 0: padding columns get no mass and no gradient.
-        scaled[..., num_real:] = torch.finfo(scaled.dtype).min
-    loss = fused(scaled, target.unsqueeze(1), tp_group)  # [T, 1] = -log p
-    return -loss.squeeze(1).float()
+    return _fused_log_probs(fused, logits, target, temperature, tp_group, vocab_size)

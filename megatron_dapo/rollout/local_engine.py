@@ -36,7 +36,7 @@ __all__ = ["LocalEngine"]
 
 
 class LocalEngine:
-    """Batched KV-cache generation with an HF model on CPU; implements RolloutEngine."""
+    """Batched KV-cache generation with an HF model (CPU, or the controller's GPU); implements RolloutEngine."""
 
     def __init__(
         self,
@@ -46,6 +46,7 @@ class LocalEngine:
         load_weights: bool = True,
         max_batch_size: int = 64,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
     ) -> None:
         """Build the model from a checkpoint directory.
 
@@ -57,6 +58,9 @@ class LocalEngine:
                 (the colocated flow: the trainer's weights are synced before step 1).
             max_batch_size: responses decoded together; bounds memory of the KV cache.
             dtype: parameter dtype (fp32 so log-probs are comparable with the actor's).
+            device: where the model runs (the controller's device). Sampling always runs on
+                CPU in float64 with per-response generators, so a seeded run draws the same
+                tokens on any device.
         """
         self.name = name
         self._max_batch_size = max_batch_size
@@ -71,7 +75,8 @@ class LocalEngine:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        self._model: PreTrainedModel = model.eval()
+        self._device = torch.device(device)
+        self._model: PreTrainedModel = model.to(self._device).eval()
         self._vocab_size = int(config.vocab_size)
         eos = config.eos_token_id
         self._eos_ids: frozenset[int] = frozenset(
@@ -162,11 +167,12 @@ class LocalEngine:
         out_lps: list[list[float]] = [[] for _ in range(num_rows)]
         reasons: list[FinishReason | None] = [None] * num_rows
         cache = DynamicCache(config=self._model.config)
+        input_ids, mask, positions = (t.to(self._device) for t in (input_ids, mask, positions))
         step_ids = input_ids
         for _ in range(max(limit, 0)):
             logits = self._model(
                 input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-            ).logits[:, -1, :]  # [B, V]
+            ).logits[:, -1, :].cpu()  # [B, V]
             tokens, logprobs = sample_next_tokens(
                 logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generators=generators
             )
@@ -183,8 +189,8 @@ class LocalEngine:
                 reasons = [reason or "abort" for reason in reasons]
                 break
             # Finished rows keep decoding (their tokens are dropped) so the batch stays rectangular.
-            step_ids = tokens.unsqueeze(-1)  # [B, 1]
-            mask = torch.cat([mask, torch.ones(num_rows, 1, dtype=mask.dtype)], dim=-1)
+            step_ids = tokens.unsqueeze(-1).to(self._device)  # [B, 1]
+            mask = torch.cat([mask, torch.ones(num_rows, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
             positions = positions[:, -1:] + 1
         return [(ids, lps, reason or "length") for ids, lps, reason in zip(out_ids, out_lps, reasons)]
 

@@ -1,0 +1,121 @@
+"""Rules of the GPU path that can be checked on CPU (DESIGN.md, "Where tensors live" and the
+launcher rules): the default group's backend, the server environment under torchrun, the
+engine address, SGLang's serializer output, TE's cross-entropy version gate and the fp32
+temperature of the fused log-prob path."""
+
+import base64
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from megatron_dapo.actor import logprobs
+from megatron_dapo.device import distributed_backend
+from megatron_dapo.rollout.server_process import HOST_ENV, node_address, server_environment
+from megatron_dapo.rollout.sglang_engine import payload_text
+
+
+def test_cuda_groups_carry_a_cpu_backend_for_control_tensors():
+    assert distributed_backend(torch.device("cuda", 3)) == "cpu:gloo,cuda:nccl"
+    assert distributed_backend(torch.device("cpu")) == "gloo"
+
+
+TORCHRUN_ENV = {
+    "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "0",
+    "TORCHELASTIC_MAX_RESTARTS": "0", "RANK": "3", "LOCAL_RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8",
+    "GROUP_RANK": "0", "ROLE_RANK": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+}  # fmt: skip
+
+
+def test_server_environment_drops_the_launchers_variables_and_keeps_the_rest():
+    env = server_environment({"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}, base={**TORCHRUN_ENV, "PATH": "/bin", "HF_HOME": "/h"})
+    assert env == {"PATH": "/bin", "HF_HOME": "/h", "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+
+
+def test_a_server_started_from_a_torchrun_rank_can_build_its_own_tcp_process_group(tmp_path):
+    """What SGLang does at start: init_process_group("tcp://...") with its own port.
+
+    With torchrun's TORCHELASTIC_USE_AGENT_STORE inherited, torch builds a client-only store
+    that waits for a master that never comes; the scrubbed environment initialises at once.
+    """
+    from megatron_dapo.parallel import free_port
+
+    script = textwrap.dedent(f"""
+        import datetime, torch.distributed as dist
+        dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=20))
+        print("initialised")
+    """)
+    base = {**os.environ, **TORCHRUN_ENV}
+    ok = subprocess.run([sys.executable, "-c", script], env=server_environment(base=base), capture_output=True,
+                        text=True, timeout=60)
+    assert ok.returncode == 0 and "initialised" in ok.stdout, ok.stderr[-2000:]
+    try:
+        hung = subprocess.run([sys.executable, "-c", script], env=base, capture_output=True, text=True, timeout=10)
+    except subprocess.TimeoutExpired:
+        return  # the inherited environment hangs: the reason for the scrub
+    assert hung.returncode != 0, "the torchrun environment should not initialise a tcp:// group"
+
+
+def test_engine_address_is_the_route_to_the_master_and_can_be_overridden(monkeypatch):
+    monkeypatch.delenv(HOST_ENV, raising=False)
+    assert node_address("127.0.0.1") == "127.0.0.1"
+    # Debian's 127.0.1.1 hostname entry never reaches the engines: no loopback alias is returned.
+    monkeypatch.setattr("socket.gethostbyname", lambda _: "127.0.1.1")
+    assert node_address("") == "127.0.0.1"
+    monkeypatch.setenv(HOST_ENV, "10.1.2.3")
+    assert node_address("127.0.0.1") == "10.1.2.3"
+
+
+def _sglang_deserialize(data):
+    """SGLang's MultiprocessingSerializer.deserialize (0.5.x): base64 str, or raw pickle bytes."""
+    if isinstance(data, str):
+        data = base64.b64decode(data, validate=True)
+    return pickle.loads(data)
+
+
+@pytest.mark.parametrize("form", ["str", "base64 bytes (sglang 0.5.4)", "raw pickle bytes"])
+def test_serializer_output_becomes_json_text_that_sglang_decodes(form):
+    bucket = [("model.norm.weight", torch.arange(4.0))]
+    raw = pickle.dumps(bucket)
+    out = {"str": base64.b64encode(raw).decode(), "base64 bytes (sglang 0.5.4)": base64.b64encode(raw),
+           "raw pickle bytes": raw}[form]
+    text = payload_text(out)
+    assert isinstance(text, str)
+    (name, tensor), = _sglang_deserialize(text)
+    assert name == "model.norm.weight" and torch.equal(tensor, torch.arange(4.0))
+
+
+def test_sglang_own_deserializer_reads_our_payload_where_sglang_imports():
+    utils = pytest.importorskip("sglang.srt.utils", reason="sglang is a GPU extra")
+    bucket = [("w", torch.ones(3))]
+    text = payload_text(utils.MultiprocessingSerializer.serialize(bucket, output_str=True))
+    assert torch.equal(utils.MultiprocessingSerializer.deserialize(text)[0][1], torch.ones(3))
+
+
+@pytest.mark.parametrize(("version", "ok"), [("2.2.0", False), ("2.7.1", False), ("2.8.0.dev0+e9a5fa4", False),
+                                              ("2.8.0", True), ("2.9.0+cu13", True), ("garbage", False)])
+def test_te_fused_cross_entropy_only_from_2_8(version, ok):
+    assert logprobs.te_cross_entropy_supported(version) is ok
+
+
+@pytest.mark.parametrize("temperature", [0.6, 0.7, 1.0])
+def test_fused_path_divides_bf16_logits_by_the_temperature_in_fp32(temperature):
+    """The fused (TE) path and the chunked path agree on bf16 logits at any temperature.
+
+    TE computes in fp32 from its input; the stand-in does the same. Dividing in bf16 first
+    moved log-probs by 0.1-0.25 at T = 0.6-0.7, so old and new log-probs disagreed.
+    """
+    def te_like(x, target, group):  # [s, b, v] -> -log p [s, b], fp32 inside like TE
+        return -torch.log_softmax(x.float(), dim=-1).gather(-1, target[..., None]).squeeze(-1)
+
+    torch.manual_seed(0)
+    logits = (torch.randn(64, 1000) * 6).to(torch.bfloat16)
+    target = torch.randint(0, 1000, (64,))
+    fused = logprobs._fused_log_probs(te_like, logits, target, temperature, None, None)
+    chunked = logprobs.log_probs_and_entropy(logits, target, temperature=temperature)[0]
+    assert float((fused - chunked).abs().max()) < 1e-5
