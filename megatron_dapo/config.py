@@ -217,6 +217,42 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 
 
 @dataclass(kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    """Importance sampling / rejection between the engine's log-probs and the trainer's (DESIGN.md)."""
+
+    rollout_is: Literal["token", "sequence", "geometric"] | None = None
+    """IS weights pi_old / pi_rollout: per token (TIS), per sequence (product) or its geometric mean."""
+    rollout_is_threshold: float = 2.0
+    """IS weights are truncated at this value."""
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = None
+    """Rejection: tokens or sequences whose ratio is outside [lower, upper] leave the loss."""
+    rollout_rs_threshold: float | None = None
+    """RS upper bound; null = rollout_is_threshold."""
+    rollout_rs_threshold_lower: float | None = None
+    """RS lower bound; null = 1 / upper."""
+    bypass_mode: bool = False
+    """Use the engine's log-probs as the old policy: no recomputation, PPO clips against pi_rollout."""
+
+    def __post_init__(self) -> None:
+        _check(self.rollout_is_threshold > 0, "rollout_is_threshold", "must be > 0")
+        if self.rollout_rs_threshold is not None:
+            _check(self.rollout_rs_threshold > 0, "rollout_rs_threshold", "must be > 0")
+        lower, upper = self.rs_bounds
+        _check(0 <= lower < upper, "rollout_rs_threshold_lower", f"must be in [0, upper={upper})")
+        if self.bypass_mode:
+            _check(self.rollout_is is None and self.rollout_rs is None, "bypass_mode",
+                   "uses the engine's log-probs as the old policy, so every IS/RS ratio is 1; unset "
+                   "rollout_is and rollout_rs, or set bypass_mode=false")
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        """(lower, upper) of rejection sampling with the defaults resolved."""
+        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
+        return lower, upper
+
+
+@dataclass(kw_only=True, slots=True)
 class FilterGroupsConfig:
     """Dynamic sampling: drop groups whose metric has zero spread, generate until full."""
 
@@ -260,6 +296,8 @@ class AlgorithmConfig:
     """Mask the loss of truncated responses (finish reason length)."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     """Dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Engine/trainer mismatch correction (verl's names); all off = mismatch metrics only."""
 
     def __post_init__(self) -> None:
         _check(0 < self.clip_ratio_low < 1, "clip_ratio_low", "must be in (0, 1); DAPO uses 0.2")

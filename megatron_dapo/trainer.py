@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_correction
 from megatron_dapo.collect import Group, collect_batch, evaluate
 from megatron_dapo.metrics import Timer
 from megatron_dapo.run import Run, Shard
@@ -116,24 +117,47 @@ def fit(run: Run) -> dict[str, float]:
 
 
 def compute_old_log_probs(run: Run, shards: list[Shard]) -> dict[str, float]:
-    """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place.
+    """Fill each mini-batch's old_log_probs (step 5) and its rollout correction, in place.
 
-    Also measures how far the engine's log-probs are from the actor's on the same tokens
-    (`rollout/train_logprob_abs_diff`): a broken weight sync or a sampling mismatch shows
-    here first.
+    The old policy is the actor's recomputation, or, in bypass mode, the engine's own
+    log-probs (no forward pass). Between the two, algo/rollout_correction.py gives the IS
+    weights and the rejection mask (algorithm.rollout_correction) and the mismatch metrics,
+    logged every step; `rollout/train_logprob_abs_diff` shows a broken weight sync or a
+    sampling mismatch first.
     """
+    rc = run.cfg.algorithm.rollout_correction
+    rs_lower, rs_upper = rc.rs_bounds
     diff_sum, num_tokens = 0.0, 0
+    sums = torch.zeros(len(CorrectionStats.__slots__), dtype=torch.float64)
+    weight_max = 0.0
     for shard in shards:
-        log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
-        shard.batch.old_log_probs = log_probs
+        batch = shard.batch
+        if rc.bypass_mode:
+            batch.old_log_probs = shard.rollout_log_probs
+            continue
+        log_probs, _ = run.actor.compute_log_probs(batch, run.cfg.rollout.temperature)
         # The engine's log-probs arrive on CPU; the actor's live on its device.
-        mask = shard.batch.response_mask.to(log_probs.device)
-        diff = (log_probs - shard.rollout_log_probs.to(log_probs.device)).abs()
-        diff_sum += float(diff[mask].sum())
+        mask = batch.response_mask.to(log_probs.device)
+        rollout = shard.rollout_log_probs.to(log_probs.device)
+        batch.old_log_probs = log_probs
+        diff_sum += float((log_probs - rollout).abs()[mask].sum())
         num_tokens += int(mask.sum())
-    totals = torch.tensor([diff_sum, float(num_tokens)], dtype=torch.float64)  # CPU: control plane
+        weights, keep, stats = rollout_correction(
+            log_probs, rollout, mask, is_level=rc.rollout_is, is_threshold=rc.rollout_is_threshold,
+            rs_level=rc.rollout_rs, rs_upper=rs_upper, rs_lower=rs_lower)
+        batch.is_weights = None if weights is None else weights.to(batch.response_mask.device)
+        batch.response_mask = keep.to(batch.response_mask.device)
+        sums += stats.as_tensor()
+        weight_max = max(weight_max, stats.weight_max)
+    if rc.bypass_mode:
+        return {}
+    # CPU tensors: the control plane (DESIGN.md, "Where tensors live").
+    totals = torch.cat([torch.tensor([diff_sum, float(num_tokens)], dtype=torch.float64), sums])
+    peak = torch.tensor([weight_max], dtype=torch.float64)
     dist.all_reduce(totals, group=run.dims.dp_group)
-    return {"rollout/train_logprob_abs_diff": float(totals[0] / totals[1].clamp(min=1))}
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=run.dims.dp_group)
+    return {"rollout/train_logprob_abs_diff": float(totals[0] / totals[1].clamp(min=1)),
+            **CorrectionStats.metrics(totals[2:], float(peak))}
 
 
 def validate(run: Run) -> dict[str, float]:

@@ -358,7 +358,7 @@ class MegatronActor:
                    "num_global_seqs": num_seqs, "loss_scale_factor": scale_factor}
             pg_loss, pg_metrics = compute_policy_loss(
                 log_prob, mb.old_log_probs, mb.advantages, mb.loss_mask, loss.clip_ratio_low,
-                loss.clip_ratio_high, loss.clip_ratio_c, **agg,
+                loss.clip_ratio_high, loss.clip_ratio_c, is_weights=mb.is_weights, **agg,
             )
             entropy_loss = agg_loss(entropy, mb.loss_mask, loss.loss_agg_mode, num_tokens, num_seqs, scale_factor)
             total = pg_loss - loss.entropy_coeff * entropy_loss
@@ -412,5 +412,5 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     return RolloutBatch(
         input_ids=move(batch.input_ids), seq_lens=move(batch.seq_lens), response_mask=move(batch.response_mask),
         old_log_probs=move(batch.old_log_probs), advantages=move(batch.advantages),
-        ref_log_probs=move(batch.ref_log_probs),
+        ref_log_probs=move(batch.ref_log_probs), is_weights=move(batch.is_weights),
     )

@@ -67,6 +67,8 @@ class RolloutBatch:
     """[B, S] fp32 per-token advantages (the group-relative advantage of the row)."""
     ref_log_probs: torch.Tensor | None = None
     """[B, S] fp32 log-probs of the reference policy (only with the KL loss)."""
+    is_weights: torch.Tensor | None = None
+    """[B, S] fp32 rollout-correction weights of each token's loss (None = 1)."""
 
     def __post_init__(self) -> None:
         num_seqs, seq_len = self.input_ids.shape
@@ -75,7 +77,7 @@ class RolloutBatch:
         if num_seqs and (int(self.seq_lens.min()) < 1 or int(self.seq_lens.max()) > seq_len):
             raise ValueError(f"seq_lens must lie in [1, {seq_len}] (the padded width), got "
                              f"min {int(self.seq_lens.min())} max {int(self.seq_lens.max())}")
-        for name in ("response_mask", "old_log_probs", "advantages", "ref_log_probs"):
+        for name in ("response_mask", "old_log_probs", "advantages", "ref_log_probs", "is_weights"):
             value = getattr(self, name)
             if value is not None and value.shape != self.input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}; every per-token tensor must "
@@ -96,7 +98,7 @@ class RolloutBatch:
         return RolloutBatch(
             input_ids=take(self.input_ids), seq_lens=self.seq_lens[idx], response_mask=take(self.response_mask),
             old_log_probs=take(self.old_log_probs), advantages=take(self.advantages),
-            ref_log_probs=take(self.ref_log_probs),
+            ref_log_probs=take(self.ref_log_probs), is_weights=take(self.is_weights),
         )
 
 
@@ -215,6 +217,8 @@ class MicroBatch:
     """[n, S] fp32 or None, shifted like targets."""
     ref_log_probs: torch.Tensor | None
     """[n, S] fp32 or None, shifted like targets."""
+    is_weights: torch.Tensor | None
+    """[n, S] fp32 or None, shifted like targets."""
     flat_index: torch.Tensor | None
     """Packed only: [sum L] position of each packed token in the flattened [n, S] rows."""
     cu_seqlens: torch.Tensor | None
@@ -281,6 +285,7 @@ def build_microbatch(batch: RolloutBatch, indices: Sequence[int], *, packed: boo
             old_log_probs=None if batch.old_log_probs is None else zero,
             advantages=None if batch.advantages is None else zero.clone(),
             ref_log_probs=None if batch.ref_log_probs is None else zero.clone(),
+            is_weights=None if batch.is_weights is None else zero.clone(),
             flat_index=None, cu_seqlens=None,
         )
     sub = batch.select(indices)
@@ -304,5 +309,5 @@ def build_microbatch(batch: RolloutBatch, indices: Sequence[int], *, packed: boo
         indices=indices, input_ids=input_ids, position_ids=position_ids, targets=targets, valid=valid,
         loss_mask=loss_mask.bool(), old_log_probs=_shift(sub.old_log_probs, valid),
         advantages=_shift(sub.advantages, valid), ref_log_probs=_shift(sub.ref_log_probs, valid),
-        flat_index=flat_index, cu_seqlens=cu_seqlens,
+        is_weights=_shift(sub.is_weights, valid), flat_index=flat_index, cu_seqlens=cu_seqlens,
     )

@@ -54,6 +54,7 @@ def compute_policy_loss(
     num_global_tokens: int | torch.Tensor | None = None,
     num_global_seqs: int | torch.Tensor | None = None,
     loss_scale_factor: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clip-Higher PPO loss of one micro-batch, aggregated with `agg_loss`.
 
@@ -70,6 +71,8 @@ def compute_policy_loss(
             denominator of the metrics.
         num_global_seqs: valid sequences of the whole mini-batch (seq-* modes).
         loss_scale_factor: divisor of "seq-mean-token-sum-norm"; None = T.
+        is_weights: [B, T] rollout-correction weights (algo/rollout_correction.py) multiplying
+            each token's clipped loss, no grad; None = 1.
 
     Returns:
         (loss, metrics): loss is a 0-dim tensor with grad. metrics are detached 0-dim tensors
@@ -109,6 +112,8 @@ def compute_policy_loss(
         dual_bound = (-advantages * clip_ratio_c).expand_as(pg_losses)
         dual_active = (advantages < 0) & (pg_losses > dual_bound)
         pg_losses = torch.where(dual_active, dual_bound, pg_losses)
+    if is_weights is not None:
+        pg_losses = pg_losses * is_weights.to(pg_losses.dtype)
 
     loss = agg_loss(
         pg_losses,

@@ -42,6 +42,7 @@ def test_dispatch_runs_on_cpu_groups(dims):
 
 def test_old_log_probs_mix_cpu_rollout_and_cuda_actor(dims):
     from megatron_dapo.actor.microbatch import RolloutBatch
+    from megatron_dapo.config import AlgorithmConfig
     from megatron_dapo.run import Shard
     from megatron_dapo.trainer import compute_old_log_probs
 
@@ -50,7 +51,8 @@ def test_old_log_probs_mix_cpu_rollout_and_cuda_actor(dims):
                          response_mask=mask, advantages=torch.zeros(1, 3))
     actor_lp = torch.tensor([[0.0, -1.0, -2.0]], device=dims.device)
     actor = SimpleNamespace(compute_log_probs=lambda b, t: (actor_lp, torch.zeros_like(actor_lp)))
-    run = SimpleNamespace(actor=actor, dims=dims, cfg=SimpleNamespace(rollout=SimpleNamespace(temperature=1.0)))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(temperature=1.0), algorithm=AlgorithmConfig())
+    run = SimpleNamespace(actor=actor, dims=dims, cfg=cfg)
     shard = Shard(batch=batch, rollout_log_probs=torch.tensor([[0.0, -1.5, -2.0]]))
     metrics = compute_old_log_probs(run, [shard])
     assert metrics["rollout/train_logprob_abs_diff"] == pytest.approx(0.25)
