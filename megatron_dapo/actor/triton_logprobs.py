@@ -27,6 +27,8 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
+from megatron_dapo.actor.logprobs import _num_real_columns
+
 __all__ = ["BACKWARD_CONFIG", "FORWARD_CONFIG", "triton_log_probs_and_entropy"]
 
 FORWARD_CONFIG = {"BLOCK": 8192, "num_warps": 8}
@@ -110,10 +112,6 @@ def combine_partial_stats(
     return zt - log_partition, log_partition - u / s, log_partition
 
 
-def _real_columns(num_cols: int, vocab_start: int, vocab_size: int | None) -> int:
-    return num_cols if vocab_size is None else max(0, min(num_cols, vocab_size - vocab_start))
-
-
 class _TritonLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -129,7 +127,7 @@ class _TritonLogProbEntropy(torch.autograd.Function):
         num_tokens, num_cols = logits.shape
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         vocab_start = tp_rank * num_cols
-        num_real = _real_columns(num_cols, vocab_start, vocab_size)
+        num_real = _num_real_columns(vocab_start, num_cols, vocab_size)
         target = target.contiguous()
         stats = torch.empty(4, num_tokens, dtype=torch.float32, device=logits.device)
         if num_tokens:
