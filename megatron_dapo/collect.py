@@ -226,6 +226,8 @@ def collect_batch(
     metrics.update(counts)
     metrics["train/num_gen_batches"] = float(num_rounds)
     metrics["train/num_groups_generated"] = float(len(generated))
+    # Every generated token, dropped groups included: the compute an equal-budget ablation compares.
+    metrics["train/num_generated_tokens"] = float(sum(len(s.response_ids) for g in generated for s in g.samples))
     metrics["train/num_groups_dropped_all_correct"] = float(dropped["all_correct"])
     metrics["train/num_groups_dropped_all_wrong"] = float(dropped["all_wrong"])
     # Accuracy over everything generated this step: the policy's real accuracy, before

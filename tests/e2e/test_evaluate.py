@@ -28,7 +28,13 @@ def test_eval_of_the_last_checkpoint_equals_the_trainers_last_validation(tmp_pat
     config = write_config(tmp_path / "tiny.yaml", **VAL)
     proc = run_trainer(config, f"trainer.output_dir={run_dir}", *overrides, cache_dir=cache_dir, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    last = read_rows(run_dir)[-1]
+    rows = read_rows(run_dir)
+    last = rows[-1]
+    for row in rows[1:]:  # every generated token counts, the dropped groups' too
+        kept_tokens = row["train/num_responses"] * row["response_length/mean"]
+        assert kept_tokens - 1e-6 <= row["train/num_generated_tokens"] <= row["train/num_groups_generated"] * 4 * 8
+        if row["train/num_groups_generated"] == row["train/num_groups"]:
+            assert row["train/num_generated_tokens"] == pytest.approx(kept_tokens)
     (val_file,) = cache_dir.glob("arithmetic-*/val.jsonl")
     out = tmp_path / "eval" / "responses.jsonl"
 
