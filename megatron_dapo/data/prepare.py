@@ -16,8 +16,8 @@ Input layouts (column names are matched exactly; each source's file as its publi
   (b) the processed layout of open-r1/DAPO-Math-17k-Processed (its create_dataset.py):
   ``prompt`` = the first message's content as a string, ``solution`` = the ground truth,
   the original messages in ``source_prompt``. The instruction is stripped so that the
-  chosen template is applied once. The original file repeats every problem (1.79M rows
-  for 17K problems): deduplication is what brings it back to 17K.
+  chosen template is applied once. The original file repeats its problems (its card's size
+  category is 1M-10M rows for about 17K problems): deduplication brings it back to 17K.
 - ``aime2024``: (a) BytedTsinghua-SIA/AIME-2024 (the DAPO schema above, every problem
   repeated for avg@32); (b) HuggingFaceH4/aime_2024 / AI-MO/aimo-validation-aime
   (``id``, ``problem``, ``solution``, ``answer``, ``url``), and Maxwell-Jia/AIME_2024's
