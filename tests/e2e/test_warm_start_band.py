@@ -41,3 +41,17 @@ def test_band_stops_at_the_first_check_inside_it_and_rl_starts_from_that_accurac
     assert record["chosen_step"] == best["step"]
     assert read_rows(tmp_path / "run2")[0]["val/acc"] == best["acc"]
     assert "no check landed in the target band" in proc.stderr
+
+
+def test_band_check_at_tp2(tmp_path):
+    # The check's weight export is collective: every rank of the TP group takes part and
+    # every rank gets the controller's decision.
+    cache_dir, run_dir = tmp_path / "cache", tmp_path / "run"
+    model = {**SFT, "sft_warm_start": {**SFT["sft_warm_start"], "target_acc_min": 0.0, "target_acc_max": 1.0}}
+    config = write_config(tmp_path / "tiny.yaml", model=model)
+    proc = run_trainer(config, f"trainer.output_dir={run_dir}", "trainer.total_training_steps=1",
+                       "parallel.tensor_model_parallel_size=2", cache_dir=cache_dir, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = warm_start_record(cache_dir)
+    assert record["chosen_step"] == 5 and record["steps"] == 5
+    assert read_rows(run_dir)[0]["val/acc"] == record["checks"][0]["acc"]
