@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.config import Config
 from megatron_dapo.errors import UserError
 
 # The local engine decodes this many rows together (run.py builds it with the default);
@@ -157,6 +158,7 @@ def format_summary(summary: dict[str, dict[str, float]], n: int, ks: Sequence[in
 
 
 def is_hf_dir(path: Path) -> bool:
+    """Whether `path` is an HF model directory (config.json and safetensors weights)."""
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
@@ -173,7 +175,7 @@ def resolve_training_checkpoint(path: Path) -> Path | None:
     return None
 
 
-def stored_config(ckpt: Path | None) -> Any:
+def stored_config(ckpt: Path | None) -> Config | None:
     """The training config a torch_dist checkpoint carries, or None."""
     from megatron_dapo.checkpoint import CONFIG_YAML
 
@@ -413,7 +415,6 @@ def add_eval_arguments(parser: Any) -> None:
 
 def run_eval(args: Any) -> int:
     """`megatron-dapo eval`: resolve settings, evaluate, print the table, write the summary JSON."""
-    from megatron_dapo.config import Config
     from megatron_dapo.config_loader import load_config
 
     ckpt = Path(args.checkpoint)
