@@ -244,7 +244,8 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
 def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],
                 dims: parallel.ParallelDims, cache_dir: Path) -> Path:
     """The SFT'd HF checkpoint of the scratch model: from the cache, or trained now."""
-    out = sft_cache_dir(cfg, init_dir, sources, dims, cache_dir)
+    # The controller's key: on a cluster of mixed CPUs the kernel level differs between nodes.
+    out = Path(_broadcast(str(sft_cache_dir(cfg, init_dir, sources, dims, cache_dir)) if dims.is_controller else None))
     if _broadcast((out / "config.json").is_file() if dims.is_controller else None):
         return out
     s = cfg.model.sft_warm_start
