@@ -5,6 +5,7 @@
     megatron-dapo train FILE [key=value ...]            the DAPO run (see megatron_dapo/train.py)
     megatron-dapo convert hf-to-mcore|mcore-to-hf ...    checkpoint conversion (tools/convert_*.py)
     megatron-dapo plan FILE --nodes N ...               per-GPU memory and step-time plan (tools/plan.py)
+    megatron-dapo eval CHECKPOINT --data FILE [--n 32]  avg@k, pass@k, lengths of any checkpoint (evaluate.py)
 
 User mistakes (UserError) print one line to stderr and exit 2, never a traceback.
 """
@@ -50,6 +51,12 @@ def _plan(args: argparse.Namespace) -> int:
     return plan_run(args.args)
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from megatron_dapo.evaluate import run_eval
+
+    return run_eval(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="megatron-dapo", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
@@ -77,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="per-GPU memory and step time of a config on a cluster", add_help=False)
     plan.add_argument("args", nargs=argparse.REMAINDER, help="see tools/plan.py --help")
     plan.set_defaults(func=_plan)
+    from megatron_dapo.evaluate import add_eval_arguments
+
+    ev = sub.add_parser("eval", help="score a checkpoint on a prompt dataset: avg@k, pass@k, lengths, responses JSONL")
+    add_eval_arguments(ev)
+    ev.set_defaults(func=_eval)
     return parser
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.algo import DynamicSamplingBuffer, compute_group_advantages, soft_overlong_penalty
+from megatron_dapo.config import ValKwargsConfig
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
 from megatron_dapo.data.tokenizer import Tokenizer
 from megatron_dapo.rewards.pool import RewardPool
@@ -225,6 +226,8 @@ def collect_batch(
     metrics.update(counts)
     metrics["train/num_gen_batches"] = float(num_rounds)
     metrics["train/num_groups_generated"] = float(len(generated))
+    # Every generated token, dropped groups included: the compute an equal-budget ablation compares.
+    metrics["train/num_generated_tokens"] = float(sum(len(s.response_ids) for g in generated for s in g.samples))
     metrics["train/num_groups_dropped_all_correct"] = float(dropped["all_correct"])
     metrics["train/num_groups_dropped_all_wrong"] = float(dropped["all_wrong"])
     # Accuracy over everything generated this step: the policy's real accuracy, before
@@ -261,6 +264,17 @@ def batch_metrics(groups: Sequence[Group], max_response_length: int) -> dict[str
         "response_length/clip_ratio": float(sum(s.truncated for s in samples) / len(samples)),
         "prompt_length/mean": float(sum(len(s.prompt_ids) for s in samples) / len(samples)),
     }
+
+
+def val_sampling_params(val_kwargs: ValKwargsConfig, *, max_new_tokens: int, eos_id: int, seed: int) -> SamplingParams:
+    """The held-out evaluation's sampling (rollout.val_kwargs), seeded trainer.seed + 1.
+
+    The trainer's validation and the warm start's accuracy checks both use it, so the first
+    val/acc of a run equals the warm start's last check of the same weights.
+    """
+    return SamplingParams(n=val_kwargs.n, temperature=val_kwargs.temperature, top_p=val_kwargs.top_p,
+                          top_k=val_kwargs.top_k, max_new_tokens=max_new_tokens, stop_token_ids=(eos_id,),
+                          seed=seed + 1)
 
 
 def evaluate(

@@ -85,11 +85,33 @@ class SFTWarmStartConfig:
     """Sequences per SFT step."""
     lr: float = 3e-3
     """Peak learning rate of SFT (cosine decay to 10%)."""
+    target_acc_min: float | None = None
+    """Stop SFT at the first check whose held-out accuracy (the trainer's val/acc: val files,
+    rollout.val_kwargs, seed trainer.seed + 1) is in [target_acc_min, target_acc_max], so every
+    machine starts RL from a comparable policy; num_steps is then the most steps. None = a fixed
+    num_steps."""
+    target_acc_max: float | None = None
+    """Upper end of the band; a check above it stops SFT too, keeping the check nearest the band."""
+    check_interval: int = 50
+    """SFT steps between held-out accuracy checks (with a target band)."""
 
     def __post_init__(self) -> None:
         _check(self.num_steps >= 0, "num_steps", "must be >= 0")
         _check(self.batch_size > 0, "batch_size", "must be > 0")
         _check(self.lr > 0, "lr", "must be > 0")
+        _check(self.check_interval > 0, "check_interval", "must be > 0")
+        _check((self.target_acc_min is None) == (self.target_acc_max is None), "target_acc_max",
+               "set both target_acc_min and target_acc_max (a band), or neither (a fixed num_steps)")
+        if self.target_acc_min is not None and self.target_acc_max is not None:
+            _check(0 <= self.target_acc_min <= self.target_acc_max <= 1, "target_acc_min",
+                   f"must satisfy 0 <= target_acc_min <= target_acc_max={self.target_acc_max} <= 1")
+
+    @property
+    def band(self) -> tuple[float, float] | None:
+        """(min, max) held-out accuracy that ends SFT, or None for a fixed step count."""
+        if self.target_acc_min is None or self.target_acc_max is None:
+            return None
+        return (self.target_acc_min, self.target_acc_max)
 
 
 @dataclass(kw_only=True, slots=True)

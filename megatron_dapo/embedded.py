@@ -7,13 +7,15 @@ Megatron actor then loads like any other HF checkpoint. The SFT warm start
 (warm_start.py) turns it into a policy with non-trivial accuracy.
 
 Only the controller (global rank 0) writes; the other ranks wait at a barrier and read.
-Every cache entry is keyed by a hash of what determines it and written atomically.
+Every cache entry is keyed by a hash of what determines it, the versions of the libraries
+whose numerics it depends on included (environment_key), and written atomically.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -34,7 +36,8 @@ def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
     mix = ArithmeticMix(add=embedded.add, sub=embedded.sub, mul=embedded.mul, two_step=embedded.two_step,
                         max_digits=embedded.max_digits, solution_style=embedded.solution_style)
     key = digest({"mix": asdict(mix), "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
-                   "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size})
+                   "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size,
+                   "sentencepiece": _version("sentencepiece")})
     return prepare_arithmetic_task(
         cache_dir / f"arithmetic-{key}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
         num_sft=embedded.num_sft, seed=embedded.seed,
@@ -72,7 +75,8 @@ def scratch_checkpoint(scratch: ScratchModelConfig, vocab_size: int, seed: int, 
         pad_token_id=SPM_PAD_ID,
         use_sliding_window=False,
     )
-    out = cache_dir / f"scratch-{digest({'config': hf_config.to_dict(), 'seed': seed})}"
+    # The config dict carries transformers' version; torch's draws the initial weights.
+    out = cache_dir / f"scratch-{digest({'config': hf_config.to_dict(), 'seed': seed, 'torch': torch.__version__})}"
     if (out / "config.json").is_file():
         return out
     generator_state = torch.random.get_rng_state()
@@ -104,6 +108,29 @@ def atomic_dir(target: Path) -> Iterator[Path]:
         os.replace(tmp, target)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# Libraries whose version can change the float results of the cached artefacts.
+NUMERIC_LIBRARIES = ("torch", "megatron-core", "transformers", "sentencepiece", "numpy", "safetensors")
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment_key() -> dict[str, object]:
+    """What, besides the settings, decides the float results of SFT on this machine.
+
+    The library versions, and the CPU kernel level torch dispatches to (AVX2, AVX512, ...):
+    the same computation rounds differently with other kernels, so a cache shared between
+    machines must not hand one machine's warm start to another.
+    """
+    return {"libraries": {name: _version(name) for name in NUMERIC_LIBRARIES},
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cuda": torch.version.cuda if torch.cuda.is_available() else None}
 
 
 def digest(obj: object) -> str:

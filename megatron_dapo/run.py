@@ -25,7 +25,7 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
-from megatron_dapo.collect import CollectSettings, Group
+from megatron_dapo.collect import CollectSettings, Group, val_sampling_params
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config_loader import to_dict
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
@@ -40,7 +40,7 @@ from megatron_dapo.rollout.colocated import ColocatedEngines, launch_colocated_e
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
-from megatron_dapo.warm_start import export_hf_checkpoint, run_sft, sft_cache_dir
+from megatron_dapo.warm_start import sft_cache_dir, warm_start
 
 logger = logging.getLogger(__name__)
 
@@ -249,16 +249,15 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
 def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],
                 dims: parallel.ParallelDims, control: parallel.ControlGroups, cache_dir: Path) -> Path:
     """The SFT'd HF checkpoint of the scratch model: from the cache, or trained now."""
-    out = sft_cache_dir(cfg, init_dir, sources["sft_path"], cache_dir)
+    # The controller's key: on a cluster of mixed CPUs the kernel level differs between nodes.
+    out = Path(_broadcast(str(sft_cache_dir(cfg, init_dir, sources, dims, cache_dir)) if dims.is_controller else None))
     if _broadcast((out / "config.json").is_file() if dims.is_controller else None):
         return out
     s = cfg.model.sft_warm_start
     sft_optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=cfg.optim.clip_grad,
                             lr_warmup_steps=min(10, s.num_steps))
     actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim)
-    run_sft(actor, control, sources["sft_path"], sources["tokenizer"], num_steps=s.num_steps, batch_size=s.batch_size,
-            seed=cfg.trainer.seed)
-    export_hf_checkpoint(adapter, actor.model, dims, init_dir, out)
+    warm_start(cfg, actor, control, adapter, init_dir, sources, out)
     return out
 
 
@@ -292,10 +291,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
     sampling = SamplingParams(n=r.n, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop,
                               seed=cfg.trainer.seed)
-    v = r.val_kwargs
-    run.val_sampling = SamplingParams(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
-                                      max_new_tokens=cfg.data.max_response_length, stop_token_ids=stop,
-                                      seed=cfg.trainer.seed + 1)
+    run.val_sampling = val_sampling_params(r.val_kwargs, max_new_tokens=cfg.data.max_response_length,
+                                           eos_id=tokenizer.eos_id, seed=cfg.trainer.seed)
     run.collect_settings = CollectSettings(
         n=r.n, sampling=sampling, gen_batch_size=cfg.data.gen_batch_size, train_batch_size=cfg.data.train_batch_size,
         filter_enable=cfg.algorithm.filter_groups.enable, filter_metric=cfg.algorithm.filter_groups.metric,

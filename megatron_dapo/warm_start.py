@@ -9,9 +9,17 @@ equal to the current ones, the ratio is exactly 1, no clip is active, and the DA
 token-mean loss has exactly the gradient of the token-mean negative log-likelihood. So
 SFT runs through the same actor, micro-batching and optimizer as RL (any TP/PP/DP).
 
-The result is exported as an HF checkpoint and cached, keyed by the scratch checkpoint,
-the SFT settings, the corpus and the seed; the RL actor and the engines load it like any
-other HF checkpoint.
+With a target band (model.sft_warm_start.target_acc_min/max) SFT stops at the first check
+whose held-out accuracy, measured exactly as the trainer's val/acc, lies in the band: the
+same SFT steps land at different accuracies on different CPUs (float results differ by
+instruction set and are amplified over hundreds of steps at a high lr, DESIGN.md), and a
+band gives every machine a comparable starting policy instead of the same step count.
+
+The result is exported as an HF checkpoint and cached, keyed by everything it depends on:
+the scratch checkpoint, every SFT and band setting, the corpus and tokenizer, the seed,
+the layout and micro-batching (they change float summation order), the library versions
+and the CPU's kernel level (embedded.environment_key). The RL actor and the engines load it
+like any other HF checkpoint; `warm_start.json` beside it records the checks.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import json
 import logging
 import random
 import shutil
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,22 +42,143 @@ from megatron_dapo.actor.actor import LossSettings, MegatronActor
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.config import Config
 from megatron_dapo.data.tokenizer import load_tokenizer
-from megatron_dapo.embedded import atomic_dir, digest
+from megatron_dapo.embedded import atomic_dir, digest, environment_key
 from megatron_dapo.models import DecoderAdapter
 
 logger = logging.getLogger(__name__)
 
 
-def sft_cache_dir(cfg: Config, init_dir: Path, sft_path: str, cache_dir: Path) -> Path:
-    """Where the warm-started checkpoint of these settings is cached."""
+# Bumped when the SFT recipe in this module changes, so entries cached by older code are not reused.
+WARM_START_VERSION = 2
+WARM_START_RECORD = "warm_start.json"
+
+
+def sft_cache_key(cfg: Config, init_dir: Path, sources: dict[str, Any], dims: parallel.ParallelDims) -> dict[str, Any]:
+    """Every input of the warm-started checkpoint (see the module docstring)."""
     s = cfg.model.sft_warm_start
-    return cache_dir / "sft-{}".format(digest({"init": init_dir.name, "sft": [s.num_steps, s.batch_size, s.lr],
-                                               "corpus": sft_path, "seed": cfg.trainer.seed,
-                                               "dtype": cfg.model.dtype}))
+    key: dict[str, Any] = {
+        "version": WARM_START_VERSION, "init": init_dir.name, "sft": asdict(s), "clip_grad": cfg.optim.clip_grad,
+        "corpus": sources["sft_path"], "tokenizer": sources["tokenizer"], "seed": cfg.trainer.seed,
+        "dtype": cfg.model.dtype, "layout": [dims.tp, dims.pp, dims.dp],
+        "max_tokens_per_microbatch": cfg.trainer.max_tokens_per_microbatch, "environment": environment_key(),
+    }
+    if s.band is not None:
+        key["check"] = {"val": cfg.data.val_files or [sources["val"]], "val_kwargs": asdict(cfg.rollout.val_kwargs),
+                        "max_prompt_length": cfg.data.max_prompt_length,
+                        "max_response_length": cfg.data.max_response_length, "reward_fn": cfg.reward.reward_fn}
+    return key
+
+
+def sft_cache_dir(cfg: Config, init_dir: Path, sources: dict[str, Any], dims: parallel.ParallelDims,
+                  cache_dir: Path) -> Path:
+    """Where the warm-started checkpoint of these settings is cached."""
+    return cache_dir / f"sft-{digest(sft_cache_key(cfg, init_dir, sources, dims))}"
+
+
+class AccuracyBand:
+    """Held-out accuracy checks during SFT; keeps the weights of the check nearest the band.
+
+    Called collectively every `check_interval` steps: the actor's weights are exported as HF
+    tensors (every rank takes part), the controller loads them into its engine and scores
+    the held-out prompts as the trainer's validation does; every rank gets the decision.
+    """
+
+    def __init__(self, adapter: DecoderAdapter, dims: parallel.ParallelDims, band: tuple[float, float],
+                 evaluate: Callable[[list[tuple[str, torch.Tensor]]], float] | None) -> None:
+        """Args:
+            adapter: exports the actor's weights.
+            dims: the layout.
+            band: (min, max) held-out accuracy.
+            evaluate: controller only: HF tensors -> val/acc; None on other ranks.
+        """
+        self.adapter, self.dims, self.band, self.evaluate = adapter, dims, band, evaluate
+        self.checks: list[dict[str, float]] = []
+        self.best: dict[str, torch.Tensor] | None = None
+        self.best_step = 0
+
+    def distance(self, acc: float) -> float:
+        low, high = self.band
+        return max(low - acc, acc - high, 0.0)
+
+    def __call__(self, model: Any, step: int) -> bool:
+        """Check after `step`; True (on every rank) when SFT should stop."""
+        tensors = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in self.adapter.export_hf(model, self.dims)]
+        stop = None
+        if self.evaluate is not None:
+            acc = self.evaluate(tensors)
+            logger.info("sft warm start step %d: held-out acc %.4f (target band [%.2f, %.2f])", step, acc, *self.band)
+            if not self.checks or self.distance(acc) < min(self.distance(c["acc"]) for c in self.checks):
+                self.best, self.best_step = dict(tensors), step
+            self.checks.append({"step": step, "acc": acc})
+            # Above the band is a stop too: more steps only climb further from it.
+            stop = acc >= self.band[0]
+        box = [stop]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
+
+
+def warm_start(cfg: Config, actor: MegatronActor, control: parallel.ControlGroups, adapter: DecoderAdapter,
+               init_dir: Path, sources: dict[str, Any], out: Path) -> None:
+    """SFT the scratch model (fixed steps, or until the held-out band) and write it to `out` (collective)."""
+    s = cfg.model.sft_warm_start
+    dims = actor.dims
+    if s.band is None:
+        run_sft(actor, control, sources["sft_path"], sources["tokenizer"], num_steps=s.num_steps,
+                batch_size=s.batch_size, seed=cfg.trainer.seed)
+        export_hf_checkpoint(adapter, actor.model, dims, init_dir, out)
+        return
+    closers: list[Callable[[], None]] = []
+    try:
+        evaluate_fn = _held_out_accuracy(cfg, init_dir, sources, closers) if dims.is_controller else None
+        band = AccuracyBand(adapter, dims, s.band, evaluate_fn)
+        steps = run_sft(actor, control, sources["sft_path"], sources["tokenizer"], num_steps=s.num_steps,
+                        batch_size=s.batch_size, seed=cfg.trainer.seed, check=band, check_interval=s.check_interval)
+    finally:
+        for close in closers:
+            close()
+    if dims.is_controller:
+        assert band.best is not None, "run_sft checks after its last step"
+        chosen = next(c for c in band.checks if c["step"] == band.best_step)
+        if band.distance(chosen["acc"]) > 0:
+            logger.warning("sft warm start: no check landed in the target band [%.2f, %.2f] within %d steps; "
+                           "RL starts from step %d (held-out acc %.4f); adjust model.sft_warm_start",
+                           *s.band, steps, band.best_step, chosen["acc"])
+        write_hf_checkpoint(band.best, init_dir, out, record={"band": list(s.band), "checks": band.checks,
+                                                              "chosen_step": band.best_step, "steps": steps})
+    dist.barrier()
+
+
+def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
+                       closers: list[Callable[[], None]]) -> Callable[[list[tuple[str, torch.Tensor]]], float]:
+    """Controller: HF tensors -> the trainer's val/acc of them (same prompts, sampling and reward)."""
+    from megatron_dapo.collect import evaluate, val_sampling_params
+    from megatron_dapo.data.datasets import load_prompt_dataset
+    from megatron_dapo.rewards.pool import RewardPool
+    from megatron_dapo.rollout.controller import RolloutController
+    from megatron_dapo.rollout.local_engine import LocalEngine
+
+    tokenizer = load_tokenizer(sources["tokenizer"])
+    val_files = cfg.data.val_files or [sources["val"]]
+    prompts = [r for f in val_files for r in load_prompt_dataset(f, tokenizer, cfg.data.max_prompt_length).records]
+    engine = LocalEngine(init_dir, name="warm_start_check", load_weights=False)
+    rollout = RolloutController([engine])
+    closers.append(rollout.shutdown)
+    rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+    closers.append(rewards.close)
+    params = val_sampling_params(cfg.rollout.val_kwargs, max_new_tokens=cfg.data.max_response_length,
+                                 eos_id=tokenizer.eos_id, seed=cfg.trainer.seed)
+
+    def held_out_accuracy(tensors: list[tuple[str, torch.Tensor]]) -> float:
+        engine.update_weights(tensors)
+        engine.finish_weight_update()
+        return float(evaluate(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params)["val/acc"])
+
+    return held_out_accuracy
 
 
 def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str, tokenizer_path: str, *,
-            num_steps: int, batch_size: int, seed: int) -> None:
+            num_steps: int, batch_size: int, seed: int, check: AccuracyBand | None = None,
+            check_interval: int = 0) -> int:
     """Supervised steps on worked solutions through the actor's DAPO train step (collective).
 
     Args:
@@ -55,9 +186,14 @@ def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str
         control: the control groups the sequences are dispatched over.
         sft_path: jsonl of {prompt, response, answer} (read by the controller only).
         tokenizer_path: the task's tokenizer.
-        num_steps: optimizer steps.
+        num_steps: optimizer steps (the most, with a check).
         batch_size: sequences per step, split over data-parallel ranks by tokens.
         seed: draws the sequences of each step.
+        check: held-out accuracy band, asked every `check_interval` steps and after the last.
+        check_interval: steps between checks.
+
+    Returns:
+        The number of steps taken.
     """
     dims = actor.dims
     rows = _load_sft_rows(sft_path, tokenizer_path) if dims.is_controller else []
@@ -77,6 +213,9 @@ def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str
             # Before this step's update, on this rank's share: the token-mean NLL.
             nll = -batch.old_log_probs[batch.response_mask].mean()
             logger.info("sft warm start step %d/%d: nll %.4f", step, num_steps, float(nll))
+        if check is not None and (step % check_interval == 0 or step == num_steps) and check(actor.model, step):
+            return step
+    return num_steps
 
 
 def export_hf_checkpoint(adapter: DecoderAdapter, model: Any, dims: parallel.ParallelDims, config_dir: Path,
@@ -88,12 +227,20 @@ def export_hf_checkpoint(adapter: DecoderAdapter, model: Any, dims: parallel.Par
     """
     tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in adapter.export_hf(model, dims)}
     if dims.is_controller:
-        with atomic_dir(out) as tmp:
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            for name in ("config.json", "generation_config.json"):
-                if (config_dir / name).is_file():
-                    shutil.copy(config_dir / name, tmp / name)
+        write_hf_checkpoint(tensors, config_dir, out)
     dist.barrier()
+
+
+def write_hf_checkpoint(tensors: dict[str, torch.Tensor], config_dir: Path, out: Path,
+                        record: dict[str, Any] | None = None) -> None:
+    """model.safetensors + config.json/generation_config.json from `config_dir` (+ a record), atomically."""
+    with atomic_dir(out) as tmp:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name in ("config.json", "generation_config.json"):
+            if (config_dir / name).is_file():
+                shutil.copy(config_dir / name, tmp / name)
+        if record is not None:
+            (tmp / WARM_START_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _load_sft_rows(sft_path: str, tokenizer_path: str) -> list[tuple[list[int], list[int]]]:

@@ -1,33 +1,40 @@
-"""DAPO vs naive GRPO on the tiny task, like the paper's ablation in miniature.
+"""Learning evidence with a spread: the default run over seeds, and DAPO vs naive GRPO at an equal token budget.
 
-    python tools/ablate.py [--out runs/ablation] [--steps N] [key=value ...]
+    python tools/ablate.py --seeds 1,2,3                      # DAPO and GRPO, 3 seeds each
+    python tools/ablate.py --seeds 1,2,3 --runs dapo          # the default run (make run) over 3 seeds
+    python tools/ablate.py --seeds 1 --steps 10 [key=value]   # a quick look
 
-Runs examples/tiny_cpu.yaml (DAPO) and examples/grpo_tiny_cpu.yaml (symmetric clip 0.2,
-seq-mean-token-mean, no dynamic sampling, no overlong shaping) one after the other with
-the same model, SFT warm start (shared cache), data order and seeds, then writes
-`<out>/ablation.md` (a table) and `<out>/ablation.png` (held-out accuracy and training
-accuracy per step). Extra `key=value` overrides apply to both runs. Report what comes
-out, whatever it is: on a model this small the difference between the two is noisy.
+Each seed is `trainer.seed=<s>` (scratch model, SFT draws, sampling) on examples/tiny_cpu.yaml
+(DAPO) and examples/grpo_tiny_cpu.yaml (symmetric clip 0.2, seq-mean-token-mean, no dynamic
+sampling, no overlong shaping). Every run of a seed shares its warm start (one cache entry).
+
+Equal generated-token budget, not equal steps: dynamic sampling generates more per step
+than GRPO does, so GRPO runs `--grpo-steps-factor` times DAPO's steps and its curve is cut
+where its cumulative `train/num_generated_tokens` reaches the DAPO run's total; its
+"last" accuracy is the last evaluation within that budget (the table says whether GRPO
+reached the budget at all). Writes `<out>/ablation.md` (per-seed rows, then mean and
+min/max per run kind) and `<out>/ablation.png`. Report what comes out, whatever it is.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = {"DAPO": "examples/tiny_cpu.yaml", "GRPO (naive)": "examples/grpo_tiny_cpu.yaml"}
+RUNS = {"dapo": ("DAPO", "examples/tiny_cpu.yaml"), "grpo": ("GRPO (naive)", "examples/grpo_tiny_cpu.yaml")}
+DEFAULT_DAPO_STEPS = 60
 
 
-def run_one(config: str, out_dir: Path, steps: int | None, overrides: list[str]) -> float:
+def run_one(config: str, out_dir: Path, seed: int, steps: int, overrides: list[str]) -> float:
     """Train one config into out_dir (fresh); returns wall seconds."""
-    extra = [f"trainer.output_dir={out_dir}", "trainer.resume=disable", *overrides]
-    if steps is not None:
-        extra.append(f"trainer.total_training_steps={steps}")
+    extra = [f"trainer.output_dir={out_dir}", "trainer.resume=disable", f"trainer.seed={seed}",
+             f"trainer.total_training_steps={steps}", *overrides]
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "megatron_dapo.train", str(REPO / config), *extra], cwd=REPO, check=True)
     return time.perf_counter() - start
@@ -38,51 +45,84 @@ def read_rows(out_dir: Path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+def generated_tokens(rows: list[dict]) -> float:
+    return sum(r.get("train/num_generated_tokens", 0.0) for r in rows)
+
+
+def cut_at_budget(rows: list[dict], budget: float | None) -> tuple[list[dict], bool]:
+    """The rows up to the step where cumulative generated tokens reach `budget` (all if None).
+
+    Returns:
+        The rows kept, and whether the budget was reached.
+    """
+    if budget is None:
+        return rows, True
+    kept, total = [], 0.0
+    for r in rows:
+        total += r.get("train/num_generated_tokens", 0.0)
+        kept.append(r)
+        if total >= budget:
+            return kept, True
+    return kept, False
+
+
 def summarize(rows: list[dict]) -> dict[str, float]:
-    val = [(r["step"], r["val/acc"]) for r in rows if r.get("val/acc") is not None]
-    train = [r for r in rows if "train/acc_all_generated" in r]
-    return {
-        "val_first": val[0][1] if val else float("nan"),
-        "val_last": val[-1][1] if val else float("nan"),
-        "val_best": max(v for _, v in val) if val else float("nan"),
-        "gen_rounds": sum(r["train/num_gen_batches"] for r in train) / max(len(train), 1),
-        "entropy_last": train[-1]["actor/entropy"] if train else float("nan"),
-        "resp_len_last": train[-1]["response_length/mean"] if train else float("nan"),
-    }
+    """First, last and best held-out accuracy, gain, and generated tokens of one run."""
+    val = [r["val/acc"] for r in rows if r.get("val/acc") is not None]
+    nan = float("nan")
+    return {"val_first": val[0] if val else nan, "val_last": val[-1] if val else nan,
+            "val_best": max(val) if val else nan, "gain_points": 100 * (val[-1] - val[0]) if val else nan,
+            "steps": float(max((r["step"] for r in rows), default=0)), "gen_tokens": generated_tokens(rows)}
 
 
-def write_table(results: dict[str, tuple[dict[str, float], float]], path: Path) -> str:
-    lines = [
-        "| run | val acc first | val acc last | gain (points) | best | gen rounds/step | entropy (last) | "
-        "response len (last) | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for name, (s, wall) in results.items():
-        gain = 100 * (s["val_last"] - s["val_first"])
-        lines.append(f"| {name} | {s['val_first']:.3f} | {s['val_last']:.3f} | {gain:+.1f} | {s['val_best']:.3f} | "
-                     f"{s['gen_rounds']:.2f} | {s['entropy_last']:.3f} | {s['resp_len_last']:.1f} | {wall:.0f} |")
+def aggregate(per_seed: list[dict[str, float]]) -> dict[str, tuple[float, float, float]]:
+    """(mean, min, max) of every summary key over seeds."""
+    return {k: (statistics.fmean(s[k] for s in per_seed), min(s[k] for s in per_seed), max(s[k] for s in per_seed))
+            for k in per_seed[0]}
+
+
+def write_table(results: dict[str, list[tuple[int, dict[str, float], float, bool]]], path: Path) -> str:
+    lines = ["| run | seed | val acc first | last | best | gain (points) | RL steps | generated tokens | "
+             "budget reached | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, seeds in results.items():
+        for seed, s, wall, reached in seeds:
+            lines.append(f"| {name} | {seed} | {s['val_first']:.3f} | {s['val_last']:.3f} | {s['val_best']:.3f} | "
+                         f"{s['gain_points']:+.1f} | {s['steps']:.0f} | {s['gen_tokens']:.0f} | "
+                         f"{'yes' if reached else 'no'} | {wall:.0f} |")
+        agg = aggregate([s for _, s, _, _ in seeds])
+        walls = [w for _, _, w, _ in seeds]
+
+        def fmt(k: str, spec: str = ".3f", a: dict = agg) -> str:
+            mean, low, high = a[k]
+            return f"{mean:{spec}} [{low:{spec}}, {high:{spec}}]"
+
+        lines.append(f"| **{name}: mean [min, max]** | {len(seeds)} seeds | {fmt('val_first')} | {fmt('val_last')} | "
+                     f"{fmt('val_best')} | {fmt('gain_points', '+.1f')} | {fmt('steps', '.0f')} | "
+                     f"{fmt('gen_tokens', '.0f')} | | {statistics.fmean(walls):.0f} [{min(walls):.0f}, {max(walls):.0f}] |")
     table = "\n".join(lines) + "\n"
     path.write_text(table)
     return table
 
 
-def plot(all_rows: dict[str, list[dict]], path: Path) -> None:
+def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, rows in all_rows.items():
-        val = [(r["step"], r["val/acc"]) for r in rows if r.get("val/acc") is not None]
-        axes[0].plot(*zip(*val), marker="o", label=name)
-        train = [(r["step"], r["train/acc_all_generated"]) for r in rows if "train/acc_all_generated" in r]
-        axes[1].plot(*zip(*train), label=name)
-    axes[0].set(title="held-out accuracy (avg@k, T=1.0, top_p=0.7)", xlabel="step", ylabel="acc")
-    axes[1].set(title="accuracy of all generated responses", xlabel="step", ylabel="acc")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-        ax.legend()
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    for (name, runs), color in zip(curves.items(), ("C0", "C1")):
+        for i, rows in enumerate(runs):
+            tokens, acc, total = [], [], 0.0
+            for r in rows:
+                total += r.get("train/num_generated_tokens", 0.0)
+                if r.get("val/acc") is not None:
+                    tokens.append(total)
+                    acc.append(r["val/acc"])
+            ax.plot(tokens, acc, marker="o", color=color, alpha=0.8, label=name if i == 0 else None)
+    ax.set(title="held-out accuracy (avg@4, T=1.0, top_p=0.7) per seed", xlabel="generated tokens", ylabel="acc")
+    ax.grid(alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -90,19 +130,37 @@ def plot(all_rows: dict[str, list[dict]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "ablation", help="output directory")
-    parser.add_argument("--steps", type=int, default=None, help="RL steps of each run (default: the configs')")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides applied to both runs")
+    parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42],
+                        help="comma-separated trainer.seed values, e.g. 1,2,3")
+    parser.add_argument("--runs", default="dapo,grpo", help="which runs per seed: dapo, grpo or dapo,grpo")
+    parser.add_argument("--steps", type=int, default=DEFAULT_DAPO_STEPS, help="RL steps of the DAPO run")
+    parser.add_argument("--grpo-steps-factor", type=float, default=3.0,
+                        help="GRPO runs this many times the DAPO steps, then is cut at DAPO's token budget")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     args = parser.parse_args(argv)
+    kinds = args.runs.split(",")
+    if any(k not in RUNS for k in kinds):
+        parser.error(f"--runs {args.runs}: choose from {','.join(RUNS)}")
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, tuple[dict[str, float], float]] = {}
-    all_rows: dict[str, list[dict]] = {}
-    for name, config in RUNS.items():
-        run_dir = args.out / Path(config).stem
-        wall = run_one(config, run_dir, args.steps, args.overrides)
-        all_rows[name] = read_rows(run_dir)
-        results[name] = (summarize(all_rows[name]), wall)
+    results: dict[str, list[tuple[int, dict[str, float], float, bool]]] = {RUNS[k][0]: [] for k in kinds}
+    curves: dict[str, list[list[dict]]] = {RUNS[k][0]: [] for k in kinds}
+    for seed in args.seeds:
+        budget = None
+        for kind in kinds:
+            name, config = RUNS[kind]
+            steps = args.steps if kind == "dapo" or "dapo" not in kinds else round(args.steps * args.grpo_steps_factor)
+            run_dir = args.out / f"{kind}_seed{seed}"
+            wall = run_one(config, run_dir, seed, steps, args.overrides)
+            rows, reached = cut_at_budget(read_rows(run_dir), budget)
+            if kind == "dapo":
+                budget = generated_tokens(rows)
+            results[name].append((seed, summarize(rows), wall, reached))
+            curves[name].append(rows)
+            s = results[name][-1][1]
+            print(f"{name} seed {seed}: val acc first {s['val_first']:.3f} last {s['val_last']:.3f} "
+                  f"best {s['val_best']:.3f} ({s['gain_points']:+.1f} points), {wall:.0f} s", flush=True)
     print(write_table(results, args.out / "ablation.md"), end="")
-    plot(all_rows, args.out / "ablation.png")
+    plot(curves, args.out / "ablation.png")
     print(f"wrote {args.out / 'ablation.md'} and {args.out / 'ablation.png'}")
     return 0
 

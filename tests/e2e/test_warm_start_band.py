@@ -1,0 +1,57 @@
+"""The SFT warm start that stops on a held-out accuracy band, and its cache key."""
+
+import json
+
+import pytest
+from trainer_utils import read_rows, run_trainer, write_config
+
+pytestmark = pytest.mark.e2e
+
+SFT = {"sft_warm_start": {"enable": True, "num_steps": 10, "batch_size": 8, "lr": 3.0e-3, "check_interval": 5}}
+
+
+def warm_start_record(cache_dir):
+    (record,) = cache_dir.glob("sft-*/warm_start.json")
+    return json.loads(record.read_text())
+
+
+def test_band_stops_at_the_first_check_inside_it_and_rl_starts_from_that_accuracy(tmp_path):
+    cache_dir, run_dir = tmp_path / "cache", tmp_path / "run"
+    model = {**SFT, "sft_warm_start": {**SFT["sft_warm_start"], "target_acc_min": 0.0, "target_acc_max": 1.0}}
+    config = write_config(tmp_path / "tiny.yaml", model=model)
+    proc = run_trainer(config, f"trainer.output_dir={run_dir}", "trainer.total_training_steps=1", cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = warm_start_record(cache_dir)
+    assert record["steps"] == 5 and record["chosen_step"] == 5 and [c["step"] for c in record["checks"]] == [5]
+    # The check measures exactly what the trainer's validation measures, on the same weights.
+    assert read_rows(run_dir)[0]["val/acc"] == record["checks"][0]["acc"]
+    assert "held-out acc" in proc.stderr
+
+    # An unreachable band runs every step and keeps the check nearest to it, with a warning;
+    # the band is part of the cache key, so this is a new warm start, not the cached one.
+    model["sft_warm_start"].update(target_acc_min=1.0, target_acc_max=1.0)
+    config = write_config(tmp_path / "tiny2.yaml", model=model)
+    proc = run_trainer(config, f"trainer.output_dir={tmp_path / 'run2'}", "trainer.total_training_steps=1",
+                       cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (second,) = [p for p in cache_dir.glob("sft-*/warm_start.json") if json.loads(p.read_text())["band"] == [1.0, 1.0]]
+    record = json.loads(second.read_text())
+    assert record["steps"] == 10 and [c["step"] for c in record["checks"]] == [5, 10]
+    best = max(record["checks"], key=lambda c: c["acc"])
+    assert record["chosen_step"] == best["step"]
+    assert read_rows(tmp_path / "run2")[0]["val/acc"] == best["acc"]
+    assert "no check landed in the target band" in proc.stderr
+
+
+def test_band_check_at_tp2(tmp_path):
+    # The check's weight export is collective: every rank of the TP group takes part and
+    # every rank gets the controller's decision.
+    cache_dir, run_dir = tmp_path / "cache", tmp_path / "run"
+    model = {**SFT, "sft_warm_start": {**SFT["sft_warm_start"], "target_acc_min": 0.0, "target_acc_max": 1.0}}
+    config = write_config(tmp_path / "tiny.yaml", model=model)
+    proc = run_trainer(config, f"trainer.output_dir={run_dir}", "trainer.total_training_steps=1",
+                       "parallel.tensor_model_parallel_size=2", cache_dir=cache_dir, nproc=2)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = warm_start_record(cache_dir)
+    assert record["chosen_step"] == 5 and record["steps"] == 5
+    assert read_rows(run_dir)[0]["val/acc"] == record["checks"][0]["acc"]

@@ -1,0 +1,73 @@
+"""What makes the default run reproducible: the warm-start cache key and the pinned environment."""
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_dapo import warm_start
+from megatron_dapo.config_loader import load_config
+from megatron_dapo.embedded import NUMERIC_LIBRARIES, environment_key
+
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = {"sft_path": "/c/arithmetic-1/sft.jsonl", "tokenizer": "/c/arithmetic-1/tok/spm.model",
+           "val": "/c/arithmetic-1/val.jsonl"}
+
+
+def key_dir(cfg, dims=(1, 1, 1)):
+    layout = SimpleNamespace(tp=dims[0], pp=dims[1], dp=dims[2])
+    return warm_start.sft_cache_dir(cfg, Path("/c/scratch-abc"), SOURCES, layout, Path("/c")).name
+
+
+def test_warm_start_cache_key_covers_every_input(monkeypatch):
+    base = load_config(REPO / "examples" / "tiny_cpu.yaml")
+    assert key_dir(base) == key_dir(load_config(REPO / "examples" / "tiny_cpu.yaml"))
+    changed = {
+        "layout": key_dir(base, dims=(2, 1, 1)),
+        "micro-batching": key_dir(load_config(REPO / "examples" / "tiny_cpu.yaml",
+                                              ["trainer.max_tokens_per_microbatch=512"])),
+        "clip_grad": key_dir(load_config(REPO / "examples" / "tiny_cpu.yaml", ["optim.clip_grad=0.5"])),
+        "band": key_dir(load_config(REPO / "examples" / "tiny_cpu.yaml", ["model.sft_warm_start.target_acc_max=0.5"])),
+        "check sampling": key_dir(load_config(REPO / "examples" / "tiny_cpu.yaml", ["rollout.val_kwargs.top_p=0.9"])),
+    }
+    with monkeypatch.context() as m:
+        m.setattr(warm_start, "environment_key", lambda: {**environment_key(), "cpu_capability": "OTHER"})
+        changed["cpu kernels"] = key_dir(base)
+        m.setattr(warm_start, "environment_key",
+                  lambda: {**environment_key(), "libraries": {**environment_key()["libraries"], "torch": "9.9"}})
+        changed["torch version"] = key_dir(base)
+    unchanged = [name for name, key in changed.items() if key == key_dir(base)]
+    assert unchanged == []
+
+
+def test_environment_key_names_the_numeric_libraries():
+    env = environment_key()
+    assert set(env["libraries"]) == set(NUMERIC_LIBRARIES)
+    assert env["libraries"]["torch"] is not None and env["cpu_capability"]
+
+
+def test_constraints_pin_every_requirement_and_keep_transformers_in_vllm_cpus_range():
+    pins = {}
+    for line in (REPO / "constraints" / "cpu.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[re.sub(r"[-_.]+", "-", name.lower())] = version
+    setup = (REPO / "setup.py").read_text()
+    required = re.findall(r'"([A-Za-z][A-Za-z0-9_.-]*)(?:\[[^\]]*\])?[<>=!~]', setup.split("extras_require")[0])
+    required += ["pytest", "hypothesis", "ruff"]
+    assert [r for r in required if re.sub(r"[-_.]+", "-", r.lower()) not in pins] == []
+    assert pins["torch"] == "2.13.0" and pins["megatron-core"] == "0.16.1"
+    major, minor, patch = (int(x) for x in pins["transformers"].split("."))
+    assert (5, 16, 1) <= (major, minor, patch) < (5, 20, 0)
+
+
+@pytest.mark.parametrize(("band", "message"), [
+    ("model.sft_warm_start.target_acc_min=0.3", "set both target_acc_min and target_acc_max"),
+])
+def test_band_needs_both_ends(band, message):
+    from megatron_dapo.config import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(REPO / "examples" / "tiny_cpu.yaml", ["model.sft_warm_start.target_acc_max=null", band])
