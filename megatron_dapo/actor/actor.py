@@ -164,6 +164,8 @@ class MegatronActor:
         logprob_chunk_size: tokens per chunk of the log-prob/entropy computation.
         packed: thd-packed micro-batches without padding (needs TE attention on CUDA);
             None = packed exactly when TE is usable.
+        overlap_grad_reduce: reduce-scatter each gradient bucket while the backward of the
+            last micro-batch goes on; None = on CUDA with DP > 1 (gloo on CPU gains nothing).
     """
 
     def __init__(
@@ -178,6 +180,7 @@ class MegatronActor:
         max_tokens_per_microbatch: int = 16384,
         logprob_chunk_size: int = 1024,
         packed: bool | None = None,
+        overlap_grad_reduce: bool | None = None,
     ) -> None:
         use_te = te_available()
         if packed is None:
@@ -207,11 +210,18 @@ class MegatronActor:
         # Micro-batches differ in shape: the pipeline must send shapes before tensors.
         config.variable_seq_lengths = dims.pp > 1
         config.finalize_model_grads_func = finalize_model_grads
+        if overlap_grad_reduce is None:
+            overlap_grad_reduce = dims.device.type == "cuda" and dims.dp > 1
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
             use_distributed_optimizer=optimizer_config.use_distributed_optimizer,
         )
         self.model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        if overlap_grad_reduce:
+            # As Megatron-LM's training loop: micro-batches before the last accumulate without
+            # communication, and the pipeline schedule starts each bucket's reduction.
+            config.no_sync_func = self.model.no_sync
+            config.grad_sync_func = self.model.start_grad_sync
         self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
         if optimizer_config.fp16:
             config.grad_scale_func = self.optimizer.scale_loss
