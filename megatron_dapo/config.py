@@ -248,6 +248,8 @@ class AlgorithmConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                            "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation: token-mean (DAPO, global over the mini-batch) or the GRPO-style modes."""
+    loss_scale_factor: float | None = None
+    """Constant divisor of seq-mean-token-sum-norm (Dr.GRPO's MAX_TOKENS); null = data.max_response_length."""
     use_kl_loss: bool = False
     """Add a KL term against the initial policy (DAPO: off)."""
     kl_loss_coef: float = 0.0
@@ -267,6 +269,8 @@ class AlgorithmConfig:
         if self.clip_ratio_c is not None:
             _check(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (or null to disable dual clip)")
         _check(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
+        if self.loss_scale_factor is not None:
+            _check(self.loss_scale_factor > 0, "loss_scale_factor", "must be > 0 (or null = data.max_response_length)")
         if self.kl_loss_coef > 0:
             _check(self.use_kl_loss, "kl_loss_coef", "is > 0 but use_kl_loss is false; set use_kl_loss=true")
         _check(self.entropy_coeff >= 0, "entropy_coeff", "must be >= 0")
@@ -533,6 +537,21 @@ class Config:
             _check(t.device != "cpu", "parallel.context_parallel_size",
                    "needs Transformer Engine attention on CUDA; set it to 1 with trainer.device=cpu")
         self._check_model_shape(*self._model_shape())
+
+    @property
+    def old_log_probs_source(self) -> Literal["recompute", "current"]:
+        """Where the importance ratio's old log-probs come from; trainer and planner both read this.
+
+        "recompute": a forward-only pass over the batch before the first update (step 5),
+        needed as soon as one RL step makes several optimizer steps: later mini-batches and
+        epochs see weights that already moved.
+        "current": exactly one update per RL step (ppo_mini_batch_size == train_batch_size,
+        ppo_epochs 1). The weights of that update are the weights that generated the batch,
+        so the old log-probs are the detached log-probs of the update's own forward pass
+        (ratio exactly 1) and the extra pass would be pure cost.
+        """
+        one_update = self.trainer.ppo_mini_batch_size == self.data.train_batch_size and self.trainer.ppo_epochs == 1
+        return "current" if one_update else "recompute"
 
     def _model_shape(self) -> tuple[int, int, int, str]:
         """(num_attention_heads, num_key_value_heads, num_layers, where) of the configured model."""

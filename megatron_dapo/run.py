@@ -198,9 +198,8 @@ def build_run(cfg: Config, config_source: str) -> Run:
 
     dp_rank_of: list[Any] = [None] * dims.world_size
     dist.all_gather_object(dp_rank_of, dims.dp_rank)
-    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor,
-              loss=LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature), output_dir=output_dir,
-              hf_dir=hf_dir,
+    loss = LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature, cfg.data.max_response_length)
+    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, loss=loss, output_dir=output_dir, hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
               dp_rank_of=dp_rank_of)
     if cfg.rollout.engine == "sglang":

@@ -2,7 +2,8 @@
 
     1-4. controller: generate, score, filter until the batch is full, advantages
     4.   the batch is split over data-parallel ranks by token count
-    5.   all ranks: old log-probs with Megatron (forward only)
+    5.   all ranks: old log-probs with Megatron (forward only), unless the RL step makes
+         a single update: then its own forward pass supplies them (Config.old_log_probs_source)
     6.   all ranks: one optimizer step per mini-batch, global token-mean loss
     7.   all ranks: weights Megatron -> rollout engines
     8.   controller: metrics; everyone: evaluation and checkpoints
@@ -79,10 +80,14 @@ def fit(run: Run) -> dict[str, float]:
         with timer("dispatch"):
             shards = run.dispatch(groups)  # this rank's mini-batches: list[Shard]
             run.release_rollout_memory()  # colocated engines free the GPUs for training
-        with timer("old_log_prob"):
-            drift = compute_old_log_probs(run, shards)
+        old_from_forward = cfg.old_log_probs_source == "current"
+        if not old_from_forward:
+            with timer("old_log_prob"):
+                compute_old_log_probs(run, shards)
         with timer("update_actor"):
-            actor_metrics = [actor.train_step(shard.batch, run.loss) for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
+            actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward)
+                             for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
+        drift = rollout_drift(run, shards)  # the update filled old_log_probs when old_from_forward
         with timer("sync"):
             run.resume_rollout_memory()
             sync_stats = run.sync_weights()
@@ -108,19 +113,24 @@ def fit(run: Run) -> dict[str, float]:
     return last
 
 
-def compute_old_log_probs(run: Run, shards: list[Shard]) -> dict[str, float]:
-    """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place.
+def compute_old_log_probs(run: Run, shards: list[Shard]) -> None:
+    """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place."""
+    for shard in shards:
+        shard.batch.old_log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
 
-    Also measures how far the engine's log-probs are from the actor's on the same tokens
-    (`rollout/train_logprob_abs_diff`): a broken weight sync or a sampling mismatch shows
-    here first.
+
+def rollout_drift(run: Run, shards: list[Shard]) -> dict[str, float]:
+    """How far the engine's log-probs are from the actor's old log-probs on the same tokens.
+
+    `rollout/train_logprob_abs_diff`, a token-mean over the whole batch: a broken weight
+    sync or a sampling mismatch shows here first.
     """
     diff_sum, num_tokens = 0.0, 0
     for shard in shards:
-        log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
-        shard.batch.old_log_probs = log_probs
-        mask = shard.batch.response_mask
-        diff_sum += float((log_probs - shard.rollout_log_probs).abs()[mask].sum())
+        old = shard.batch.old_log_probs
+        # The actor may return its log-probs on the GPU while dispatch built the rest on the host.
+        mask = shard.batch.response_mask.to(old.device)
+        diff_sum += float((old - shard.rollout_log_probs.to(old.device)).abs()[mask].sum())
         num_tokens += int(mask.sum())
     totals = torch.tensor([diff_sum, float(num_tokens)], dtype=torch.float64)
     dist.all_reduce(totals, group=run.dims.dp_group)

@@ -80,7 +80,7 @@ class LossSettings:
     temperature: float = 1.0
     """Rollout sampling temperature: the policy is softmax(logits / temperature)."""
     loss_scale_factor: float | None = None
-    """Divisor of seq-mean-token-sum-norm; None = the longest sequence of the mini-batch (all DP ranks)."""
+    """Constant divisor of seq-mean-token-sum-norm (required in that mode); unused by the others."""
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -89,15 +89,24 @@ class LossSettings:
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} (rollout.temperature) must be > 0 for the actor; "
                              "greedy rollouts cannot be trained on")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (self.loss_scale_factor or 0) > 0:
+            raise ValueError(f"loss_scale_factor={self.loss_scale_factor} (algorithm.loss_scale_factor): "
+                             "seq-mean-token-sum-norm needs a constant > 0, e.g. the maximum response length")
 
     @classmethod
-    def from_config(cls, algorithm: AlgorithmConfig, temperature: float) -> LossSettings:
-        """Settings from the algorithm section and the rollout temperature."""
+    def from_config(cls, algorithm: AlgorithmConfig, temperature: float, max_response_length: int) -> LossSettings:
+        """Settings from the algorithm section, the rollout temperature and data.max_response_length.
+
+        seq-mean-token-sum-norm divides by algorithm.loss_scale_factor, or by
+        max_response_length when that is null: a constant, like Dr.GRPO's MAX_TOKENS.
+        """
+        scale = algorithm.loss_scale_factor if algorithm.loss_scale_factor is not None else float(max_response_length)
         return cls(
             clip_ratio_low=algorithm.clip_ratio_low, clip_ratio_high=algorithm.clip_ratio_high,
             clip_ratio_c=algorithm.clip_ratio_c, loss_agg_mode=algorithm.loss_agg_mode,
             entropy_coeff=algorithm.entropy_coeff, use_kl_loss=algorithm.use_kl_loss,
             kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, temperature=temperature,
+            loss_scale_factor=scale,
         )
 
 
@@ -289,12 +298,8 @@ class MegatronActor:
 
         def keep(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True) -> None:
             log_prob, entropy = self._token_stats(mb, output, temperature, entropy_grad=False)
-            if mb.indices:
-                rows = torch.as_tensor(mb.indices, device=out.device)
-                cols = mb.targets.shape[1]
-                # Row position t predicts token t + 1.
-                out[0, rows, 1:cols + 1] = torch.where(mb.valid, log_prob, 0.0)[:, : width - 1]
-                out[1, rows, 1:cols + 1] = torch.where(mb.valid, entropy, 0.0)[:, : width - 1]
+            _scatter_rows(out[0], mb, log_prob)
+            _scatter_rows(out[1], mb, entropy)
 
         self.model.eval()
         with torch.no_grad():
@@ -305,7 +310,7 @@ class MegatronActor:
 
     # ----------------------------------------------------------------------- step 6
 
-    def train_step(self, batch: RolloutBatch, loss: LossSettings) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch, loss: LossSettings, *, old_from_forward: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch with the DAPO loss.
 
         Collective over all ranks. The loss of every micro-batch is its local sum over the
@@ -316,6 +321,11 @@ class MegatronActor:
             batch: this data-parallel rank's sequences with old_log_probs and advantages
                 (and ref_log_probs when loss.use_kl_loss).
             loss: the loss settings.
+            old_from_forward: the current weights ARE the old policy (the only update of an
+                RL step): the ratio uses the detached log-probs of this forward pass, so it is
+                exactly 1 and batch.old_log_probs must be None. They are written to
+                batch.old_log_probs afterwards ([B, S], aligned like compute_log_probs'
+                result, on every rank of the replica), for metrics.
 
         Returns:
             verl-named metrics, identical on every rank: actor/pg_loss, actor/pg_clipfrac,
@@ -323,9 +333,14 @@ class MegatronActor:
             mini-batch), actor/grad_norm (before clipping), actor/lr, and actor/kl_loss when
             the KL loss is on.
         """
-        if batch.old_log_probs is None or batch.advantages is None:
-            raise ValueError("train_step needs batch.old_log_probs and batch.advantages; compute old log-probs "
-                             "with compute_log_probs (step 5) and advantages before the update")
+        if batch.advantages is None:
+            raise ValueError("train_step needs batch.advantages; compute advantages before the update")
+        if old_from_forward and batch.old_log_probs is not None:
+            raise ValueError("old_from_forward=True takes the old log-probs from this forward pass, but "
+                             "batch.old_log_probs is set; pass one or the other")
+        if not old_from_forward and batch.old_log_probs is None:
+            raise ValueError("train_step needs batch.old_log_probs; compute them with compute_log_probs (step 5), "
+                             "or pass old_from_forward=True for the only update of an RL step")
         if loss.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("use_kl_loss=True but batch.ref_log_probs is None; compute reference log-probs "
                              "or set algorithm.use_kl_loss=false")
@@ -333,26 +348,31 @@ class MegatronActor:
         microbatches = self._microbatches(batch)
         num_mb = len(microbatches)
         valid_mask = [mb.loss_mask for mb in microbatches]
-        # [tokens, sequences] of the whole mini-batch, and the longest sequence for *-norm.
+        # [tokens, sequences] of the whole mini-batch.
         counts = torch.stack([
             sum(m.sum() for m in valid_mask), sum(m.any(dim=-1).sum() for m in valid_mask)
         ]).to(torch.int64)
-        longest = batch.seq_lens.max().reshape(1).to(dims.device)
         if dims.dp > 1:
             dist.all_reduce(counts, group=dims.dp_group)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=dims.dp_group)
         num_tokens, num_seqs = counts[0], counts[1]
-        scale_factor = loss.loss_scale_factor if loss.loss_scale_factor is not None else float(longest)
+        scale_factor = loss.loss_scale_factor
         # Undo the schedule's 1/num_microbatches and DDP's 1/dp (module docstring).
         undo_megatron_mean = num_mb * dims.dp
+        forward_log_probs = None
+        if old_from_forward:
+            forward_log_probs = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=dims.device)
 
         def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             log_prob, entropy = self._token_stats(mb, output, loss.temperature,
                                                   entropy_grad=loss.entropy_coeff != 0)
+            old_log_prob = mb.old_log_probs
+            if forward_log_probs is not None:
+                old_log_prob = log_prob.detach()
+                _scatter_rows(forward_log_probs, mb, old_log_prob)
             agg = {"loss_agg_mode": loss.loss_agg_mode, "num_global_tokens": num_tokens,
                    "num_global_seqs": num_seqs, "loss_scale_factor": scale_factor}
             pg_loss, pg_metrics = compute_policy_loss(
-                log_prob, mb.old_log_probs, mb.advantages, mb.loss_mask, loss.clip_ratio_low,
+                log_prob, old_log_prob, mb.advantages, mb.loss_mask, loss.clip_ratio_low,
                 loss.clip_ratio_high, loss.clip_ratio_c, **agg,
             )
             entropy_loss = agg_loss(entropy, mb.loss_mask, loss.loss_agg_mode, num_tokens, num_seqs, scale_factor)
@@ -377,6 +397,10 @@ class MegatronActor:
             sums = torch.stack(outputs).sum(0)
         if dims.pp > 1:
             dist.broadcast(sums, src=dims.pp_global_ranks[-1], group=dims.pp_group)
+            if forward_log_probs is not None:
+                dist.broadcast(forward_log_probs, src=dims.pp_global_ranks[-1], group=dims.pp_group)
+        if forward_log_probs is not None:
+            batch.old_log_probs = forward_log_probs.to(batch.input_ids.device)
         if dims.dp > 1:
             dist.all_reduce(sums, group=dims.dp_group)
 
@@ -395,6 +419,20 @@ class MegatronActor:
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = lr
         return metrics
+
+
+def _scatter_rows(out: torch.Tensor, mb: MicroBatch, values: torch.Tensor) -> None:
+    """Write a micro-batch's per-position values [n, S'] into its rows of `out` [B, S], aligned like input_ids.
+
+    Row position t predicts token t + 1, so its value lands in column t + 1; positions
+    that predict nothing (padding) write 0.
+    """
+    if not mb.indices:
+        return
+    rows = torch.as_tensor(mb.indices, device=out.device)
+    cols = mb.targets.shape[1]
+    width = out.shape[1]
+    out[rows, 1:cols + 1] = torch.where(mb.valid, values, 0.0)[:, : width - 1]
 
 
 def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:

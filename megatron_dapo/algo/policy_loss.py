@@ -69,7 +69,7 @@ def compute_policy_loss(
         num_global_tokens: valid tokens of the whole mini-batch, see `agg_loss`; also the
             denominator of the metrics.
         num_global_seqs: valid sequences of the whole mini-batch (seq-* modes).
-        loss_scale_factor: divisor of "seq-mean-token-sum-norm"; None = T.
+        loss_scale_factor: constant divisor of "seq-mean-token-sum-norm" (required there).
 
     Returns:
         (loss, metrics): loss is a 0-dim tensor with grad. metrics are detached 0-dim tensors
