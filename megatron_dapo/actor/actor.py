@@ -172,6 +172,8 @@ class MegatronActor:
         logprob_chunk_size: tokens per chunk of the log-prob/entropy computation.
         packed: thd-packed micro-batches without padding (needs TE attention on CUDA);
             None = packed exactly when TE is usable.
+        sequence_parallel: Megatron sequence parallelism (dims.tp > 1); micro-batches are
+            then padded to a multiple of the TP size.
     """
 
     def __init__(
@@ -186,6 +188,7 @@ class MegatronActor:
         max_tokens_per_microbatch: int = 16384,
         logprob_chunk_size: int = 1024,
         packed: bool | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         use_te = te_available()
         if packed is None:
@@ -195,17 +198,23 @@ class MegatronActor:
                              "use packed=False (padded micro-batches) on this machine")
         if max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch={max_tokens_per_microbatch} must be >= 1")
+        if sequence_parallel and dims.tp == 1:
+            raise ValueError("sequence_parallel=True needs tensor parallelism (dims.tp > 1); "
+                             "set parallel.sequence_parallel=false")
         self.adapter = adapter
         self.dims = dims
         self.packed = packed
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_size = logprob_chunk_size
         self.vocab_size = adapter.hf.vocab_size
+        # Sequence parallelism scatters the sequence over TP ranks: lengths divisible by TP.
+        self.seq_multiple = dims.tp if sequence_parallel else 1
 
         # No random init when a checkpoint overwrites every weight; build_model marks the
         # TP shards (which the optimizer's grad norm relies on) either way.
         model = adapter.build_model(dims, dtype=optimizer_config.params_dtype, recompute=recompute,
-                                    use_te=use_te, init_weights=hf_checkpoint is None)
+                                    use_te=use_te, init_weights=hf_checkpoint is None,
+                                    sequence_parallel=sequence_parallel)
         if hf_checkpoint is not None:
             adapter.load_hf(model, hf_checkpoint, dims)  # before the optimizer copies fp32 masters
         config = model.config
@@ -237,7 +246,8 @@ class MegatronActor:
         plan = pack_microbatches(lengths, self.max_tokens_per_microbatch, padded=not self.packed,
                                  num_microbatches=int(count))
         on_device = _to_device(batch, self.dims.device)
-        return [build_microbatch(on_device, idx, packed=self.packed) for idx in plan]
+        return [build_microbatch(on_device, idx, packed=self.packed, pad_to_multiple=self.seq_multiple)
+                for idx in plan]
 
     def _run(self, microbatches: list[MicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
         """Megatron's schedule over the micro-batches; returns the last stage's loss-function outputs."""
@@ -257,10 +267,11 @@ class MegatronActor:
     def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float,
                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob and entropy rows [n, S] of a micro-batch from its vocab-parallel logits."""
-        logits = output.reshape(-1, output.shape[-1])  # [n*S or sum L, V/tp]
+        logits = output.reshape(-1, output.shape[-1])  # [n*S or sum L (+ SP padding), V/tp]
         targets = mb.targets.reshape(-1)
         if mb.flat_index is not None:
             targets = targets[mb.flat_index]
+            logits = logits[: targets.numel()]  # the packed padding after the real tokens predicts nothing
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         kwargs = {"temperature": temperature, "tp_group": tp_group, "chunk_size": self.logprob_chunk_size,
                   "vocab_size": self.vocab_size}
