@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+from megatron_dapo.actor.reference import ReferencePolicy
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.collect import CollectSettings, Group
 from megatron_dapo.config import Config, OptimConfig
@@ -72,6 +73,8 @@ class Run:
     checkpoints: CheckpointManager
     dp_rank_of: list[int]
     """Data-parallel rank of every global rank (for dispatching the batch)."""
+    reference: ReferencePolicy | None = None
+    """The frozen starting policy; only with algorithm.use_kl_loss."""
     start_step: int = 0
     tokenizer: Tokenizer | None = None
     sampler: PromptSampler | None = None
@@ -199,7 +202,10 @@ def build_run(cfg: Config, config_source: str) -> Run:
     dp_rank_of: list[Any] = [None] * dims.world_size
     dist.all_gather_object(dp_rank_of, dims.dp_rank)
     loss = LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature, cfg.data.max_response_length)
-    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, loss=loss, output_dir=output_dir, hf_dir=hf_dir,
+    # The reference is the policy RL starts from (after SFT warm start), also after a resume.
+    reference = ReferencePolicy(actor, hf_dir) if cfg.algorithm.use_kl_loss else None
+    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, loss=loss, reference=reference,
+              output_dir=output_dir, hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
               dp_rank_of=dp_rank_of)
     if cfg.rollout.engine == "sglang":

@@ -3,7 +3,8 @@
     1-4. controller: generate, score, filter until the batch is full, advantages
     4.   the batch is split over data-parallel ranks by token count
     5.   all ranks: old log-probs with Megatron (forward only), unless the RL step makes
-         a single update: then its own forward pass supplies them (Config.old_log_probs_source)
+         a single update: then its own forward pass supplies them (Config.old_log_probs_source);
+         with the KL loss, the frozen reference's log-probs too
     6.   all ranks: one optimizer step per mini-batch, global token-mean loss
     7.   all ranks: weights Megatron -> rollout engines
     8.   controller: metrics; everyone: evaluation and checkpoints
@@ -80,6 +81,9 @@ def fit(run: Run) -> dict[str, float]:
         with timer("dispatch"):
             shards = run.dispatch(groups)  # this rank's mini-batches: list[Shard]
             run.release_rollout_memory()  # colocated engines free the GPUs for training
+        if run.reference is not None:
+            with timer("ref"):
+                compute_ref_log_probs(run, shards)
         old_from_forward = cfg.old_log_probs_source == "current"
         if not old_from_forward:
             with timer("old_log_prob"):
@@ -117,6 +121,12 @@ def compute_old_log_probs(run: Run, shards: list[Shard]) -> None:
     """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place."""
     for shard in shards:
         shard.batch.old_log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
+
+
+def compute_ref_log_probs(run: Run, shards: list[Shard]) -> None:
+    """Fill each mini-batch's ref_log_probs with the frozen starting policy's (KL loss), in place."""
+    for shard in shards:
+        shard.batch.ref_log_probs = run.reference.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
 
 
 def rollout_drift(run: Run, shards: list[Shard]) -> dict[str, float]:

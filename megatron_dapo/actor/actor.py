@@ -212,9 +212,11 @@ class MegatronActor:
 
         # No random init when a checkpoint overwrites every weight; build_model marks the
         # TP shards (which the optimizer's grad norm relies on) either way.
-        model = adapter.build_model(dims, dtype=optimizer_config.params_dtype, recompute=recompute,
-                                    use_te=use_te, init_weights=hf_checkpoint is None,
-                                    sequence_parallel=sequence_parallel)
+        # What a second model of the same layout (the frozen reference) is built with.
+        self.model_build_kwargs = {"dtype": optimizer_config.params_dtype, "use_te": use_te,
+                                   "sequence_parallel": sequence_parallel}
+        model = adapter.build_model(dims, recompute=recompute, init_weights=hf_checkpoint is None,
+                                    **self.model_build_kwargs)
         if hf_checkpoint is not None:
             adapter.load_hf(model, hf_checkpoint, dims)  # before the optimizer copies fp32 masters
         config = model.config
@@ -249,8 +251,12 @@ class MegatronActor:
         return [build_microbatch(on_device, idx, packed=self.packed, pad_to_multiple=self.seq_multiple)
                 for idx in plan]
 
-    def _run(self, microbatches: list[MicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
-        """Megatron's schedule over the micro-batches; returns the last stage's loss-function outputs."""
+    def _run(self, microbatches: list[MicroBatch], loss_func: Any, forward_only: bool,
+             model: Any | None = None) -> list[Any]:
+        """Megatron's schedule over the micro-batches; returns the last stage's loss-function outputs.
+
+        `model` replaces the actor's own model (a frozen model of the same layout, forward only).
+        """
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
@@ -259,7 +265,7 @@ class MegatronActor:
 
         first = microbatches[0].input_ids
         return get_forward_backward_func(pp_size=self.dims.pp)(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.model],
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model if model is not None else self.model],
             num_microbatches=len(microbatches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
             forward_only=forward_only, collect_non_loss_data=forward_only,
         )
@@ -286,7 +292,8 @@ class MegatronActor:
 
     # ----------------------------------------------------------------------- step 5
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float,
+                          model: Any | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of this rank's sequences under the current weights (forward only).
 
         Collective over the model-parallel and data-parallel groups; the result is
@@ -295,6 +302,7 @@ class MegatronActor:
         Args:
             batch: this data-parallel rank's sequences (old_log_probs/advantages unused).
             temperature: the rollout temperature; probabilities are softmax(logits / temperature).
+            model: another model of this actor's layout to run instead (the frozen reference).
 
         Returns:
             (log_probs [B, S], entropy [B, S]) fp32 on dims.device, aligned with
@@ -312,9 +320,9 @@ class MegatronActor:
             _scatter_rows(out[0], mb, log_prob)
             _scatter_rows(out[1], mb, entropy)
 
-        self.model.eval()
+        (model if model is not None else self.model).eval()
         with torch.no_grad():
-            self._run(microbatches, keep, forward_only=True)
+            self._run(microbatches, keep, forward_only=True, model=model)
         if self.dims.pp > 1:
             dist.broadcast(out, src=self.dims.pp_global_ranks[-1], group=self.dims.pp_group)
         return out[0], out[1]
