@@ -132,6 +132,8 @@ class ParallelConfig:
     """Pipeline stages; must divide the number of layers."""
     context_parallel_size: int = 1
     """Context parallel size (needs Transformer Engine attention: GPU only)."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """How CP attention exchanges keys/values (TE's names); p2p (ring) works with any number of KV heads per rank."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
     use_distributed_optimizer: bool = True

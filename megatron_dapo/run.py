@@ -243,7 +243,8 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
         lr_warmup_steps=optim.lr_warmup_steps, hf_checkpoint=hf_dir,
         recompute="full" if cfg.model.recompute_activations else "none",
         max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-        logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel)
+        logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,
+        cp_comm_type=cfg.parallel.cp_comm_type)
 
 
 def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],

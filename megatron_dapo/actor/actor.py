@@ -13,6 +13,9 @@ both are undone so that the summed gradient is exactly that of the whole-batch l
   of micro-batches (and multiply it by the context-parallel size) in forward_step_calc_loss;
 - DDP pre-scales gradients by 1 / (dp x cp) before summing them over data-parallel ranks
   (calculate_per_token_loss=False, average_in_collective=False).
+(Under context parallelism the schedule's x cp and DDP's 1 / cp cancel: every CP rank
+computes the whole loss from log-probs gathered over the CP group, whose backward keeps
+only that rank's positions; actor/context_parallel.py.)
 So each micro-batch returns `(local loss sum / global count) x num_microbatches x dp`,
 where the global valid-token count (and sequence count, for the seq-* modes) is summed
 over micro-batches and all-reduced over data-parallel ranks before the step. Megatron's
@@ -40,6 +43,13 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_dapo.actor.context_parallel import (
+    cp_pad_multiple,
+    cp_positions,
+    gather_over_cp,
+    microbatch_loss_scale,
+    split_sequence,
+)
 from megatron_dapo.actor.logprobs import (
     log_probs_and_entropy,
     log_probs_from_logits,
@@ -174,6 +184,7 @@ class MegatronActor:
             None = packed exactly when TE is usable.
         sequence_parallel: Megatron sequence parallelism (dims.tp > 1); micro-batches are
             then padded to a multiple of the TP size.
+        cp_comm_type: how context-parallel attention exchanges K/V (dims.cp > 1).
     """
 
     def __init__(
@@ -189,13 +200,21 @@ class MegatronActor:
         logprob_chunk_size: int = 1024,
         packed: bool | None = None,
         sequence_parallel: bool = False,
+        cp_comm_type: str = "p2p",
     ) -> None:
         use_te = te_available()
+        if dims.cp > 1 and not use_te:
+            raise ValueError(f"context parallelism (cp={dims.cp}) needs Transformer Engine attention on CUDA; "
+                             "install transformer_engine or set parallel.context_parallel_size=1")
         if packed is None:
-            packed = use_te
+            # CP splits padded [n, S] rows (megatron's sbhd load balancing); thd + CP is not wired.
+            packed = use_te and dims.cp == 1
         if packed and not use_te:
             raise ValueError("packed=True needs Transformer Engine attention on CUDA (thd format); "
                              "use packed=False (padded micro-batches) on this machine")
+        if packed and dims.cp > 1:
+            raise ValueError("packed (thd) micro-batches are not supported with context parallelism; "
+                             "use packed=False")
         if max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch={max_tokens_per_microbatch} must be >= 1")
         if sequence_parallel and dims.tp == 1:
@@ -207,14 +226,14 @@ class MegatronActor:
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_size = logprob_chunk_size
         self.vocab_size = adapter.hf.vocab_size
-        # Sequence parallelism scatters the sequence over TP ranks: lengths divisible by TP.
-        self.seq_multiple = dims.tp if sequence_parallel else 1
+        # CP cuts every sequence into 2 x cp chunks, SP scatters each over TP ranks.
+        self.seq_multiple = cp_pad_multiple(dims.cp, dims.tp, sequence_parallel)
 
         # No random init when a checkpoint overwrites every weight; build_model marks the
         # TP shards (which the optimizer's grad norm relies on) either way.
         # What a second model of the same layout (the frozen reference) is built with.
         self.model_build_kwargs = {"dtype": optimizer_config.params_dtype, "use_te": use_te,
-                                   "sequence_parallel": sequence_parallel}
+                                   "sequence_parallel": sequence_parallel, "cp_comm_type": cp_comm_type}
         model = adapter.build_model(dims, recompute=recompute, init_weights=hf_checkpoint is None,
                                     **self.model_build_kwargs)
         if hf_checkpoint is not None:
@@ -260,7 +279,11 @@ class MegatronActor:
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
-            output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+            input_ids, position_ids = mb.input_ids, mb.position_ids
+            if self.dims.cp > 1:  # this rank's load-balanced chunks; RoPE slices the same ones
+                held = cp_positions(input_ids.shape[1], self.dims.cp, self.dims.cp_rank)
+                input_ids, position_ids = split_sequence(input_ids, held), split_sequence(position_ids, held)
+            output = model(input_ids, position_ids, None, packed_seq_params=mb.packed_seq_params())
             return output, partial(loss_func, mb)
 
         first = microbatches[0].input_ids
@@ -273,8 +296,13 @@ class MegatronActor:
     def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float,
                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob and entropy rows [n, S] of a micro-batch from its vocab-parallel logits."""
-        logits = output.reshape(-1, output.shape[-1])  # [n*S or sum L (+ SP padding), V/tp]
-        targets = mb.targets.reshape(-1)
+        logits = output.reshape(-1, output.shape[-1])  # [n*S/cp or sum L (+ SP padding), V/tp]
+        targets = mb.targets  # shifted on whole sequences, then split like the inputs
+        cp = self.dims.cp
+        if cp > 1:
+            targets = split_sequence(targets, cp_positions(targets.shape[1], cp, self.dims.cp_rank))
+        local_shape = targets.shape
+        targets = targets.reshape(-1)
         if mb.flat_index is not None:
             targets = targets[mb.flat_index]
             logits = logits[: targets.numel()]  # the packed padding after the real tokens predicts nothing
@@ -288,6 +316,9 @@ class MegatronActor:
                 entropy = log_probs_and_entropy(logits.detach(), targets, **kwargs)[1]
         else:
             log_prob, entropy = log_probs_and_entropy(logits, targets, **kwargs)
+        if cp > 1:
+            return (gather_over_cp(log_prob.view(local_shape), self.dims.cp_group, cp),
+                    gather_over_cp(entropy.view(local_shape), self.dims.cp_group, cp))
         return mb.to_rows(log_prob), mb.to_rows(entropy)
 
     # ----------------------------------------------------------------------- step 5
@@ -375,8 +406,9 @@ class MegatronActor:
             dist.all_reduce(counts, group=dims.dp_group)
         num_tokens, num_seqs = counts[0], counts[1]
         scale_factor = loss.loss_scale_factor
-        # Undo the schedule's 1/num_microbatches and DDP's 1/dp (module docstring).
-        undo_megatron_mean = num_mb * dims.dp
+        # Undo the schedule's 1/num_microbatches and DDP's 1/dp (module docstring); with CP
+        # every CP rank computes the whole loss from gathered log-probs (actor/context_parallel.py).
+        undo_megatron_mean = microbatch_loss_scale(num_mb, dims.dp)
         forward_log_probs = None
         if old_from_forward:
             forward_log_probs = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=dims.device)
