@@ -287,8 +287,9 @@ class MegatronActor:
             return output, partial(loss_func, mb)
 
         first = microbatches[0].input_ids
+        chunk = model if model is not None else self.model
         return get_forward_backward_func(pp_size=self.dims.pp)(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[model if model is not None else self.model],
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[chunk],
             num_microbatches=len(microbatches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
             forward_only=forward_only, collect_non_loss_data=forward_only,
         )
