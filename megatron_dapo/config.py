@@ -154,6 +154,8 @@ class ParallelConfig:
     """Pipeline stages; must divide the number of layers."""
     context_parallel_size: int = 1
     """Context parallel size (needs Transformer Engine attention: GPU only)."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """How CP attention exchanges keys/values (TE's names); p2p (ring) works with any number of KV heads per rank."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
     use_distributed_optimizer: bool = True
@@ -306,6 +308,8 @@ class AlgorithmConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                            "seq-mean-token-sum-norm"] = "token-mean"
     """Loss aggregation: token-mean (DAPO, global over the mini-batch) or the GRPO-style modes."""
+    loss_scale_factor: float | None = None
+    """Constant divisor of seq-mean-token-sum-norm (Dr.GRPO's MAX_TOKENS); null = data.max_response_length."""
     use_kl_loss: bool = False
     """Add a KL term against the initial policy (DAPO: off)."""
     kl_loss_coef: float = 0.0
@@ -327,6 +331,8 @@ class AlgorithmConfig:
         if self.clip_ratio_c is not None:
             _check(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (or null to disable dual clip)")
         _check(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
+        if self.loss_scale_factor is not None:
+            _check(self.loss_scale_factor > 0, "loss_scale_factor", "must be > 0 (or null = data.max_response_length)")
         if self.kl_loss_coef > 0:
             _check(self.use_kl_loss, "kl_loss_coef", "is > 0 but use_kl_loss is false; set use_kl_loss=true")
         _check(self.entropy_coeff >= 0, "entropy_coeff", "must be >= 0")
@@ -601,6 +607,27 @@ class Config:
             _check(t.device != "cpu", "parallel.context_parallel_size",
                    "needs Transformer Engine attention on CUDA; set it to 1 with trainer.device=cpu")
         self._check_model_shape(*self._model_shape())
+
+    @property
+    def old_log_probs_source(self) -> Literal["recompute", "current", "rollout"]:
+        """Where the importance ratio's old log-probs come from; trainer and planner both read this.
+
+        "rollout": algorithm.rollout_correction.bypass_mode, the engine's own log-probs.
+        "recompute": a forward-only pass over the batch before the first update (step 5),
+        needed as soon as one RL step makes several optimizer steps (later mini-batches and
+        epochs see weights that already moved), and when a rollout correction (IS weights,
+        rejection) must weigh the batch before the update.
+        "current": exactly one update per RL step (ppo_mini_batch_size == train_batch_size,
+        ppo_epochs 1) and no correction. The weights of that update are the weights that
+        generated the batch, so the old log-probs are the detached log-probs of the update's
+        own forward pass (ratio exactly 1) and the extra pass would be pure cost.
+        """
+        rc = self.algorithm.rollout_correction
+        if rc.bypass_mode:
+            return "rollout"
+        one_update = self.trainer.ppo_mini_batch_size == self.data.train_batch_size and self.trainer.ppo_epochs == 1
+        correcting = rc.rollout_is is not None or rc.rollout_rs is not None
+        return "current" if one_update and not correcting else "recompute"
 
     def _model_shape(self) -> tuple[int, int, int, str]:
         """(num_attention_heads, num_key_value_heads, num_layers, where) of the configured model."""

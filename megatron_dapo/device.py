@@ -16,6 +16,9 @@ schedules on CPU tensors with gloo (DESIGN.md, "Megatron-Core on CPU"):
 - megatron's activation recompute (CheckpointFunction.backward, CheckpointWithoutOutput's
   recompute hook) re-entering the mode, because the forward it re-runs inside the
   backward pass would otherwise run without it.
+- the backward functions of megatron's tensor-parallel linear layers and mappings
+  re-entering the mode too: under sequence parallelism they allocate communication
+  buffers on the "current CUDA device" inside the backward pass.
 
 This is the ``device: cpu`` product feature (laptop debugging, CI on the real stack). It
 refuses to install while CUDA is usable, so a GPU run can never be silently remapped.
@@ -301,6 +304,21 @@ def _patch_megatron_recompute() -> None:
     without_output._recompute = _under_cpu_mode(without_output._recompute)
 
 
+def _patch_megatron_tensor_parallel_backward() -> None:
+    # Sequence parallelism's communication runs in autograd backward functions (the
+    # linear layers' reduce-scatter of the input gradient, the scatter/gather mappings),
+    # which allocate their buffers on torch.cuda.current_device(); like the recompute
+    # above they run below the mode and need it pushed around them.
+    from megatron.core.tensor_parallel import layers, mappings
+
+    functions = [layers.LinearWithGradAccumulationAndAsyncCommunication]
+    functions += [obj for obj in vars(mappings).values()
+                  if isinstance(obj, type) and issubclass(obj, torch.autograd.Function)]
+    for function in functions:
+        if "backward" in vars(function):
+            function.backward = staticmethod(_under_cpu_mode(function.backward))
+
+
 def _install_cpu_layer() -> None:
     global _cpu_mode
     if _cpu_mode is None:
@@ -309,6 +327,7 @@ def _install_cpu_layer() -> None:
         _patch_megatron_rng()
         _cpu_mode = _CudaToCpuMode()
         _patch_megatron_recompute()
+        _patch_megatron_tensor_parallel_backward()
     # Torch function modes live on a per-thread stack, so every thread that builds or
     # moves megatron tensors needs its own push; it stays entered for the thread's life
     # because megatron creates CUDA tensors at arbitrary depth.

@@ -459,8 +459,8 @@ def _timing(cfg: Config, plan: Plan) -> list[Line]:
                               f"({'HBM' if mem_s >= compute_s else 'compute'} bound) + prefill {prefill_s:.0f} s"))
 
     train_tokens = d.train_batch_size * r.n * seq
-    updates = d.train_batch_size // t.ppo_mini_batch_size * t.ppo_epochs
-    fwd_passes = (1 if updates > 1 else 0) + (1 if cfg.algorithm.use_kl_loss else 0)
+    # The same decision the trainer takes: one update per step reuses its own forward.
+    fwd_passes = (1 if cfg.old_log_probs_source == "recompute" else 0) + (1 if cfg.algorithm.use_kl_loss else 0)
     logprob_s = fwd_passes * 2 * n_params * train_tokens / flops_per_s
     lines.append(Line(label="old/ref log-probs", value=logprob_s, unit="s",
                       formula=f"{fwd_passes} x 2 x N x {train_tokens:,} tokens / (GPUs x peak x MFU)"))

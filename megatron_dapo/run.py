@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+from megatron_dapo.actor.reference import ReferencePolicy
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.collect import CollectSettings, Group, val_sampling_params
 from megatron_dapo.config import Config, OptimConfig
@@ -73,6 +74,8 @@ class Run:
     checkpoints: CheckpointManager
     control: parallel.ControlGroups
     """CPU groups where ranks wait for the controller and receive the batch."""
+    reference: ReferencePolicy | None = None
+    """The frozen starting policy; only with algorithm.use_kl_loss."""
     start_step: int = 0
     tokenizer: Tokenizer | None = None
     sampler: PromptSampler | None = None
@@ -203,9 +206,11 @@ def build_run(cfg: Config, config_source: str) -> Run:
         hf_dir = _warm_start(cfg, adapter, hf_dir, sources, dims, control, cache_dir)
     actor = build_actor(cfg, adapter, hf_dir, dims)
 
-    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor,
-              loss=LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature), output_dir=output_dir,
-              hf_dir=hf_dir,
+    loss = LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature, cfg.data.max_response_length)
+    # The reference is the policy RL starts from (after SFT warm start), also after a resume.
+    reference = ReferencePolicy(actor, hf_dir) if cfg.algorithm.use_kl_loss else None
+    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, loss=loss, reference=reference,
+              output_dir=output_dir, hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
               control=control)
     if cfg.rollout.engine == "sglang":
@@ -243,7 +248,8 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
         lr_warmup_steps=optim.lr_warmup_steps, hf_checkpoint=hf_dir,
         recompute="full" if cfg.model.recompute_activations else "none",
         max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-        logprob_chunk_size=cfg.trainer.logprob_chunk_size)
+        logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,
+        cp_comm_type=cfg.parallel.cp_comm_type)
 
 
 def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],

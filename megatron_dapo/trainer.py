@@ -2,7 +2,9 @@
 
     1-4. controller: generate, score, filter until the batch is full, advantages
     4.   the batch is split over data-parallel ranks by token count
-    5.   all ranks: old log-probs with Megatron (forward only)
+    5.   all ranks: old log-probs with Megatron (forward only), unless the RL step makes
+         a single update: then its own forward pass supplies them (Config.old_log_probs_source);
+         with the KL loss, the frozen reference's log-probs too
     6.   all ranks: one optimizer step per mini-batch, global token-mean loss
     7.   all ranks: weights Megatron -> rollout engines
     8.   controller: metrics; everyone: evaluation and checkpoints
@@ -85,10 +87,24 @@ def fit(run: Run) -> dict[str, float]:
         with timer("dispatch"):
             shards = run.dispatch(groups)  # this rank's mini-batches: list[Shard]
             run.release_rollout_memory()  # colocated engines free the GPUs for training
-        with timer("old_log_prob"):
-            drift = compute_old_log_probs(run, shards)
+        if run.reference is not None:
+            with timer("ref"):
+                compute_ref_log_probs(run, shards)
+        source = cfg.old_log_probs_source
+        drift: dict[str, float] = {}
+        if source == "recompute":
+            with timer("old_log_prob"):
+                compute_old_log_probs(run, shards)
+                drift = rollout_mismatch(run, shards, correct=True)
+        elif source == "rollout":  # bypass: PPO's anchor is the engine's own policy
+            for shard in shards:
+                shard.batch.old_log_probs = shard.rollout_log_probs
+        old_from_forward = source == "current"
         with timer("update_actor"):
-            actor_metrics = [actor.train_step(shard.batch, run.loss) for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
+            actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward)
+                             for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
+        if old_from_forward:  # the update filled old_log_probs from its own forward
+            drift = rollout_mismatch(run, shards, correct=False)
         with timer("sync"):
             run.resume_rollout_memory()
             sync_stats = run.sync_weights()
@@ -116,14 +132,26 @@ def fit(run: Run) -> dict[str, float]:
     return last
 
 
-def compute_old_log_probs(run: Run, shards: list[Shard]) -> dict[str, float]:
-    """Fill each mini-batch's old_log_probs (step 5) and its rollout correction, in place.
+def compute_old_log_probs(run: Run, shards: list[Shard]) -> None:
+    """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place."""
+    for shard in shards:
+        shard.batch.old_log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
 
-    The old policy is the actor's recomputation, or, in bypass mode, the engine's own
-    log-probs (no forward pass). Between the two, algo/rollout_correction.py gives the IS
-    weights and the rejection mask (algorithm.rollout_correction) and the mismatch metrics,
-    logged every step; `rollout/train_logprob_abs_diff` shows a broken weight sync or a
-    sampling mismatch first.
+
+def compute_ref_log_probs(run: Run, shards: list[Shard]) -> None:
+    """Fill each mini-batch's ref_log_probs with the frozen starting policy's (KL loss), in place."""
+    for shard in shards:
+        shard.batch.ref_log_probs = run.reference.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
+
+
+def rollout_mismatch(run: Run, shards: list[Shard], *, correct: bool) -> dict[str, float]:
+    """The engine's log-probs against the actor's old log-probs on the same tokens.
+
+    Always measured: `rollout/train_logprob_abs_diff` (a broken weight sync or a sampling
+    mismatch shows here first) and the `rollout_corr/*` mismatch metrics. With `correct`
+    (before the update, old log-probs recomputed) the configured rollout correction is
+    applied too: IS weights and the rejection mask go into each mini-batch
+    (algo/rollout_correction.py).
     """
     rc = run.cfg.algorithm.rollout_correction
     rs_lower, rs_upper = rc.rs_bounds
@@ -131,26 +159,20 @@ def compute_old_log_probs(run: Run, shards: list[Shard]) -> dict[str, float]:
     sums = torch.zeros(len(CorrectionStats.__slots__), dtype=torch.float64)
     weight_max = 0.0
     for shard in shards:
-        batch = shard.batch
-        if rc.bypass_mode:
-            batch.old_log_probs = shard.rollout_log_probs
-            continue
-        log_probs, _ = run.actor.compute_log_probs(batch, run.cfg.rollout.temperature)
+        batch, old = shard.batch, shard.batch.old_log_probs
         # The engine's log-probs arrive on CPU; the actor's live on its device.
-        mask = batch.response_mask.to(log_probs.device)
-        rollout = shard.rollout_log_probs.to(log_probs.device)
-        batch.old_log_probs = log_probs
-        diff_sum += float((log_probs - rollout).abs()[mask].sum())
+        mask = batch.response_mask.to(old.device)
+        rollout = shard.rollout_log_probs.to(old.device)
+        diff_sum += float((old - rollout).abs()[mask].sum())
         num_tokens += int(mask.sum())
         weights, keep, stats = rollout_correction(
-            log_probs, rollout, mask, is_level=rc.rollout_is, is_threshold=rc.rollout_is_threshold,
-            rs_level=rc.rollout_rs, rs_upper=rs_upper, rs_lower=rs_lower)
-        batch.is_weights = None if weights is None else weights.to(batch.response_mask.device)
-        batch.response_mask = keep.to(batch.response_mask.device)
+            old, rollout, mask, is_level=rc.rollout_is if correct else None, is_threshold=rc.rollout_is_threshold,
+            rs_level=rc.rollout_rs if correct else None, rs_upper=rs_upper, rs_lower=rs_lower)
+        if correct:
+            batch.is_weights = None if weights is None else weights.to(batch.response_mask.device)
+            batch.response_mask = keep.to(batch.response_mask.device)
         sums += stats.as_tensor()
         weight_max = max(weight_max, stats.weight_max)
-    if rc.bypass_mode:
-        return {}
     # CPU tensors: the control plane (DESIGN.md, "Where tensors live").
     totals = torch.cat([torch.tensor([diff_sum, float(num_tokens)], dtype=torch.float64), sums])
     peak = torch.tensor([weight_max], dtype=torch.float64)

@@ -207,8 +207,8 @@ def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str
             per_dp = [[chosen[i] for i in shard] for shard in balance_across_dp([len(p) + len(r) for p, r in chosen],
                                                                                   dims.dp)]
         batch = _sft_batch(parallel.scatter_to_replicas(per_dp, control))
-        batch.old_log_probs, _ = actor.compute_log_probs(batch, temperature=1.0)
-        actor.train_step(batch, loss)
+        # The update's own forward is the old policy (ratio exactly 1); it fills old_log_probs.
+        actor.train_step(batch, loss, old_from_forward=True)
         if dims.is_controller and (step % 50 == 0 or step == num_steps):
             # Before this step's update, on this rank's share: the token-mean NLL.
             nll = -batch.old_log_probs[batch.response_mask].mean()

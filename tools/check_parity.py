@@ -1,6 +1,6 @@
 """Check that our Megatron model of an HF checkpoint computes what transformers computes.
 
-    torchrun --nproc-per-node 2 tools/check_parity.py --hf-checkpoint DIR --tp 2 --pp 1
+    torchrun --nproc-per-node 2 tools/check_parity.py --hf-checkpoint DIR --tp 2 --pp 1 [--sequence-parallel]
 
 Every rank builds its shard of the Megatron model in the given layout and loads the
 checkpoint into it; the same random tokens go through it; global rank 0 then loads the
@@ -28,6 +28,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="build the model with Megatron sequence parallelism (needs --tp > 1)")
     parser.add_argument(
         "--dtype", choices=sorted(DEFAULT_TOLERANCE), default="fp32", help="compute dtype of both models"
     )
@@ -61,6 +63,10 @@ def run(args: argparse.Namespace) -> int:
         )
     if tolerance < 0:
         raise ValueError(f"--tolerance {tolerance} is negative; pass a bound >= 0 on |delta log p|")
+    if args.sequence_parallel and (args.tp < 2 or args.num_tokens % args.tp != 0):
+        raise ValueError(f"--sequence-parallel needs --tp > 1 and --num-tokens a multiple of it "
+                         f"(got --tp {args.tp}, --num-tokens {args.num_tokens}): sequence parallelism "
+                         "splits the tokens over the TP ranks")
     adapter = adapter_for(args.hf_checkpoint)
     # Checked before any process group exists, so bad input fails fast and alike on every rank.
     parallel.validate_layout(
@@ -85,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     tokens = torch.randint(0, adapter.hf.vocab_size, (args.batch_size, args.num_tokens), generator=generator)
     tokens = tokens.to(env.device)
 
-    model = adapter.build_model(dims, dtype=dtype, init_weights=False)
+    model = adapter.build_model(dims, dtype=dtype, init_weights=False, sequence_parallel=args.sequence_parallel)
     adapter.load_hf(model, args.hf_checkpoint, dims)
     ours = full_vocab_log_probs(model, dims, tokens, adapter.hf.vocab_size)
     del model
@@ -109,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     max_diff, mean_kl = compare_log_probs(reference, ours, tokens)
     verdict = "PASS" if max_diff <= tolerance else "FAIL"
     print(
-        f"{verdict} tp={args.tp} pp={args.pp} dtype={args.dtype} tokens={args.batch_size}x{args.num_tokens}: "
+        f"{verdict} tp={args.tp} pp={args.pp} sp={int(args.sequence_parallel)} dtype={args.dtype} tokens={args.batch_size}x{args.num_tokens}: "
         f"max |delta log p(next token)| = {max_diff:.3e} (tolerance {tolerance:.1e}), mean KL = {mean_kl:.3e}",
         flush=True,
     )

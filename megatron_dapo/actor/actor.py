@@ -13,6 +13,9 @@ both are undone so that the summed gradient is exactly that of the whole-batch l
   of micro-batches (and multiply it by the context-parallel size) in forward_step_calc_loss;
 - DDP pre-scales gradients by 1 / (dp x cp) before summing them over data-parallel ranks
   (calculate_per_token_loss=False, average_in_collective=False).
+(Under context parallelism the schedule's x cp and DDP's 1 / cp cancel: every CP rank
+computes the whole loss from log-probs gathered over the CP group, whose backward keeps
+only that rank's positions; actor/context_parallel.py.)
 So each micro-batch returns `(local loss sum / global count) x num_microbatches x dp`,
 where the global valid-token count (and sequence count, for the seq-* modes) is summed
 over micro-batches and all-reduced over data-parallel ranks before the step. Megatron's
@@ -40,6 +43,13 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_dapo.actor.context_parallel import (
+    cp_pad_multiple,
+    cp_positions,
+    gather_over_cp,
+    microbatch_loss_scale,
+    split_sequence,
+)
 from megatron_dapo.actor.logprobs import (
     log_probs_and_entropy,
     log_probs_from_logits,
@@ -81,7 +91,7 @@ class LossSettings:
     temperature: float = 1.0
     """Rollout sampling temperature: the policy is softmax(logits / temperature)."""
     loss_scale_factor: float | None = None
-    """Divisor of seq-mean-token-sum-norm; None = the longest sequence of the mini-batch (all DP ranks)."""
+    """Constant divisor of seq-mean-token-sum-norm (required in that mode); unused by the others."""
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode not in LOSS_AGG_MODES:
@@ -90,15 +100,24 @@ class LossSettings:
         if self.temperature <= 0:
             raise ValueError(f"temperature={self.temperature} (rollout.temperature) must be > 0 for the actor; "
                              "greedy rollouts cannot be trained on")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (self.loss_scale_factor or 0) > 0:
+            raise ValueError(f"loss_scale_factor={self.loss_scale_factor} (algorithm.loss_scale_factor): "
+                             "seq-mean-token-sum-norm needs a constant > 0, e.g. the maximum response length")
 
     @classmethod
-    def from_config(cls, algorithm: AlgorithmConfig, temperature: float) -> LossSettings:
-        """Settings from the algorithm section and the rollout temperature."""
+    def from_config(cls, algorithm: AlgorithmConfig, temperature: float, max_response_length: int) -> LossSettings:
+        """Settings from the algorithm section, the rollout temperature and data.max_response_length.
+
+        seq-mean-token-sum-norm divides by algorithm.loss_scale_factor, or by
+        max_response_length when that is null: a constant, like Dr.GRPO's MAX_TOKENS.
+        """
+        scale = algorithm.loss_scale_factor if algorithm.loss_scale_factor is not None else float(max_response_length)
         return cls(
             clip_ratio_low=algorithm.clip_ratio_low, clip_ratio_high=algorithm.clip_ratio_high,
             clip_ratio_c=algorithm.clip_ratio_c, loss_agg_mode=algorithm.loss_agg_mode,
             entropy_coeff=algorithm.entropy_coeff, use_kl_loss=algorithm.use_kl_loss,
             kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, temperature=temperature,
+            loss_scale_factor=scale,
         )
 
 
@@ -166,6 +185,9 @@ class MegatronActor:
             None = packed exactly when TE is usable.
         overlap_grad_reduce: reduce-scatter each gradient bucket while the backward of the
             last micro-batch goes on; None = on CUDA with DP > 1 (gloo on CPU gains nothing).
+        sequence_parallel: Megatron sequence parallelism (dims.tp > 1); micro-batches are
+            then padded to a multiple of the TP size.
+        cp_comm_type: how context-parallel attention exchanges K/V (dims.cp > 1).
     """
 
     def __init__(
@@ -181,26 +203,43 @@ class MegatronActor:
         logprob_chunk_size: int = 1024,
         packed: bool | None = None,
         overlap_grad_reduce: bool | None = None,
+        sequence_parallel: bool = False,
+        cp_comm_type: str = "p2p",
     ) -> None:
         use_te = te_available()
+        if dims.cp > 1 and not use_te:
+            raise ValueError(f"context parallelism (cp={dims.cp}) needs Transformer Engine attention on CUDA; "
+                             "install transformer_engine or set parallel.context_parallel_size=1")
         if packed is None:
-            packed = use_te
+            # CP splits padded [n, S] rows (megatron's sbhd load balancing); thd + CP is not wired.
+            packed = use_te and dims.cp == 1
         if packed and not use_te:
             raise ValueError("packed=True needs Transformer Engine attention on CUDA (thd format); "
                              "use packed=False (padded micro-batches) on this machine")
+        if packed and dims.cp > 1:
+            raise ValueError("packed (thd) micro-batches are not supported with context parallelism; "
+                             "use packed=False")
         if max_tokens_per_microbatch < 1:
             raise ValueError(f"max_tokens_per_microbatch={max_tokens_per_microbatch} must be >= 1")
+        if sequence_parallel and dims.tp == 1:
+            raise ValueError("sequence_parallel=True needs tensor parallelism (dims.tp > 1); "
+                             "set parallel.sequence_parallel=false")
         self.adapter = adapter
         self.dims = dims
         self.packed = packed
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_size = logprob_chunk_size
         self.vocab_size = adapter.hf.vocab_size
+        # CP cuts every sequence into 2 x cp chunks, SP scatters each over TP ranks.
+        self.seq_multiple = cp_pad_multiple(dims.cp, dims.tp, sequence_parallel)
 
         # No random init when a checkpoint overwrites every weight; build_model marks the
         # TP shards (which the optimizer's grad norm relies on) either way.
-        model = adapter.build_model(dims, dtype=optimizer_config.params_dtype, recompute=recompute,
-                                    use_te=use_te, init_weights=hf_checkpoint is None)
+        # What a second model of the same layout (the frozen reference) is built with.
+        self.model_build_kwargs = {"dtype": optimizer_config.params_dtype, "use_te": use_te,
+                                   "sequence_parallel": sequence_parallel, "cp_comm_type": cp_comm_type}
+        model = adapter.build_model(dims, recompute=recompute, init_weights=hf_checkpoint is None,
+                                    **self.model_build_kwargs)
         if hf_checkpoint is not None:
             adapter.load_hf(model, hf_checkpoint, dims)  # before the optimizer copies fp32 masters
         config = model.config
@@ -240,19 +279,29 @@ class MegatronActor:
         plan = pack_microbatches(lengths, self.max_tokens_per_microbatch, padded=not self.packed,
                                  num_microbatches=int(count))
         on_device = _to_device(batch, self.dims.device)
-        return [build_microbatch(on_device, idx, packed=self.packed) for idx in plan]
+        return [build_microbatch(on_device, idx, packed=self.packed, pad_to_multiple=self.seq_multiple)
+                for idx in plan]
 
-    def _run(self, microbatches: list[MicroBatch], loss_func: Any, forward_only: bool) -> list[Any]:
-        """Megatron's schedule over the micro-batches; returns the last stage's loss-function outputs."""
+    def _run(self, microbatches: list[MicroBatch], loss_func: Any, forward_only: bool,
+             model: Any | None = None) -> list[Any]:
+        """Megatron's schedule over the micro-batches; returns the last stage's loss-function outputs.
+
+        `model` replaces the actor's own model (a frozen model of the same layout, forward only).
+        """
 
         def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
-            output = model(mb.input_ids, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+            input_ids, position_ids = mb.input_ids, mb.position_ids
+            if self.dims.cp > 1:  # this rank's load-balanced chunks; RoPE slices the same ones
+                held = cp_positions(input_ids.shape[1], self.dims.cp, self.dims.cp_rank)
+                input_ids, position_ids = split_sequence(input_ids, held), split_sequence(position_ids, held)
+            output = model(input_ids, position_ids, None, packed_seq_params=mb.packed_seq_params())
             return output, partial(loss_func, mb)
 
         first = microbatches[0].input_ids
+        chunk = model if model is not None else self.model
         return get_forward_backward_func(pp_size=self.dims.pp)(
-            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[self.model],
+            forward_step_func=forward_step, data_iterator=iter(microbatches), model=[chunk],
             num_microbatches=len(microbatches), seq_length=first.shape[1], micro_batch_size=first.shape[0],
             forward_only=forward_only, collect_non_loss_data=forward_only,
         )
@@ -260,10 +309,16 @@ class MegatronActor:
     def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float,
                      entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-prob and entropy rows [n, S] of a micro-batch from its vocab-parallel logits."""
-        logits = output.reshape(-1, output.shape[-1])  # [n*S or sum L, V/tp]
-        targets = mb.targets.reshape(-1)
+        logits = output.reshape(-1, output.shape[-1])  # [n*S/cp or sum L (+ SP padding), V/tp]
+        targets = mb.targets  # shifted on whole sequences, then split like the inputs
+        cp = self.dims.cp
+        if cp > 1:
+            targets = split_sequence(targets, cp_positions(targets.shape[1], cp, self.dims.cp_rank))
+        local_shape = targets.shape
+        targets = targets.reshape(-1)
         if mb.flat_index is not None:
             targets = targets[mb.flat_index]
+            logits = logits[: targets.numel()]  # the packed padding after the real tokens predicts nothing
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         kwargs = {"temperature": temperature, "tp_group": tp_group, "chunk_size": self.logprob_chunk_size,
                   "vocab_size": self.vocab_size}
@@ -277,11 +332,15 @@ class MegatronActor:
                 entropy = log_probs_and_entropy(logits.detach(), targets, **kwargs)[1]
         else:
             log_prob, entropy = log_probs_and_entropy(logits, targets, **kwargs)
+        if cp > 1:
+            return (gather_over_cp(log_prob.view(local_shape), self.dims.cp_group, cp),
+                    gather_over_cp(entropy.view(local_shape), self.dims.cp_group, cp))
         return mb.to_rows(log_prob), mb.to_rows(entropy)
 
     # ----------------------------------------------------------------------- step 5
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float,
+                          model: Any | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of this rank's sequences under the current weights (forward only).
 
         Collective over the model-parallel and data-parallel groups; the result is
@@ -290,6 +349,7 @@ class MegatronActor:
         Args:
             batch: this data-parallel rank's sequences (old_log_probs/advantages unused).
             temperature: the rollout temperature; probabilities are softmax(logits / temperature).
+            model: another model of this actor's layout to run instead (the frozen reference).
 
         Returns:
             (log_probs [B, S], entropy [B, S]) fp32 on dims.device, aligned with
@@ -304,23 +364,19 @@ class MegatronActor:
 
         def keep(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True) -> None:
             log_prob, entropy = self._token_stats(mb, output, temperature, entropy_grad=False)
-            if mb.indices:
-                rows = torch.as_tensor(mb.indices, device=out.device)
-                cols = mb.targets.shape[1]
-                # Row position t predicts token t + 1.
-                out[0, rows, 1:cols + 1] = torch.where(mb.valid, log_prob, 0.0)[:, : width - 1]
-                out[1, rows, 1:cols + 1] = torch.where(mb.valid, entropy, 0.0)[:, : width - 1]
+            _scatter_rows(out[0], mb, log_prob)
+            _scatter_rows(out[1], mb, entropy)
 
-        self.model.eval()
+        (model if model is not None else self.model).eval()
         with torch.no_grad():
-            self._run(microbatches, keep, forward_only=True)
+            self._run(microbatches, keep, forward_only=True, model=model)
         if self.dims.pp > 1:
             dist.broadcast(out, src=self.dims.pp_global_ranks[-1], group=self.dims.pp_group)
         return out[0], out[1]
 
     # ----------------------------------------------------------------------- step 6
 
-    def train_step(self, batch: RolloutBatch, loss: LossSettings) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch, loss: LossSettings, *, old_from_forward: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch with the DAPO loss.
 
         Collective over all ranks. The loss of every micro-batch is its local sum over the
@@ -331,6 +387,11 @@ class MegatronActor:
             batch: this data-parallel rank's sequences with old_log_probs and advantages
                 (and ref_log_probs when loss.use_kl_loss).
             loss: the loss settings.
+            old_from_forward: the current weights ARE the old policy (the only update of an
+                RL step): the ratio uses the detached log-probs of this forward pass, so it is
+                exactly 1 and batch.old_log_probs must be None. They are written to
+                batch.old_log_probs afterwards ([B, S], aligned like compute_log_probs'
+                result, on every rank of the replica), for metrics.
 
         Returns:
             verl-named metrics, identical on every rank: actor/pg_loss, actor/pg_clipfrac,
@@ -338,9 +399,14 @@ class MegatronActor:
             mini-batch), actor/grad_norm (before clipping), actor/lr, and actor/kl_loss when
             the KL loss is on.
         """
-        if batch.old_log_probs is None or batch.advantages is None:
-            raise ValueError("train_step needs batch.old_log_probs and batch.advantages; compute old log-probs "
-                             "with compute_log_probs (step 5) and advantages before the update")
+        if batch.advantages is None:
+            raise ValueError("train_step needs batch.advantages; compute advantages before the update")
+        if old_from_forward and batch.old_log_probs is not None:
+            raise ValueError("old_from_forward=True takes the old log-probs from this forward pass, but "
+                             "batch.old_log_probs is set; pass one or the other")
+        if not old_from_forward and batch.old_log_probs is None:
+            raise ValueError("train_step needs batch.old_log_probs; compute them with compute_log_probs (step 5), "
+                             "or pass old_from_forward=True for the only update of an RL step")
         if loss.use_kl_loss and batch.ref_log_probs is None:
             raise ValueError("use_kl_loss=True but batch.ref_log_probs is None; compute reference log-probs "
                              "or set algorithm.use_kl_loss=false")
@@ -348,26 +414,32 @@ class MegatronActor:
         microbatches = self._microbatches(batch)
         num_mb = len(microbatches)
         valid_mask = [mb.loss_mask for mb in microbatches]
-        # [tokens, sequences] of the whole mini-batch, and the longest sequence for *-norm.
+        # [tokens, sequences] of the whole mini-batch.
         counts = torch.stack([
             sum(m.sum() for m in valid_mask), sum(m.any(dim=-1).sum() for m in valid_mask)
         ]).to(torch.int64)
-        longest = batch.seq_lens.max().reshape(1).to(dims.device)
         if dims.dp > 1:
             dist.all_reduce(counts, group=dims.dp_group)
-            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=dims.dp_group)
         num_tokens, num_seqs = counts[0], counts[1]
-        scale_factor = loss.loss_scale_factor if loss.loss_scale_factor is not None else float(longest)
-        # Undo the schedule's 1/num_microbatches and DDP's 1/dp (module docstring).
-        undo_megatron_mean = num_mb * dims.dp
+        scale_factor = loss.loss_scale_factor
+        # Undo the schedule's 1/num_microbatches and DDP's 1/dp (module docstring); with CP
+        # every CP rank computes the whole loss from gathered log-probs (actor/context_parallel.py).
+        undo_megatron_mean = microbatch_loss_scale(num_mb, dims.dp)
+        forward_log_probs = None
+        if old_from_forward:
+            forward_log_probs = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=dims.device)
 
         def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             log_prob, entropy = self._token_stats(mb, output, loss.temperature,
                                                   entropy_grad=loss.entropy_coeff != 0)
+            old_log_prob = mb.old_log_probs
+            if forward_log_probs is not None:
+                old_log_prob = log_prob.detach()
+                _scatter_rows(forward_log_probs, mb, old_log_prob)
             agg = {"loss_agg_mode": loss.loss_agg_mode, "num_global_tokens": num_tokens,
                    "num_global_seqs": num_seqs, "loss_scale_factor": scale_factor}
             pg_loss, pg_metrics = compute_policy_loss(
-                log_prob, mb.old_log_probs, mb.advantages, mb.loss_mask, loss.clip_ratio_low,
+                log_prob, old_log_prob, mb.advantages, mb.loss_mask, loss.clip_ratio_low,
                 loss.clip_ratio_high, loss.clip_ratio_c, is_weights=mb.is_weights, **agg,
             )
             entropy_loss = agg_loss(entropy, mb.loss_mask, loss.loss_agg_mode, num_tokens, num_seqs, scale_factor)
@@ -392,6 +464,10 @@ class MegatronActor:
             sums = torch.stack(outputs).sum(0)
         if dims.pp > 1:
             dist.broadcast(sums, src=dims.pp_global_ranks[-1], group=dims.pp_group)
+            if forward_log_probs is not None:
+                dist.broadcast(forward_log_probs, src=dims.pp_global_ranks[-1], group=dims.pp_group)
+        if forward_log_probs is not None:
+            batch.old_log_probs = forward_log_probs.to(batch.input_ids.device)
         if dims.dp > 1:
             dist.all_reduce(sums, group=dims.dp_group)
 
@@ -413,6 +489,20 @@ class MegatronActor:
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = lr
         return metrics
+
+
+def _scatter_rows(out: torch.Tensor, mb: MicroBatch, values: torch.Tensor) -> None:
+    """Write a micro-batch's per-position values [n, S'] into its rows of `out` [B, S], aligned like input_ids.
+
+    Row position t predicts token t + 1, so its value lands in column t + 1; positions
+    that predict nothing (padding) write 0.
+    """
+    if not mb.indices:
+        return
+    rows = torch.as_tensor(mb.indices, device=out.device)
+    cols = mb.targets.shape[1]
+    width = out.shape[1]
+    out[rows, 1:cols + 1] = torch.where(mb.valid, values, 0.0)[:, : width - 1]
 
 
 def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:

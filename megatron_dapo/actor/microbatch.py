@@ -25,6 +25,12 @@ reaches exactly k by splitting the fullest micro-batches and, only when every
 micro-batch already holds one sequence, appending empty ones; an empty micro-batch is
 one padding token with no loss (`build_microbatch` of no indices).
 
+Sequence parallelism (and later context parallelism) splits the model's sequence
+dimension over ranks, so `build_microbatch(pad_to_multiple=k)` pads the micro-batch's
+sequence length (padded: the row width; packed: the packed length, the padding joining
+the last sequence, which causal attention keeps out of its real tokens) and the empty
+filler to a multiple of k. Padded positions are invalid: no loss, no log-prob.
+
 Token alignment: every per-token tensor of a RolloutBatch is indexed like `input_ids`
 (value at t belongs to token t). The model's output at position t predicts token t+1, so
 the micro-batch's loss-side tensors are shifted by one: row position t holds the values
@@ -248,7 +254,7 @@ class MicroBatch:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        max_len = int(self.targets.shape[1])
+        max_len = int((self.cu_seqlens[1:] - self.cu_seqlens[:-1]).max())
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=self.cu_seqlens, cu_seqlens_kv=self.cu_seqlens,
                                max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
@@ -262,24 +268,49 @@ def _shift(t: torch.Tensor | None, valid: torch.Tensor) -> torch.Tensor | None:
     return shifted.masked_fill_(~valid, 0)
 
 
-def build_microbatch(batch: RolloutBatch, indices: Sequence[int], *, packed: bool = False) -> MicroBatch:
+def _pad_width(batch: RolloutBatch, width: int) -> RolloutBatch:
+    """`batch` right-padded to `width` columns (the padding is outside every sequence)."""
+    extra = width - batch.input_ids.shape[1]
+    if extra == 0:
+        return batch
+
+    def pad(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.nn.functional.pad(t, (0, extra))
+
+    return RolloutBatch(
+        input_ids=pad(batch.input_ids), seq_lens=batch.seq_lens, response_mask=pad(batch.response_mask),
+        old_log_probs=pad(batch.old_log_probs), advantages=pad(batch.advantages),
+        ref_log_probs=pad(batch.ref_log_probs),
+    )
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def build_microbatch(batch: RolloutBatch, indices: Sequence[int], *, packed: bool = False,
+                     pad_to_multiple: int = 1) -> MicroBatch:
     """Model inputs and shifted loss tensors for the rows `indices` of `batch`.
 
     Args:
         batch: this rank's sequences.
-        indices: rows of `batch` in this micro-batch; empty = a one-token padding
-            micro-batch that contributes no loss (keeps ranks in lockstep).
+        indices: rows of `batch` in this micro-batch; empty = a padding micro-batch of
+            `pad_to_multiple` tokens that contributes no loss (keeps ranks in lockstep).
         packed: build the thd layout ([1, sum L] tokens + cu_seqlens) instead of padded rows.
+        pad_to_multiple: the model's sequence length (padded: the row width; packed: the
+            packed length) is made a multiple of this (the TP size under sequence parallelism).
 
     Returns:
         The MicroBatch, on the device of `batch.input_ids`.
     """
+    if pad_to_multiple < 1:
+        raise ValueError(f"pad_to_multiple={pad_to_multiple} must be >= 1")
     indices = list(indices)
     if not indices:
         device = batch.input_ids.device
-        one = torch.zeros(1, 1, dtype=torch.long, device=device)
-        no = torch.zeros(1, 1, dtype=torch.bool, device=device)
-        zero = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        one = torch.zeros(1, pad_to_multiple, dtype=torch.long, device=device)
+        no = torch.zeros(1, pad_to_multiple, dtype=torch.bool, device=device)
+        zero = torch.zeros(1, pad_to_multiple, dtype=torch.float32, device=device)
         return MicroBatch(
             indices=[], input_ids=one, position_ids=one.clone(), targets=one.clone(), valid=no, loss_mask=no.clone(),
             old_log_probs=None if batch.old_log_probs is None else zero,
@@ -289,6 +320,8 @@ def build_microbatch(batch: RolloutBatch, indices: Sequence[int], *, packed: boo
             flat_index=None, cu_seqlens=None,
         )
     sub = batch.select(indices)
+    if not packed:
+        sub = _pad_width(sub, _round_up(sub.input_ids.shape[1], pad_to_multiple))
     num_seqs, width = sub.input_ids.shape
     positions = torch.arange(width, device=sub.input_ids.device)
     # Position t predicts token t+1, which exists for t < L - 1.
@@ -305,6 +338,13 @@ def build_microbatch(batch: RolloutBatch, indices: Sequence[int], *, packed: boo
         position_ids = position_ids.reshape(-1)[flat_index].unsqueeze(0)
         cu_seqlens = torch.zeros(num_seqs + 1, dtype=torch.int32, device=input_ids.device)
         cu_seqlens[1:] = torch.cumsum(sub.seq_lens, 0)
+        extra = _round_up(input_ids.shape[1], pad_to_multiple) - input_ids.shape[1]
+        if extra:
+            input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+            last = int(position_ids[0, -1]) + 1
+            tail = torch.arange(last, last + extra, device=position_ids.device).unsqueeze(0)
+            position_ids = torch.cat([position_ids, tail], dim=1)
+            cu_seqlens[-1] += extra
     return MicroBatch(
         indices=indices, input_ids=input_ids, position_ids=position_ids, targets=targets, valid=valid,
         loss_mask=loss_mask.bool(), old_log_probs=_shift(sub.old_log_probs, valid),

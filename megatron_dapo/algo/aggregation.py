@@ -15,9 +15,12 @@ The GRPO-style modes kept for ablations (verl's names):
 - "seq-mean-token-mean": mean over sequences of each sequence's token mean (GRPO).
 - "seq-mean-token-sum": mean over sequences of each sequence's token sum.
 - "seq-mean-token-sum-norm": the same divided by a constant `loss_scale_factor`
-  (Dr.GRPO's MAX_TOKENS; default: the padded length T of `loss_mat`). verl's older
-  version sums over sequences without the mean; dividing by the sequence count here
-  keeps the loss independent of how many ranks and micro-batches share the batch.
+  (Dr.GRPO's MAX_TOKENS; the config's default is data.max_response_length). It must be
+  a constant: a length taken from the batch (its padded width, its longest sequence)
+  changes with every mini-batch and micro-batch, so the loss of a sequence would depend
+  on which others it is batched with. verl's older version sums over sequences without
+  the mean; dividing by the sequence count here keeps the loss independent of how many
+  ranks and micro-batches share the batch.
 Sequences without a valid token count for nothing in any mode and produce no NaN.
 
 Entropy bonuses and KL terms are aggregated with the same function, so they obey the
@@ -79,9 +82,8 @@ def agg_loss(
             batch's own count.
         num_global_seqs: sequences with a valid token in the whole mini-batch (the seq-*
             modes); None = this batch's own count.
-        loss_scale_factor: constant divisor of "seq-mean-token-sum-norm"; None = T. Pass a
-            constant (e.g. data.max_response_length) when micro-batches are padded to
-            different lengths, or the loss is no longer a sum over micro-batches.
+        loss_scale_factor: constant divisor of "seq-mean-token-sum-norm" (required there),
+            e.g. data.max_response_length; ignored by the other modes.
 
     Returns:
         A 0-dim tensor of `loss_mat`'s dtype: sum over valid tokens of the mode's per-token
@@ -113,11 +115,10 @@ def agg_loss(
     count = valid.any(dim=-1).sum() if num_global_seqs is None else num_global_seqs
     loss = seq_values.sum() / _denominator(count)
     if mode == "seq-mean-token-sum-norm":
-        scale = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        if scale <= 0:
+        if loss_scale_factor is None or loss_scale_factor <= 0:
             raise ValueError(
-                f"loss_scale_factor must be > 0 for seq-mean-token-sum-norm, got {scale}; "
-                "pass the maximum response length"
+                f"loss_scale_factor must be > 0 for seq-mean-token-sum-norm, got {loss_scale_factor}; "
+                "pass a constant such as the maximum response length (algorithm.loss_scale_factor)"
             )
-        loss = loss / scale
+        loss = loss / loss_scale_factor
     return loss

@@ -70,7 +70,7 @@ def compute_policy_loss(
         num_global_tokens: valid tokens of the whole mini-batch, see `agg_loss`; also the
             denominator of the metrics.
         num_global_seqs: valid sequences of the whole mini-batch (seq-* modes).
-        loss_scale_factor: divisor of "seq-mean-token-sum-norm"; None = T.
+        loss_scale_factor: constant divisor of "seq-mean-token-sum-norm" (required there).
         is_weights: [B, T] rollout-correction weights (algo/rollout_correction.py) multiplying
             each token's clipped loss, no grad; None = 1.
 

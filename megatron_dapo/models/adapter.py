@@ -8,6 +8,7 @@ the tensor layout logic lives in mapping.py.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ class ModelAdapter(Protocol):
         pp: int,
         recompute: str = "none",
         sequence_parallel: bool = False,
+        cp: int = 1,
+        cp_comm_type: str = "p2p",
     ) -> TransformerConfig: ...
 
     def layer_spec(self, use_te: bool) -> ModuleSpec: ...
@@ -56,11 +59,43 @@ class ModelAdapter(Protocol):
         recompute: str = "none",
         use_te: bool | None = None,
         init_weights: bool = True,
+        sequence_parallel: bool = False,
+        cp_comm_type: str = "p2p",
     ) -> GPTModel: ...
 
     def load_hf(self, model: Any, checkpoint: HFCheckpoint | str | Path, dims: ParallelDims) -> None: ...
 
     def export_hf(self, model: Any, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm for the local (non-TE) spec under sequence parallelism.
+
+    megatron-core 0.16.1's local spec without Apex builds norms with WrappedTorchNorm,
+    which refuses sequence_parallel. The norm itself needs nothing: it is per token, so a
+    sequence shard normalises the same. Only its weight's gradient is then a partial sum
+    over this rank's tokens; marking the weight `sequence_parallel` has megatron's
+    finalize_model_grads all-reduce it over the TP group, as it does for TE's and Apex's norms.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"SequenceParallelRMSNorm needs normalization=RMSNorm, got {config.normalization}")
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def _local_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, num_layers: int) -> ModuleSpec:
+    """The local layer spec as a whole-block spec whose norms (input, pre-MLP, final) allow SP."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    layer = copy.deepcopy(layer_spec)
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(layer.submodules, name) is not IdentityOp:
+            setattr(layer.submodules, name, SequenceParallelRMSNorm)
+    return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
+        layer_specs=[layer] * num_layers, layer_norm=SequenceParallelRMSNorm))
 
 
 def te_available() -> bool:
@@ -150,6 +185,8 @@ class DecoderAdapter:
         pp: int,
         recompute: str = "none",
         sequence_parallel: bool = False,
+        cp: int = 1,
+        cp_comm_type: str = "p2p",
     ) -> TransformerConfig:
         """Megatron TransformerConfig that reproduces the HF model.
 
@@ -159,6 +196,9 @@ class DecoderAdapter:
             pp: pipeline-parallel size.
             recompute: "none" | "full" (every layer, uniform) | "selective" (core attention).
             sequence_parallel: shard activations along the sequence in TP regions (tp > 1).
+            cp: context-parallel size (TE attention only).
+            cp_comm_type: how CP attention exchanges K/V: "p2p" (ring), "all_gather", "a2a"
+                or "a2a+p2p" (TE's names).
 
         Returns:
             The TransformerConfig.
@@ -197,6 +237,8 @@ class DecoderAdapter:
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             sequence_parallel=sequence_parallel and tp > 1,
+            context_parallel_size=cp,
+            cp_comm_type=cp_comm_type if cp > 1 else None,
             params_dtype=dtype,
             pipeline_dtype=dtype,
             bf16=dtype == torch.bfloat16,
@@ -236,17 +278,22 @@ class DecoderAdapter:
         recompute: str = "none",
         use_te: bool | None = None,
         init_weights: bool = True,
+        sequence_parallel: bool = False,
+        cp_comm_type: str = "p2p",
     ) -> GPTModel:
         """Build this pipeline stage's GPTModel on dims.device.
 
         Args:
-            dims: the layout from parallel.initialize_model_parallel.
+            dims: the layout from parallel.initialize_model_parallel (its cp is the model's).
             dtype: parameter dtype.
             recompute: see transformer_config.
             use_te: TE layer spec; None picks it when te_available().
             init_weights: random-initialise parameters; False skips it (weights come from load_hf).
                 Either way TP-sharded weights carry megatron's tensor_model_parallel /
                 partition_dim / partition_stride attributes.
+            sequence_parallel: Megatron sequence parallelism (dims.tp > 1); every input's
+                sequence length must then be a multiple of dims.tp.
+            cp_comm_type: see transformer_config.
 
         Returns:
             The GPTModel of stage dims.pp_rank (embedding on the first stage, output layer on the last).
@@ -263,7 +310,8 @@ class DecoderAdapter:
                 raise ValueError(
                     f"{name}={value} is not divisible by tp={dims.tp}; pick tp among its divisors"
                 )
-        config = self.transformer_config(dtype=dtype, tp=dims.tp, pp=dims.pp, recompute=recompute)
+        config = self.transformer_config(dtype=dtype, tp=dims.tp, pp=dims.pp, recompute=recompute,
+                                         sequence_parallel=sequence_parallel, cp=dims.cp, cp_comm_type=cp_comm_type)
         config.perform_initialization = init_weights
         use_te = te_available() if use_te is None else use_te
         if use_te:
@@ -271,9 +319,12 @@ class DecoderAdapter:
             # layer can do it too (it needs apex's fused_weight_gradient_mlp_cuda).
             config.apply_rope_fusion = True
             config.gradient_accumulation_fusion = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+        spec: ModuleSpec = self.layer_spec(use_te)
+        if config.sequence_parallel and not use_te:
+            spec = _local_block_spec(spec, config, num_layers=self.hf.num_layers // dims.pp)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=self.layer_spec(use_te),
+            transformer_layer_spec=spec,
             vocab_size=self.padded_vocab_size(dims.tp),
             max_sequence_length=self.hf.max_position_embeddings,
             pre_process=dims.is_first_stage,

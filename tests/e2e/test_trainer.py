@@ -66,3 +66,37 @@ def test_unfillable_batch_stops_with_a_clear_error(tmp_path, cache_dir):
     assert last.startswith("error: dynamic sampling kept 0 of the 4 groups a training batch needs after 2 "
                            "generation rounds")
     assert "16 all-wrong" in last
+
+
+def test_one_update_per_step_skips_the_old_log_prob_pass(tmp_path, cache_dir):
+    # ppo_mini_batch_size == train_batch_size, one epoch: the update's own forward supplies
+    # the old log-probs, so the first (only) update of each step is exactly on-policy.
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml")
+    proc = run_trainer(config, f"trainer.output_dir={out}", "trainer.ppo_mini_batch_size=4",
+                       "trainer.val_before_train=false", "trainer.test_freq=0", cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert "timing_s/old_log_prob" not in row
+        assert row["actor/ppo_kl"] == 0.0
+        assert row["actor/pg_clipfrac"] == 0.0 and row["actor/pg_clipfrac_lower"] == 0.0
+        # The drift metric now compares the engine with the update's own forward pass.
+        assert row["rollout/train_logprob_abs_diff"] < 1e-4
+
+
+def test_kl_loss_against_the_frozen_reference_starts_at_zero(tmp_path, cache_dir):
+    # One update per step: step 1's update sees the starting weights, so its KL is exactly 0.
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml",
+                          algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
+                                     "filter_groups": {"enable": True, "max_num_gen_batches": 6}})
+    proc = run_trainer(config, f"trainer.output_dir={out}", "trainer.ppo_mini_batch_size=4",
+                       "trainer.val_before_train=false", "trainer.test_freq=0", cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["actor/kl_loss"] == 0.0
+    assert rows[1]["actor/kl_loss"] > 0.0
+    assert all(r["timing_s/ref"] > 0 for r in rows)

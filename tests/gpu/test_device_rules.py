@@ -44,16 +44,15 @@ def test_old_log_probs_mix_cpu_rollout_and_cuda_actor(dims):
     from megatron_dapo.actor.microbatch import RolloutBatch
     from megatron_dapo.config import AlgorithmConfig
     from megatron_dapo.run import Shard
-    from megatron_dapo.trainer import compute_old_log_probs
+    from megatron_dapo.trainer import rollout_mismatch
 
     mask = torch.tensor([[False, True, True]])
     batch = RolloutBatch(input_ids=torch.zeros(1, 3, dtype=torch.long), seq_lens=torch.tensor([3]),
                          response_mask=mask, advantages=torch.zeros(1, 3))
-    actor_lp = torch.tensor([[0.0, -1.0, -2.0]], device=dims.device)
-    actor = SimpleNamespace(compute_log_probs=lambda b, t: (actor_lp, torch.zeros_like(actor_lp)))
+    batch.old_log_probs = torch.tensor([[0.0, -1.0, -2.0]], device=dims.device)  # the actor's, on its GPU
     cfg = SimpleNamespace(rollout=SimpleNamespace(temperature=1.0), algorithm=AlgorithmConfig())
-    run = SimpleNamespace(actor=actor, dims=dims, cfg=cfg)
+    run = SimpleNamespace(dims=dims, cfg=cfg)
     shard = Shard(batch=batch, rollout_log_probs=torch.tensor([[0.0, -1.5, -2.0]]))
-    metrics = compute_old_log_probs(run, [shard])
+    metrics = rollout_mismatch(run, [shard], correct=True)
     assert metrics["rollout/train_logprob_abs_diff"] == pytest.approx(0.25)
-    assert batch.old_log_probs.device.type == "cuda"
+    assert batch.old_log_probs.device.type == "cuda" and batch.response_mask.device.type == "cpu"

@@ -14,7 +14,7 @@ from model_utils import make_tiny_checkpoint
 pytestmark = pytest.mark.multirank
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "check_parity.py"
-RESULT = re.compile(r"(PASS|FAIL) tp=(\d) pp=(\d) .* max \|delta log p\(next token\)\| = (\S+) ")
+RESULT = re.compile(r"(PASS|FAIL) tp=(\d) pp=(\d) sp=(\d) .* max \|delta log p\(next token\)\| = (\S+) ")
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +30,9 @@ def _run(command: list[str], env: dict[str, str] | None = None) -> subprocess.Co
     return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False, env=env)
 
 
-@pytest.mark.parametrize(("family", "tp", "pp"), [("qwen2", 2, 1), ("llama_tied", 1, 2)])
-def test_torchrun_two_ranks_pass(tiny: dict[str, Path], family: str, tp: int, pp: int) -> None:
+@pytest.mark.parametrize(("family", "tp", "pp", "sp"),
+                         [("qwen2", 2, 1, False), ("llama_tied", 1, 2, False), ("qwen2", 2, 1, True)])
+def test_torchrun_two_ranks_pass(tiny: dict[str, Path], family: str, tp: int, pp: int, sp: bool) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     proc = _run(
         [
@@ -45,13 +46,14 @@ def test_torchrun_two_ranks_pass(tiny: dict[str, Path], family: str, tp: int, pp
             str(pp),
             "--num-tokens",
             "16",
+            *(["--sequence-parallel"] if sp else []),
         ]
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = RESULT.search(proc.stdout)
     assert match is not None, proc.stdout
-    assert match.group(1, 2, 3) == ("PASS", str(tp), str(pp))
-    assert float(match.group(4)) < 1e-4
+    assert match.group(1, 2, 3, 4) == ("PASS", str(tp), str(pp), str(int(sp)))
+    assert float(match.group(5)) < 1e-4
 
 
 def test_difference_above_tolerance_exits_1(tiny: dict[str, Path]) -> None:
@@ -63,7 +65,7 @@ def test_difference_above_tolerance_exits_1(tiny: dict[str, Path]) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     match = RESULT.search(proc.stdout)
     assert match is not None and match.group(1) == "FAIL"
-    assert 1e-6 < float(match.group(4)) < 0.1
+    assert 1e-6 < float(match.group(5)) < 0.1
 
 
 @pytest.mark.parametrize(
@@ -71,6 +73,7 @@ def test_difference_above_tolerance_exits_1(tiny: dict[str, Path]) -> None:
     [
         (["--tp", "3"], "world size 1 is not divisible by tp*pp*cp = 3*1*1 = 3"),
         (["--tolerance", "-1"], "--tolerance -1.0 is negative"),
+        (["--tp", "2", "--sequence-parallel", "--num-tokens", "7"], "--sequence-parallel needs --tp > 1 and --num-tokens a multiple"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(

@@ -95,6 +95,36 @@ def test_empty_microbatch_has_no_loss() -> None:
     assert mb.advantages.tolist() == [[0.0]] and mb.ref_log_probs is None
 
 
+def test_sequence_parallel_pads_padded_rows_to_a_multiple() -> None:
+    # Width 5 -> 8 for TP 4: the extra columns are padding (no target, no loss), and the
+    # rows map back to the same values as without the padding.
+    plain = build_microbatch(_batch(), [1, 0])
+    mb = build_microbatch(_batch(), [1, 0], pad_to_multiple=4)
+    assert mb.input_ids.shape == (2, 8) and mb.position_ids.tolist()[0] == list(range(8))
+    assert mb.input_ids[:, :5].tolist() == plain.input_ids.tolist() and not mb.input_ids[:, 5:].any()
+    for name in ("targets", "valid", "loss_mask", "advantages", "old_log_probs"):
+        assert getattr(mb, name)[:, :5].tolist() == getattr(plain, name).tolist(), name
+        assert not getattr(mb, name)[:, 5:].any(), name
+    assert build_microbatch(_batch(), [1, 0], pad_to_multiple=5).input_ids.shape == (2, 5)
+
+
+def test_sequence_parallel_pads_packed_tokens_into_the_last_sequence() -> None:
+    mb = build_microbatch(_batch(), [1, 0], packed=True, pad_to_multiple=3)
+    assert mb.input_ids.tolist() == [[21, 22, 23, 11, 12, 13, 14, 15, 0]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 5]]
+    # Causal attention keeps the padding out of the last sequence's real tokens.
+    assert mb.cu_seqlens.tolist() == [0, 3, 9]
+    assert mb.packed_seq_params().max_seqlen_q == 6
+    assert mb.to_rows(torch.arange(1.0, 9.0)).tolist() == [[1, 2, 3, 0, 0], [4, 5, 6, 7, 8]]
+
+
+def test_empty_microbatch_is_padded_to_the_multiple() -> None:
+    mb = build_microbatch(_batch(), [], pad_to_multiple=2)
+    assert mb.input_ids.shape == (1, 2) and not mb.loss_mask.any() and not mb.valid.any()
+    with pytest.raises(ValueError, match="pad_to_multiple=0 must be >= 1"):
+        build_microbatch(_batch(), [0], pad_to_multiple=0)
+
+
 def test_rollout_batch_rejects_mismatched_shapes() -> None:
     with pytest.raises(ValueError, match=r"advantages has shape \(2, 4\); every per-token tensor must match"):
         RolloutBatch(input_ids=torch.zeros(2, 5, dtype=torch.long), seq_lens=torch.tensor([5, 3]),

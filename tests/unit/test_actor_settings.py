@@ -23,10 +23,19 @@ def test_loss_settings_from_config_copy_every_field() -> None:
     algo = AlgorithmConfig(clip_ratio_low=0.1, clip_ratio_high=0.3, clip_ratio_c=5.0,
                            loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01, use_kl_loss=True,
                            kl_loss_coef=0.02, kl_loss_type="k3")
-    s = LossSettings.from_config(algo, temperature=0.7)
+    s = LossSettings.from_config(algo, temperature=0.7, max_response_length=512)
     assert (s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, s.loss_agg_mode, s.entropy_coeff,
-            s.use_kl_loss, s.kl_loss_coef, s.kl_loss_type, s.temperature) == (
-        0.1, 0.3, 5.0, "seq-mean-token-mean", 0.01, True, 0.02, "k3", 0.7)
+            s.use_kl_loss, s.kl_loss_coef, s.kl_loss_type, s.temperature, s.loss_scale_factor) == (
+        0.1, 0.3, 5.0, "seq-mean-token-mean", 0.01, True, 0.02, "k3", 0.7, 512.0)
+
+
+def test_sum_norm_divides_by_a_constant_from_the_config() -> None:
+    # Dr.GRPO's MAX_TOKENS: the configured factor, else max_response_length; never a batch length.
+    norm = {"loss_agg_mode": "seq-mean-token-sum-norm"}
+    assert LossSettings.from_config(AlgorithmConfig(**norm), 1.0, 4096).loss_scale_factor == 4096.0
+    assert LossSettings.from_config(AlgorithmConfig(**norm, loss_scale_factor=300.0), 1.0, 4096).loss_scale_factor == 300.0
+    with pytest.raises(ValueError, match=r"loss_scale_factor=None \(algorithm.loss_scale_factor\): seq-mean-token-sum-norm"):
+        LossSettings(**norm)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -31,12 +31,23 @@ def _hand_batch() -> tuple[torch.Tensor, torch.Tensor]:
         ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 valid tokens
         ("seq-mean-token-mean", 2.75),  # ((1 + 2) / 2 + 4 / 1) / 2 non-empty sequences
         ("seq-mean-token-sum", 3.5),  # ((1 + 2) + 4) / 2
-        ("seq-mean-token-sum-norm", 7 / 6),  # ((1 + 2) + 4) / 2 / T=3
+        ("seq-mean-token-sum-norm", 7 / 6),  # ((1 + 2) + 4) / 2 / loss_scale_factor=3
     ],
 )
 def test_agg_modes_hand_worked(mode, expected):
     loss_mat, mask = _hand_batch()
-    assert agg_loss(loss_mat, mask, mode).item() == pytest.approx(expected, rel=1e-15)
+    assert agg_loss(loss_mat, mask, mode, loss_scale_factor=3).item() == pytest.approx(expected, rel=1e-15)
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_agg_does_not_depend_on_the_padded_width(mode):
+    # The same sequences in a batch whose longest prompt + response is 3 or 40 tokens wide
+    # (padding after them): every mode, sum-norm included, gives the same loss.
+    loss_mat, mask = _hand_batch()
+    wide_mat = torch.cat([loss_mat, torch.full((3, 37), 5.0, dtype=torch.float64)], dim=1)
+    wide_mask = torch.cat([mask, torch.zeros(3, 37, dtype=mask.dtype)], dim=1)
+    narrow = agg_loss(loss_mat, mask, mode, loss_scale_factor=16)
+    assert agg_loss(wide_mat, wide_mask, mode, loss_scale_factor=16).item() == narrow.item()
 
 
 def test_agg_global_counts_and_scale_factor():
@@ -56,7 +67,7 @@ def test_agg_global_counts_and_scale_factor():
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_agg_all_masked_is_zero_not_nan(mode):
     loss_mat = torch.ones(2, 3, requires_grad=True)
-    for kwargs in ({}, {"num_global_tokens": 0, "num_global_seqs": 0}):
+    for kwargs in ({"loss_scale_factor": 5}, {"num_global_tokens": 0, "num_global_seqs": 0, "loss_scale_factor": 5}):
         loss = agg_loss(loss_mat, torch.zeros(2, 3, dtype=torch.bool), mode, **kwargs)
         loss.backward()
         assert loss.item() == 0.0
@@ -68,6 +79,8 @@ def test_agg_errors_name_the_bad_value():
         agg_loss(torch.ones(1, 2), torch.ones(1, 2), "token_mean")
     with pytest.raises(ValueError, match="loss_scale_factor must be > 0 for seq-mean-token-sum-norm, got 0"):
         agg_loss(torch.ones(1, 2), torch.ones(1, 2), "seq-mean-token-sum-norm", loss_scale_factor=0)
+    with pytest.raises(ValueError, match="got None; pass a constant such as the maximum response length"):
+        agg_loss(torch.ones(1, 2), torch.ones(1, 2), "seq-mean-token-sum-norm")
     with pytest.raises(ValueError, match=r"same \[B, T\] shape, got \(1, 2\) and \(2, 1\)"):
         agg_loss(torch.ones(1, 2), torch.ones(2, 1), "token-mean")
 
@@ -235,7 +248,7 @@ def test_matches_float64_loop_reference(mode, clip_c):
             if per_token
             else torch.randn(b, generator=gen, dtype=torch.float64)
         )
-        loss, _ = compute_policy_loss(log_prob, old, adv, mask, EPS_LOW, EPS_HIGH, clip_c, mode)
+        loss, _ = compute_policy_loss(log_prob, old, adv, mask, EPS_LOW, EPS_HIGH, clip_c, mode, loss_scale_factor=t)
         ref = _reference_loss(
             log_prob.tolist(), old.tolist(), adv.tolist(), mask.tolist(), EPS_LOW, EPS_HIGH, clip_c, mode, t
         )
@@ -268,7 +281,7 @@ def test_micro_batches_with_global_counts_sum_to_the_whole_batch(batch, mode, cl
     old = log_prob.detach() + torch.randn(b, t, generator=gen, dtype=torch.float64) * 0.4
     adv = torch.randn(b, generator=gen, dtype=torch.float64)
     mask = torch.rand(b, t, generator=gen) < 0.6
-    kwargs = {"clip_ratio_c": clip_c, "loss_agg_mode": mode}
+    kwargs = {"clip_ratio_c": clip_c, "loss_agg_mode": mode, "loss_scale_factor": 7.0}
 
     whole, whole_metrics = compute_policy_loss(log_prob, old, adv, mask, EPS_LOW, EPS_HIGH, **kwargs)
     (whole_grad,) = torch.autograd.grad(whole, log_prob)

@@ -164,6 +164,16 @@ def test_transformer_config_reproduces_hf_hyper_parameters() -> None:
     assert (config.bf16, config.params_dtype, config.recompute_granularity) == (True, torch.bfloat16, "full")
 
 
+def test_transformer_config_gets_sequence_and_context_parallel_settings() -> None:
+    adapter = adapter_for(TINY)
+    plain = adapter.transformer_config(dtype=torch.float32, tp=2, pp=1)
+    assert not plain.sequence_parallel and plain.context_parallel_size == 1 and plain.cp_comm_type is None
+    config = adapter.transformer_config(dtype=torch.float32, tp=2, pp=1, sequence_parallel=True, cp=2,
+                                        cp_comm_type="a2a")
+    assert (config.sequence_parallel, config.context_parallel_size, config.cp_comm_type) == (True, 2, "a2a")
+    assert not adapter.transformer_config(dtype=torch.float32, tp=1, pp=1, sequence_parallel=True).sequence_parallel
+
+
 def test_unsupported_features_are_reported_together() -> None:
     raw = {
         **TINY,

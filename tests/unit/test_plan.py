@@ -18,6 +18,7 @@ from megatron_dapo.plan import (
     GPUS,
     Plan,
     format_layout,
+    format_plan,
     make_plan,
     rank_groups,
     resolve_model,
@@ -313,3 +314,25 @@ def test_bytes_per_param_is_what_megatron_core_allocates() -> None:
         total_optimizer += r["optimizer"]
     # The two shards hold fp32 master + m + v of every parameter exactly once (plus padding).
     assert 12 * n <= total_optimizer <= 12.01 * n
+
+
+def test_activations_follow_sequence_and_context_parallel_settings() -> None:
+    on, off = _plan(), _plan(["parallel.sequence_parallel=false"])
+    # Without SP the 10h replicated part is held whole on every TP rank.
+    assert off.act_bytes_per_token_layer == (10 * H * 8 + 4 * H + 4 * KV_HEADS * D + 6 * F) / 8
+    assert off.activation_recompute_bytes > on.activation_recompute_bytes
+    # CP 2 holds half of each micro-batch's tokens per GPU (and shards the optimizer over dp x cp).
+    cp2 = _plan(["parallel.context_parallel_size=2"])
+    assert (cp2.cp, cp2.dp) == (2, 4)
+    assert cp2.activation_recompute_bytes == on.activation_recompute_bytes / 2
+    assert cp2.logits_bytes == on.logits_bytes / 2
+    assert format_plan(cp2) != format_plan(on)
+
+
+def test_step_time_has_no_old_log_prob_pass_with_one_update_per_step() -> None:
+    # The trainer's own rule (Config.old_log_probs_source): one update reuses its forward.
+    one = {line.label: line.value for line in _plan(["trainer.ppo_mini_batch_size=512"]).timing}
+    assert one["old/ref log-probs"] == 0.0
+    two_epochs = _plan(["trainer.ppo_mini_batch_size=512", "trainer.ppo_epochs=2"])
+    assert {line.label: line.value for line in two_epochs.timing}["old/ref log-probs"] > 0
+
