@@ -13,8 +13,8 @@ is running, kills the worker when that call's deadline passes and starts a fresh
 Workers start with "forkserver" (or "spawn" where forkserver is missing): a fresh
 interpreter, never a fork of a process that holds threads and communicator state.
 
-Workers are daemon processes so that they die with the controller; a reward function
-therefore cannot start processes of its own. The pool is not thread-safe.
+Workers are daemon processes so that they die with the controller, also after kill -9
+(lifetime.py); a reward function therefore cannot start processes of its own. The pool is not thread-safe.
 """
 
 import contextlib
@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megatron_dapo.errors import UserError
+from megatron_dapo.lifetime import die_with_parent
 from megatron_dapo.rewards.registry import RewardFn, get_reward_fn
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,9 @@ def _worker_main(conn: Connection, fn_spec: str) -> None:
         conn: the worker's end of its pipe to the pool.
         fn_spec: the reward function spec, resolved here with get_reward_fn.
     """
+    # A worker outlives a SIGKILLed trainer otherwise (lifetime.py); its parent is the forkserver,
+    # which exits when the trainer does.
+    die_with_parent()
     # Ctrl-C reaches the whole process group; the pool, not each worker, handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
