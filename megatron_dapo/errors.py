@@ -11,6 +11,13 @@ class UserError(ValueError):
     """A mistake the user can fix; `str(err)` names what is wrong, where, and the fix."""
 
 
+class SharedUserError(UserError):
+    """A UserError raised alike on every rank (the config, or one broadcast by the controller).
+
+    Multi-process entry points print it on rank 0 only, so a 64-rank job shows it once.
+    """
+
+
 EXIT_USER_ERROR = 2
 
 

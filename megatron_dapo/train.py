@@ -15,10 +15,12 @@ import os
 import sys
 import warnings
 
-from megatron_dapo.errors import EXIT_USER_ERROR, UserError
+from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError
 
 # Dynamic sampling could not fill a batch: the run's data or policy, not its config, is at fault.
 EXIT_DYNAMIC_SAMPLING = 3
+# A second Ctrl-C (the first one saves after the current step and stops): the shell's code for SIGINT.
+EXIT_INTERRUPTED = 130
 
 
 def train(config_path: str, overrides: list[str]) -> dict[str, float]:
@@ -28,7 +30,10 @@ def train(config_path: str, overrides: list[str]) -> dict[str, float]:
     from megatron_dapo.run import build_run
     from megatron_dapo.trainer import fit
 
-    cfg = load_config(config_path, overrides)
+    try:
+        cfg = load_config(config_path, overrides)
+    except UserError as e:
+        raise SharedUserError(str(e)) from None  # every rank reads the same file: print it once
     run = build_run(cfg, config_path)
     try:
         return fit(run)
@@ -54,11 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(args[0], args[1:])
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == "0" or not isinstance(e, SharedUserError):
+            print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except DynamicSamplingError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DYNAMIC_SAMPLING
+    except KeyboardInterrupt:
+        print(f"rank {rank}: interrupted; metrics.jsonl and checkpoints/ are consistent: rerun the same command "
+              "to resume from the last checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

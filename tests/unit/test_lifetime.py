@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -58,7 +59,6 @@ def test_helpers_die_within_10s_of_a_kill_9_of_their_parent(tmp_path: Path) -> N
             time.sleep(0.2)
         assert [p for p in pids if _alive(p)] == []
     finally:
-        try:  # what survived a failing test: its own session, so only this test's processes
+        # What survived a failing test: its own session, so only this test's processes.
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
