@@ -205,6 +205,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _sampling_checks(self.n, self.temperature, self.top_p, self.top_k)
+        # Greedy works for evaluation (val_kwargs), not here: the actor divides logits by it.
+        _check(self.temperature > 0, "temperature", "must be > 0 for training rollouts (the actor divides "
+               "logits by it); greedy decoding is for rollout.val_kwargs.temperature=0")
         _check(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", "must be >= 1")
         _check(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in (0, 1)")
         _check(self.update_weights_bucket_megabytes > 0, "update_weights_bucket_megabytes", "must be > 0")
@@ -338,6 +341,9 @@ class DataConfig:
     """The built-in task."""
 
     def __post_init__(self) -> None:
+        for key, files in (("train_files", self.train_files), ("val_files", self.val_files)):
+            _check(all(f.strip() for f in files), key, "holds an empty file name; list .parquet/.jsonl paths "
+                   "(or [] for the embedded task)")
         _check(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
         _check(self.max_response_length > 0, "max_response_length", "must be > 0")
         _check(self.train_batch_size > 0, "train_batch_size", "must be > 0")
@@ -469,7 +475,8 @@ class TrainerConfig:
         _check(self.nnodes >= 1, "nnodes", "must be >= 1")
         if self.n_gpus_per_node is not None:
             _check(self.n_gpus_per_node >= 1, "n_gpus_per_node", "must be >= 1 or null")
-        _check(bool(self.resume), "resume", "is empty: use auto, disable or a checkpoint path")
+        _check(bool(self.resume.strip()), "resume", "is empty: use auto, disable or a checkpoint path")
+        _check(bool(self.output_dir.strip()), "output_dir", "is empty: give a run directory, e.g. runs/my_run")
 
 
 # ------------------------------------------------------------------------- logging

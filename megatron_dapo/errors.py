@@ -5,6 +5,7 @@ exception is a bug and keeps its traceback.
 """
 
 import argparse
+import warnings
 
 
 class UserError(ValueError):
@@ -26,3 +27,9 @@ class CliParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def quiet_optional_backend_warnings() -> None:
+    """megatron-core warns on import that Transformer Engine / Apex are missing (always, on CPU):
+    noise around the one line a user error prints."""
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")

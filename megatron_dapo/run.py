@@ -35,6 +35,7 @@ from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
 from megatron_dapo.output_dir import prepare_output_dir
+from megatron_dapo.preflight import check_hf_checkpoint
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.colocated import ColocatedEngines, launch_colocated_engines
 from megatron_dapo.rollout.controller import RolloutController
@@ -266,6 +267,8 @@ def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: d
 def _prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
     """Controller: make the embedded task and scratch checkpoint if needed; return paths."""
     if cfg.model.hf_checkpoint is not None:
+        # Here, once, rather than as a traceback on every rank while the actor loads.
+        check_hf_checkpoint(cfg.model.hf_checkpoint)
         return {"hf_dir": cfg.model.hf_checkpoint, "tokenizer": cfg.model.tokenizer or cfg.model.hf_checkpoint,
                 "train": None, "val": None, "sft_path": None}
     task = task_for(cfg.data.embedded, cache_dir)

@@ -13,9 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
 
-from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError
+from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError, quiet_optional_backend_warnings
 
 # Dynamic sampling could not fill a batch: the run's data or policy, not its config, is at fault.
 EXIT_DYNAMIC_SAMPLING = 3
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     # megatron-core logs every parameter bucket and its optimizer config at INFO.
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    quiet_optional_backend_warnings()
     from megatron_dapo.algo import DynamicSamplingError
 
     try:
