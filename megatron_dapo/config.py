@@ -597,7 +597,17 @@ class Config:
                 f"{p.context_parallel_size} = {mp} does not divide the world size {world_size} ({source}); "
                 f"launch a multiple of {mp} processes or shrink the parallel sizes"
             )
-        return world_size // mp
+        dp = world_size // mp
+        per_mini_batch = t.ppo_mini_batch_size * self.rollout.n
+        if per_mini_batch < dp:
+            # A rank without sequences would fail alone while the others wait in a collective.
+            raise ConfigError(
+                f"trainer.ppo_mini_batch_size x rollout.n = {t.ppo_mini_batch_size}x{self.rollout.n} = "
+                f"{per_mini_batch} sequences per mini-batch, fewer than the data-parallel size {dp} at world "
+                f"size {world_size} ({source}): some ranks would get none; raise trainer.ppo_mini_batch_size "
+                f"to at least {-(-dp // self.rollout.n)} or launch fewer processes"
+            )
+        return dp
 
 
 def _divisors(n: int) -> list[int]:

@@ -108,6 +108,11 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
      "command line: optim.lr=inf: expected a finite number, got inf"),
     ("cli-nodes-mismatch", {}, ["config", "validate", "{d}/c.yaml", "trainer.n_gpus_per_node=4", "--world-size", "2"],
      "trainer.nnodes x trainer.n_gpus_per_node = 1x4 but the launcher started 2 processes (--world-size)"),
+    ("cli-dp-rank-without-sequences", {}, ["config", "validate", "{d}/c.yaml", "--world-size", "16",
+                                           "trainer.ppo_mini_batch_size=1", "rollout.n=4"],
+     "trainer.ppo_mini_batch_size x rollout.n = 1x4 = 4 sequences per mini-batch, fewer than the data-parallel "
+     "size 16 at world size 16 (--world-size): some ranks would get none; raise trainer.ppo_mini_batch_size to "
+     "at least 4 or launch fewer processes"),
     ("cli-unknown-flag", {}, ["config", "validate", "{d}/c.yaml", "--bogus"],
      "megatron-dapo: error: unrecognized arguments: --bogus"),
     ("cli-no-command", {}, [], "megatron-dapo: error: the following arguments are required: command"),
