@@ -308,7 +308,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
     run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated))
-    run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+    run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
+                             max_failure_fraction=cfg.reward.max_failure_fraction)
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                 use_wandb=lg.wandb, total_steps=cfg.trainer.total_training_steps,
