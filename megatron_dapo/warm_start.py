@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import LossSettings, MegatronActor
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+from megatron_dapo.checkpoint.files import chmod_as_created
 from megatron_dapo.config import Config
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.embedded import atomic_dir, digest
@@ -93,6 +94,7 @@ def export_hf_checkpoint(adapter: DecoderAdapter, model: Any, dims: parallel.Par
     if dims.is_controller:
         with atomic_dir(out) as tmp:
             save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            chmod_as_created(tmp / "model.safetensors")
             for name in ("config.json", "generation_config.json"):
                 if (config_dir / name).is_file():
                     shutil.copy(config_dir / name, tmp / name)
