@@ -28,8 +28,12 @@ def check_hf_checkpoint(path: str | Path) -> None:
     if not hf.is_dir():
         raise UserError(f"model.hf_checkpoint={str(hf)!r} is not a directory; point it at an HF model "
                         "directory (config.json, *.safetensors, tokenizer files)")
-    adapter_for(hf)  # config.json readable, a supported family
-    HFCheckpoint(hf)  # every shard's header readable
+    from megatron_dapo.models.mapping import check_checkpoint
+
+    adapter = adapter_for(hf)  # config.json readable, a supported family
+    # Every shard's header readable; tensor names, shapes and dtypes those of config.json's
+    # model (a wrong model_type shows as missing or unexpected tensors).
+    check_checkpoint(adapter.hf, HFCheckpoint(hf))
 
 
 def check_inputs(cfg: Config) -> None:
@@ -41,18 +45,19 @@ def check_inputs(cfg: Config) -> None:
     from megatron_dapo.rewards.registry import get_reward_fn
 
     get_reward_fn(cfg.reward.reward_fn)
+    from megatron_dapo.data.tokenizer import load_tokenizer
+
     if cfg.model.hf_checkpoint is not None:
         check_hf_checkpoint(cfg.model.hf_checkpoint)
+    source = cfg.model.tokenizer or cfg.model.hf_checkpoint
+    tokenizer = load_tokenizer(source) if source is not None else None
     files = [*cfg.data.train_files, *cfg.data.val_files]
     if files:
         from megatron_dapo.data.datasets import load_prompt_dataset
-        from megatron_dapo.data.tokenizer import load_tokenizer
 
-        source = cfg.model.tokenizer or cfg.model.hf_checkpoint
-        if source is None:
+        if tokenizer is None:
             raise UserError("data.train_files is set but neither model.tokenizer nor model.hf_checkpoint is; "
                             "the prompt files need the model's tokenizer: set model.hf_checkpoint")
-        tokenizer = load_tokenizer(source)
         for f in files:
             load_prompt_dataset(f, tokenizer, cfg.data.max_prompt_length)
     if cfg.trainer.resume not in ("auto", "disable"):

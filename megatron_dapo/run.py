@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from megatron_dapo.collect import CollectSettings, Group
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config_loader import to_dict
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
-from megatron_dapo.data.tokenizer import Tokenizer, load_tokenizer
+from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
 from megatron_dapo.embedded import scratch_checkpoint, task_for
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.metrics import MetricsLogger
@@ -199,6 +200,8 @@ def build_run(cfg: Config, config_source: str) -> Run:
 
     if cfg.model.hf_checkpoint is None and cfg.model.sft_warm_start.enable:
         hf_dir = _warm_start(cfg, adapter, hf_dir, sources, dims, cache_dir)
+    if cfg.model.hf_checkpoint is None:
+        _on_controller(lambda: _with_tokenizer(hf_dir, Path(sources["tokenizer"])))
     actor = build_actor(cfg, adapter, hf_dir, dims)
 
     dp_rank_of: list[Any] = [None] * dims.world_size
@@ -264,11 +267,23 @@ def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: d
     return out
 
 
+def _with_tokenizer(hf_dir: Path, spm_model: Path) -> None:
+    """Put the embedded task's tokenizer into its (cached) HF directory, so that checkpoints
+    carry it in hf/ and an export can be trained from (data/tokenizer.py reads it back)."""
+    target = hf_dir / SPM_MODEL_FILENAME
+    if target.is_file():
+        return
+    tmp = hf_dir / f".{SPM_MODEL_FILENAME}.{os.getpid()}"
+    shutil.copyfile(spm_model, tmp)
+    os.replace(tmp, target)
+
+
 def _prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
     """Controller: make the embedded task and scratch checkpoint if needed; return paths."""
     if cfg.model.hf_checkpoint is not None:
         # Here, once, rather than as a traceback on every rank while the actor loads.
         check_hf_checkpoint(cfg.model.hf_checkpoint)
+        load_tokenizer(cfg.model.tokenizer or cfg.model.hf_checkpoint)
         return {"hf_dir": cfg.model.hf_checkpoint, "tokenizer": cfg.model.tokenizer or cfg.model.hf_checkpoint,
                 "train": None, "val": None, "sft_path": None}
     task = task_for(cfg.data.embedded, cache_dir)

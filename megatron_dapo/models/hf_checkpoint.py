@@ -106,6 +106,11 @@ class HFCheckpoint:
         return self._handles[file]
 
     @property
+    def dtypes(self) -> dict[str, str]:
+        """Tensor name -> safetensors dtype name ("F32", "BF16", "I32", ...)."""
+        return dict(self._dtypes)
+
+    @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """Tensor name -> shape, for every tensor in the checkpoint."""
         return dict(self._shapes)

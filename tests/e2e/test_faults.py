@@ -88,6 +88,10 @@ def test_kill_9_before_and_during_the_first_save_then_rerun(tmp_path: Path) -> N
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_2"]
+    # The embedded task's tokenizer travels with the checkpoint, so an export can be trained from.
+    from megatron_dapo.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+
+    assert isinstance(load_tokenizer(out / "checkpoints" / "step_2" / "hf"), SentencePieceTokenizer)
     assert _run_processes(env["FAULT_TEST_TAG"]) == []
 
 

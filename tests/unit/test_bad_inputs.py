@@ -203,6 +203,16 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
      ["config", "validate", "{d}/c.yaml", "model.tokenizer={d}/tok", "data.train_files=[{d}/p.jsonl]"],
      "tokenizer path {d}/tok is neither a sentencepiece .model file nor a local directory"),
     # ------------------------------------------------------------------ HF checkpoints
+    ("hf-without-tokenizer", {}, ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={hf}"],
+     "{hf} has no tokenizer files (none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, "
+     "spiece.model); copy the model's tokenizer files into it or set model.tokenizer"),
+    ("hf-int32-weights", {"hf/config.json": "COPY_HF_CONFIG", "hf/model.safetensors": "HF_WEIGHTS_EMBED_INT32"},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf", "model.tokenizer={tok}"],
+     "does not match its config.json (Qwen2ForCausalLM): 1 not floating point (F32/BF16/F16/F64): "
+     "model.embed_tokens.weight I32"),
+    ("hf-wrong-model-type", {"hf/config.json": "HF_CONFIG_AS_LLAMA", "hf/model.safetensors": "HF_WEIGHTS"},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf", "model.tokenizer={tok}"],
+     "does not match its config.json (LlamaForCausalLM): 3 unexpected: model.layers.0.self_attn.k_proj.bias"),
     ("hf-missing-dir", {}, ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint=/nonexistent/model"],
      "model.hf_checkpoint='/nonexistent/model' is not a directory; point it at an HF model directory"),
     ("hf-no-config", {"hf/model.safetensors": _safetensors_header({})},
@@ -268,6 +278,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, shared,
         path.parent.mkdir(parents=True, exist_ok=True)
         if content == "COPY_HF_CONFIG":
             content = (Path(shared["hf"]) / "config.json").read_text()
+        if content == "HF_CONFIG_AS_LLAMA":
+            config = json.loads((Path(shared["hf"]) / "config.json").read_text())
+            content = json.dumps({**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        if content in ("HF_WEIGHTS", "HF_WEIGHTS_EMBED_INT32"):
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(str(Path(shared["hf"]) / "model.safetensors"))
+            if content.endswith("INT32"):
+                tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].int()
+            save_file(tensors, str(path))
+            continue
         if content == "PARQUET_TRUNCATED":
             import pyarrow as pa
             import pyarrow.parquet as pq
