@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError, quiet_optional_backend_warnings
 
@@ -20,6 +21,14 @@ from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError, qu
 EXIT_DYNAMIC_SAMPLING = 3
 # A second Ctrl-C (the first one saves after the current step and stops): the shell's code for SIGINT.
 EXIT_INTERRUPTED = 130
+# A rank whose peer died in a collective: the peer's error is the story, this rank's is an echo.
+EXIT_PEER_GONE = 1
+# What gloo/NCCL say when the other side of a collective is gone.
+PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                     "remote process exited", "communicator was aborted")
+# torchrun names the first rank to exit as the root cause and SIGTERMs the rest: the rank that
+# only lost its peer waits this long so the failing rank's exit (and code) comes first.
+PEER_GONE_GRACE_S = 5.0
 
 
 def train(config_path: str, overrides: list[str]) -> dict[str, float]:
@@ -64,6 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     except DynamicSamplingError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DYNAMIC_SAMPLING
+    except RuntimeError as e:
+        text = str(e)
+        if rank == "0" or not any(marker in text for marker in PEER_GONE_MARKERS):
+            raise
+        time.sleep(PEER_GONE_GRACE_S)
+        first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
+        print(f"rank {rank}: stopped: another rank exited during a collective ({first}); its error is above",
+              file=sys.stderr)
+        return EXIT_PEER_GONE
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted; metrics.jsonl and checkpoints/ are consistent: rerun the same command "
               "to resume from the last checkpoint", file=sys.stderr)

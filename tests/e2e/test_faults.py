@@ -97,3 +97,67 @@ def test_kill_9_before_and_during_the_first_save_then_rerun(tmp_path: Path) -> N
 
 _TRAINER = {"total_training_steps": 2, "ppo_mini_batch_size": 2, "test_freq": 2, "device": "cpu",
             "max_tokens_per_microbatch": 256, "logprob_chunk_size": 64}
+
+
+def test_ctrl_c_saves_after_the_step_and_the_rerun_continues(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml", trainer={**_TRAINER, "save_interval": 0})
+    command = train_command(config, f"trainer.output_dir={out}")
+    env = {**trainer_env(tmp_path / "cache"), "FAULT_TEST_TAG": uuid.uuid4().hex}
+    log = tmp_path / "a.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        # Step 0 (validation) is logged: the loop, and with it the Ctrl-C handler, is running.
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Before: a KeyboardInterrupt traceback, and no checkpoint of the finished step.
+    assert rc == 0, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text()
+    assert (out / "checkpoints" / "step_1" / "manifest.json").is_file()
+    proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
+
+
+def test_a_user_error_under_torchrun_prints_once_and_every_rank_exits_2(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "tiny.yaml")
+    proc = subprocess.run(train_command(config, "model.hf_checkpoint=/nonexistent/model",
+                                        f"trainer.output_dir={tmp_path / 'run'}", nproc=2),
+                          env=trainer_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    line = ("error: model.hf_checkpoint='/nonexistent/model' is not a directory; point it at an HF model "
+            "directory (config.json, *.safetensors, tokenizer files)")
+    assert proc.stderr.count(line) == 1, proc.stderr[-4000:]
+    # torchrun itself exits 1 whatever its workers' codes; its summary shows each rank's code.
+    assert proc.returncode == 1
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-4000:]
+
+
+def test_controller_failing_in_rollout_ends_every_rank_in_bounded_time(tmp_path: Path) -> None:
+    # Rank 0 stops in step 1's rollout (the reward circuit breaker) while rank 1 already waits
+    # for its share of the batch; torchrun must end rank 1 and the error must name the cause.
+    config = write_config(tmp_path / "tiny.yaml", reward={**_REWARD, "reward_fn": "e2e_reward_fns:always_fails"},
+                          trainer={**_TRAINER, "val_before_train": False})
+    start = time.monotonic()
+    proc = subprocess.run(train_command(config, f"trainer.output_dir={tmp_path / 'run'}", nproc=2),
+                          env=trainer_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-4000:]  # torchrun's own code
+    assert proc.stderr.count("error: reward function 'e2e_reward_fns:always_fails' failed on") == 1, \
+        proc.stderr[-4000:]
+    assert "ZeroDivisionError: the grader divided by zero" in proc.stderr
+    # Rank 1 lost its peer in a collective: one line, no traceback, after rank 0's exit code 2.
+    assert "rank 1: stopped: another rank exited during a collective (" in proc.stderr
+    assert "[rank1]: Traceback" not in proc.stderr
+    assert "exitcode  : 2" in proc.stderr.split("Root Cause")[1], proc.stderr[-3000:]
+    assert elapsed < 400, elapsed  # setup dominates; the default collective timeout is 10 minutes
+
+
+_REWARD = {"num_workers": 1, "overlong_buffer": {"enable": True, "len": 4}}
