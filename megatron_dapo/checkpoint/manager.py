@@ -54,6 +54,7 @@ from megatron_dapo.checkpoint.format import (
     step_of,
     unwrap,
 )
+from megatron_dapo.checkpoint.integrity import checksum_tree, verify_checksums
 from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -221,6 +222,7 @@ class CheckpointManager:
         ckpt = Path(path)
         manifest = read_manifest(ckpt)
         check_compatible(manifest, model_chunks, str(ckpt), model_family)
+        verify_checksums(ckpt, manifest)
         load_optimizer = optimizer is not None and manifest.get("has_optimizer", False)
         if optimizer is not None and not load_optimizer:
             logger.warning(
@@ -385,7 +387,9 @@ def _write_checkpoint(
         manifest["has_scheduler"] = scheduler is not None
         manifest["has_rng"] = with_rng
     barrier()
+    checksums = checksum_tree(tmp)  # collective: every rank sums its share of the files
     if rank == 0:
+        manifest["checksums"] = checksums
         fsync_tree(tmp)
         # The manifest is the completeness mark, so it goes in after everything else is durable.
         write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())

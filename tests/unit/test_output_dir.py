@@ -155,3 +155,20 @@ def test_truncation_on_a_full_disk_is_one_line_and_keeps_the_file(small_tmpfs: P
     assert list((small_tmpfs / "checkpoints").iterdir()) == []
     with MetricsLogger(small_tmpfs, "p", "e", use_wandb=False, total_steps=99, console=False) as m:
         assert m.truncate_after(5) == 34
+
+
+def test_read_only_output_dir_is_one_line(tmp_path: Path) -> None:
+    mnt = tmp_path / "ro"
+    (mnt / "existing").mkdir(parents=True)
+    bound = subprocess.run(["mount", "--bind", str(mnt), str(mnt)], capture_output=True).returncode == 0
+    if not bound or subprocess.run(["mount", "-o", "remount,bind,ro", str(mnt)], capture_output=True).returncode:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        pytest.skip("cannot make a read-only bind mount here (needs root)")
+    try:
+        with pytest.raises(UserError, match=r"^trainer.output_dir='.*ro/new' cannot be created \(Read-only file "
+                                            r"system\); pick a writable trainer.output_dir$"):
+            prepare_output_dir(mnt / "new", "auto")
+        with pytest.raises(UserError, match=r"^trainer.output_dir='.*ro/existing' is not writable; pick a writable"):
+            prepare_output_dir(mnt / "existing", "auto")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
