@@ -16,7 +16,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from megatron_dapo.errors import EXIT_USER_ERROR, CliParser, UserError
+from megatron_dapo.errors import EXIT_USER_ERROR, CliParser, UserError, quiet_optional_backend_warnings
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -29,14 +29,26 @@ def _config_show(args: argparse.Namespace) -> int:
 
 def _config_validate(args: argparse.Namespace) -> int:
     from megatron_dapo.config_loader import load_config
+    from megatron_dapo.preflight import check_inputs
 
     cfg = load_config(args.file, args.overrides)
+    check_inputs(cfg)
     if args.world_size is not None:
         dp = cfg.check_world_size(args.world_size, "--world-size")
         print(f"{args.file}: OK (data-parallel size {dp} at world size {args.world_size})")
     else:
         print(f"{args.file}: OK")
     return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of processes, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (the number of processes), got {value}")
+    return value
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -70,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     val = cfg_sub.add_parser("validate", help="check a config; exit 2 with one line if it is wrong")
     val.add_argument("file")
     val.add_argument("overrides", nargs="*")
-    val.add_argument("--world-size", type=int, default=None, help="also check the layout against N processes")
+    val.add_argument("--world-size", type=_positive_int, default=None,
+                     help="also check the layout against N processes")
     val.set_defaults(func=_config_validate)
 
     train = sub.add_parser("train", help="run DAPO training (one process per device)")
@@ -94,8 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(argv: list[str] | None, parser: argparse.ArgumentParser | None = None) -> int:
     """Parse and dispatch; returns the exit code."""
+    quiet_optional_backend_warnings()
     parser = parser or build_parser()
-    args = parser.parse_args(argv)
+    # Options may sit between the file and its overrides (`config validate F --world-size 2 k=v`):
+    # argparse leaves overrides after an option unparsed, and parse_intermixed_args refuses subcommands.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(x.startswith("-") for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -229,6 +229,9 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _sampling_checks(self.n, self.temperature, self.top_p, self.top_k)
+        # Greedy works for evaluation (val_kwargs), not here: the actor divides logits by it.
+        _check(self.temperature > 0, "temperature", "must be > 0 for training rollouts (the actor divides "
+               "logits by it); greedy decoding is for rollout.val_kwargs.temperature=0")
         _check(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", "must be >= 1")
         _check(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in (0, 1)")
         _check(self.update_weights_bucket_megabytes > 0, "update_weights_bucket_megabytes", "must be > 0")
@@ -404,6 +407,9 @@ class DataConfig:
     """The built-in task."""
 
     def __post_init__(self) -> None:
+        for key, files in (("train_files", self.train_files), ("val_files", self.val_files)):
+            _check(all(f.strip() for f in files), key, "holds an empty file name; list .parquet/.jsonl paths "
+                   "(or [] for the embedded task)")
         _check(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
         _check(self.max_response_length > 0, "max_response_length", "must be > 0")
         _check(self.train_batch_size > 0, "train_batch_size", "must be > 0")
@@ -472,12 +478,16 @@ class RewardConfig:
     """Scoring processes (0 = in-process, no timeout)."""
     timeout_s: float = 10.0
     """Per-response scoring timeout; a timeout or crash scores -1 and is counted."""
+    max_failure_fraction: float = 0.5
+    """Stop the run with the reward's own error once more than this share of a batch's calls
+    failed (raised, timed out, killed their worker), counted from 16 calls on; 1.0 = never."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     """Overlong reward shaping."""
 
     def __post_init__(self) -> None:
         _check(bool(self.reward_fn), "reward_fn", "is empty: use 'math_dapo' or 'package.module:function'")
         _check(self.num_workers >= 0, "num_workers", "must be >= 0")
+        _check(0 < self.max_failure_fraction <= 1, "max_failure_fraction", "must be in (0, 1] (1.0 = never stop)")
         _check(self.timeout_s > 0, "timeout_s", "must be > 0")
 
 
@@ -543,7 +553,8 @@ class TrainerConfig:
         _check(self.nnodes >= 1, "nnodes", "must be >= 1")
         if self.n_gpus_per_node is not None:
             _check(self.n_gpus_per_node >= 1, "n_gpus_per_node", "must be >= 1 or null")
-        _check(bool(self.resume), "resume", "is empty: use auto, disable or a checkpoint path")
+        _check(bool(self.resume.strip()), "resume", "is empty: use auto, disable or a checkpoint path")
+        _check(bool(self.output_dir.strip()), "output_dir", "is empty: give a run directory, e.g. runs/my_run")
 
 
 # ------------------------------------------------------------------------- logging
@@ -685,7 +696,17 @@ class Config:
                 f"{p.context_parallel_size} = {mp} does not divide the world size {world_size} ({source}); "
                 f"launch a multiple of {mp} processes or shrink the parallel sizes"
             )
-        return world_size // mp
+        dp = world_size // mp
+        per_mini_batch = t.ppo_mini_batch_size * self.rollout.n
+        if per_mini_batch < dp:
+            # A rank without sequences would fail alone while the others wait in a collective.
+            raise ConfigError(
+                f"trainer.ppo_mini_batch_size x rollout.n = {t.ppo_mini_batch_size}x{self.rollout.n} = "
+                f"{per_mini_batch} sequences per mini-batch, fewer than the data-parallel size {dp} at world "
+                f"size {world_size} ({source}): some ranks would get none; raise trainer.ppo_mini_batch_size "
+                f"to at least {-(-dp // self.rollout.n)} or launch fewer processes"
+            )
+        return dp
 
 
 def _divisors(n: int) -> list[int]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -35,6 +36,29 @@ _YamlLoader.add_implicit_resolver(
     |\.(?:nan|NaN|NAN))$""", re.X),
     list("-+0123456789."),
 )
+
+
+def _no_duplicate_keys(loader: _YamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    """A mapping whose keys are unique: PyYAML keeps the last of two equal keys without a word,
+    so a second `optim:` section silently replaced the first one's values."""
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        if not isinstance(key, str | int | float | bool | None):
+            continue  # SafeLoader reports unhashable keys itself
+        if key in seen:
+            raise _DuplicateKey(f"line {line}: duplicate key {key!r} (first at line {seen[key]}); "
+                                "merge the two into one")
+        seen[key] = line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+class _DuplicateKey(yaml.YAMLError):
+    pass
+
+
+_YamlLoader.construct_mapping = _no_duplicate_keys  # type: ignore[method-assign]
 
 
 def _yaml_load(text: str) -> Any:
@@ -96,6 +120,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _FieldError(key, f"expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):
+            raise _FieldError(key, f"expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -132,11 +158,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     try:
         value = _yaml_load(raw) if raw != "" else ""
     except yaml.YAMLError as e:
-        raise ConfigError(f"command line: cannot parse the value of {key!r}: {e.problem}") from None
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"command line: cannot parse the value of {key!r}: {problem}") from None
     return key.split("."), value
 
 
 def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    """Set one override; a mapping value merges into the section it names (`optim={lr: 1e-4}`
+    changes lr and keeps the file's other optim keys), any other value replaces."""
     node = tree
     for part in path[:-1]:
         child = node.get(part)
@@ -145,6 +174,11 @@ def _set_dotted(tree: dict[str, Any], path: list[str], value: Any) -> None:
         elif not isinstance(child, dict):
             raise ConfigError(f"command line: cannot set {'.'.join(path)}: {part} is a value, not a section")
         node = child
+    old = node.get(path[-1])
+    if isinstance(value, dict) and isinstance(old, dict):
+        for key, sub in value.items():
+            _set_dotted(old, [key], sub)
+        return
     node[path[-1]] = value
 
 
@@ -167,14 +201,24 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"{source}: no such config file; pick one of examples/*.yaml")
+        raw = p.read_bytes()
         try:
-            loaded = _yaml_load(p.read_text(encoding="utf-8"))
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{source} line {line}: not UTF-8 (byte {raw[e.start]:#04x}); "
+                              "save the file as UTF-8") from None
+        try:
+            loaded = _yaml_load(text)
+        except _DuplicateKey as e:
+            raise ConfigError(f"{source} {e}") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"{source}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
         if loaded is None:
-            loaded = {}
+            raise ConfigError(f"{source}: the file is empty (or only comments); start from examples/tiny_cpu.yaml "
+                              "or examples/dapo_qwen2.5_32b.yaml")
         if not isinstance(loaded, dict):
             raise ConfigError(f"{source}: the top level must be a mapping of sections (model, data, ...)")
         tree = loaded

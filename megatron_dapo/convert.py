@@ -38,6 +38,7 @@ from megatron_dapo.checkpoint import (
     read_manifest,
     save_model_checkpoint,
 )
+from megatron_dapo.checkpoint.files import chmod_as_created
 from megatron_dapo.errors import EXIT_USER_ERROR, UserError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -233,6 +234,7 @@ class _ShardWriter:
             return
         path = self.out / f".tmp-shard-{len(self.files) + 1:05d}.safetensors"
         save_file(self.pending, str(path), metadata={"format": "pt"})
+        chmod_as_created(path)
         self.files.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo.checkpoint.files import chmod_as_created
 from megatron_dapo.config import EmbeddedTaskConfig, ScratchModelConfig
 from megatron_dapo.data.arithmetic import ArithmeticMix, ArithmeticTask, prepare_arithmetic_task
 from megatron_dapo.data.tokenizer import SPM_BOS_ID, SPM_EOS_ID, SPM_PAD_ID, SentencePieceSettings
@@ -99,6 +100,7 @@ def atomic_dir(target: Path) -> Iterator[Path]:
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    chmod_as_created(tmp, directory=True)
     try:
         yield tmp
     except BaseException:

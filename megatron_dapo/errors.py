@@ -5,10 +5,18 @@ exception is a bug and keeps its traceback.
 """
 
 import argparse
+import warnings
 
 
 class UserError(ValueError):
     """A mistake the user can fix; `str(err)` names what is wrong, where, and the fix."""
+
+
+class SharedUserError(UserError):
+    """A UserError raised alike on every rank (the config, or one broadcast by the controller).
+
+    Multi-process entry points print it on rank 0 only, so a 64-rank job shows it once.
+    """
 
 
 EXIT_USER_ERROR = 2
@@ -19,3 +27,9 @@ class CliParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(EXIT_USER_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def quiet_optional_backend_warnings() -> None:
+    """megatron-core warns on import that Transformer Engine / Apex are missing (always, on CPU):
+    noise around the one line a user error prints."""
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")

@@ -8,8 +8,9 @@ timing_s/*.
 
 `<output_dir>/metrics.jsonl` is the record of truth: one JSON object per step, flushed
 and fsync'd before `log` returns, so a run killed at any moment keeps every finished
-step. A resumed run first calls `truncate_after(checkpoint_step)`, which drops the
-lines of steps the checkpoint does not contain, so no step appears twice.
+step. Every run first calls `truncate_after(checkpoint_step)` (-1 when it starts from
+step 0), which drops the lines of steps the checkpoint does not contain, so no step
+appears twice after any crash (output_dir.py has the rule).
 
 The console gets one plain line per step (no carriage returns: CI logs stay
 readable) with a progress bar and an ETA. wandb is imported only when enabled and
@@ -19,6 +20,7 @@ so a resumed run continues the same wandb run.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import math
@@ -32,8 +34,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
 
+from megatron_dapo.errors import UserError
+
 METRICS_FILENAME = "metrics.jsonl"
 WANDB_ID_FILENAME = "wandb_run_id.txt"
+METRICS_TMP_PREFIX = ".metrics-"
+"""Prefix of the rewrite in progress of truncate_after; a leftover is deleted at the next start."""
 
 # (metric key pattern, console label, format) of the one-line summary. A pattern is
 # matched with fnmatch (validation keys carry the data source in their name); the
@@ -154,14 +160,18 @@ class MetricsLogger:
         )
 
     def truncate_after(self, step: int) -> int:
-        """Drops the lines of steps after `step` (a resumed run's checkpoint step).
+        """Drops the lines of steps after `step` (the step the run continues from).
 
         Args:
-            step: the last step to keep; lines with a larger step are removed, as is a
-                torn line from a killed writer.
+            step: the last step to keep: a resumed run's checkpoint step, or -1 for a run
+                that starts from step 0 (which logs step 0 again). Lines with a larger
+                step are removed, as is a torn line from a killed writer.
 
         Returns:
             The number of lines removed (0 when JSONL logging is off).
+
+        Raises:
+            UserError: the file cannot be rewritten (disk full, read-only); the file is unchanged.
         """
         if self._file is None:
             return 0
@@ -174,16 +184,30 @@ class MetricsLogger:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if row["step"] <= step:
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 kept.append(line if line.endswith("\n") else line + "\n")
-        fd, tmp_name = tempfile.mkstemp(dir=self.path.parent, prefix=".metrics-", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as tmp:
-            tmp.writelines(kept)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, self.path)
+        if len(kept) != len(lines):
+            self._rewrite(kept)
         self._file = self.path.open("a", encoding="utf-8")
         return len(lines) - len(kept)
+
+    def _rewrite(self, lines: list[str]) -> None:
+        """Atomically replace the file with `lines`, keeping its permission bits."""
+        fd, tmp_name = tempfile.mkstemp(dir=self.path.parent, prefix=METRICS_TMP_PREFIX, suffix=".tmp")
+        try:
+            # mkstemp makes the file 0600; the replacement keeps what the user's umask gave the original.
+            os.fchmod(fd, self.path.stat().st_mode & 0o7777)
+            with os.fdopen(fd, "w", encoding="utf-8") as tmp:
+                tmp.writelines(lines)
+                tmp.flush()
+                os.fsync(tmp.fileno())
+            os.replace(tmp_name, self.path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
+            reason = os.strerror(e.errno) if e.errno else str(e)
+            raise UserError(f"cannot rewrite {self.path} to drop the steps after the resume point ({reason}); "
+                            "free space or fix the permissions, then rerun the same command") from None
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Records one finished step: JSONL line (durable on return), console line, wandb.

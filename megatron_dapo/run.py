@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,12 +31,14 @@ from megatron_dapo.collect import CollectSettings, Group, val_sampling_params
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config_loader import to_dict
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
-from megatron_dapo.data.tokenizer import Tokenizer, load_tokenizer
+from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
 from megatron_dapo.device import release_cached_memory
 from megatron_dapo.embedded import scratch_checkpoint, task_for
-from megatron_dapo.errors import UserError
+from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
+from megatron_dapo.output_dir import prepare_output_dir
+from megatron_dapo.preflight import check_hf_checkpoint
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.colocated import ColocatedEngines, launch_colocated_engines
 from megatron_dapo.rollout.controller import RolloutController
@@ -186,11 +189,14 @@ def build_run(cfg: Config, config_source: str) -> Run:
     cfg.check_world_size(env.world_size, _launcher_source())
     output_dir = Path(cfg.trainer.output_dir)
     cache_dir = Path(os.environ.get("MEGATRON_DAPO_CACHE", ".cache/megatron-dapo"))
-    if env.rank == 0:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
 
-    sources = _broadcast(_prepare_sources(cfg, cache_dir) if env.rank == 0 else None)
+    def prepare() -> dict[str, str | None]:
+        # Leftovers of a crashed save go first: after a full disk nothing else could write.
+        prepare_output_dir(output_dir, cfg.trainer.resume)
+        (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
+        return _prepare_sources(cfg, cache_dir)
+
+    sources = _on_controller(prepare)
     hf_dir = Path(sources["hf_dir"])
     adapter = adapter_for(hf_dir)
     hf = adapter.hf
@@ -204,6 +210,8 @@ def build_run(cfg: Config, config_source: str) -> Run:
 
     if cfg.model.hf_checkpoint is None and cfg.model.sft_warm_start.enable:
         hf_dir = _warm_start(cfg, adapter, hf_dir, sources, dims, control, cache_dir)
+    if cfg.model.hf_checkpoint is None:
+        _on_controller(lambda: _with_tokenizer(hf_dir, Path(sources["tokenizer"])))
     actor = build_actor(cfg, adapter, hf_dir, dims)
 
     loss = LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature, cfg.data.max_response_length)
@@ -217,8 +225,7 @@ def build_run(cfg: Config, config_source: str) -> Run:
         # Collective: the leader ranks of every node start their engines.
         run.colocated = launch_colocated_engines(cfg.rollout, hf_dir, rank=env.rank, world_size=env.world_size,
                                                  local_rank=env.local_rank, log_dir=output_dir / "engine_logs")
-    if dims.is_controller:
-        _build_controller(run, hf_dir, sources)
+    _on_controller(lambda: _build_controller(run, hf_dir, sources))
 
     resume_from = resolve_resume(cfg.trainer.resume, run.checkpoints.root)
     if resume_from is not None:
@@ -226,9 +233,12 @@ def build_run(cfg: Config, config_source: str) -> Run:
         run.start_step = int(state["step"])
         if run.sampler is not None and state.get("sampler") is not None:
             run.sampler.load_state_dict(state["sampler"])
-        if run.metrics is not None:
-            run.metrics.truncate_after(run.start_step)
+        if dims.is_controller and resume_from.resolve().parent == run.checkpoints.root.resolve():
+            run.checkpoints.discard_after(run.start_step)
         logger.info("resumed from %s at step %d", resume_from, run.start_step)
+    if run.metrics is not None:
+        # Lines after the resume point (all of them when starting at step 0) are redone now.
+        run.metrics.truncate_after(run.start_step if resume_from is not None else -1)
     # The engines start from the HF checkpoint; after a resume (or SFT) they need the actor's weights.
     run.sync_weights()
     return run
@@ -267,9 +277,23 @@ def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: d
     return out
 
 
+def _with_tokenizer(hf_dir: Path, spm_model: Path) -> None:
+    """Put the embedded task's tokenizer into its (cached) HF directory, so that checkpoints
+    carry it in hf/ and an export can be trained from (data/tokenizer.py reads it back)."""
+    target = hf_dir / SPM_MODEL_FILENAME
+    if target.is_file():
+        return
+    tmp = hf_dir / f".{SPM_MODEL_FILENAME}.{os.getpid()}"
+    shutil.copyfile(spm_model, tmp)
+    os.replace(tmp, target)
+
+
 def _prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
     """Controller: make the embedded task and scratch checkpoint if needed; return paths."""
     if cfg.model.hf_checkpoint is not None:
+        # Here, once, rather than as a traceback on every rank while the actor loads.
+        check_hf_checkpoint(cfg.model.hf_checkpoint)
+        load_tokenizer(cfg.model.tokenizer or cfg.model.hf_checkpoint)
         return {"hf_dir": cfg.model.hf_checkpoint, "tokenizer": cfg.model.tokenizer or cfg.model.hf_checkpoint,
                 "train": None, "val": None, "sft_path": None}
     task = task_for(cfg.data.embedded, cache_dir)
@@ -307,7 +331,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
     run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated, run.dims.device))
-    run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+    run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
+                             max_failure_fraction=cfg.reward.max_failure_fraction)
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                 use_wandb=lg.wandb, total_steps=cfg.trainer.total_training_steps,
@@ -323,6 +348,25 @@ def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None,
         return [LocalEngine(hf_dir, name="local0", device=device)]
     assert colocated is not None and colocated.clients, "launch_colocated_engines runs before the controller"
     return colocated.clients
+
+
+def _on_controller(fn: Any) -> Any:
+    """Run `fn` on the controller and broadcast its result (collective).
+
+    A UserError there is raised on every rank as a SharedUserError, so every rank exits
+    with code 2 and the message prints once, instead of the others waiting in the next
+    collective for a controller that is gone.
+    """
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    result, error = _broadcast((result, error))
+    if error is not None:
+        raise SharedUserError(error)
+    return result
 
 
 def _broadcast(obj: Any) -> Any:

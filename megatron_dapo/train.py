@@ -13,12 +13,22 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import warnings
+import time
 
-from megatron_dapo.errors import EXIT_USER_ERROR, UserError
+from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError, quiet_optional_backend_warnings
 
 # Dynamic sampling could not fill a batch: the run's data or policy, not its config, is at fault.
 EXIT_DYNAMIC_SAMPLING = 3
+# A second Ctrl-C (the first one saves after the current step and stops): the shell's code for SIGINT.
+EXIT_INTERRUPTED = 130
+# A rank whose peer died in a collective: the peer's error is the story, this rank's is an echo.
+EXIT_PEER_GONE = 1
+# What gloo/NCCL say when the other side of a collective is gone.
+PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                     "remote process exited", "communicator was aborted")
+# torchrun names the first rank to exit as the root cause and SIGTERMs the rest: the rank that
+# only lost its peer waits this long so the failing rank's exit (and code) comes first.
+PEER_GONE_GRACE_S = 5.0
 
 
 def train(config_path: str, overrides: list[str]) -> dict[str, float]:
@@ -28,7 +38,10 @@ def train(config_path: str, overrides: list[str]) -> dict[str, float]:
     from megatron_dapo.run import build_run
     from megatron_dapo.trainer import fit
 
-    cfg = load_config(config_path, overrides)
+    try:
+        cfg = load_config(config_path, overrides)
+    except UserError as e:
+        raise SharedUserError(str(e)) from None  # every rank reads the same file: print it once
     run = build_run(cfg, config_path)
     try:
         return fit(run)
@@ -48,17 +61,31 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     # megatron-core logs every parameter bucket and its optimizer config at INFO.
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*")
+    quiet_optional_backend_warnings()
     from megatron_dapo.algo import DynamicSamplingError
 
     try:
         train(args[0], args[1:])
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if rank == "0" or not isinstance(e, SharedUserError):
+            print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except DynamicSamplingError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DYNAMIC_SAMPLING
+    except RuntimeError as e:
+        text = str(e)
+        if rank == "0" or not any(marker in text for marker in PEER_GONE_MARKERS):
+            raise
+        time.sleep(PEER_GONE_GRACE_S)
+        first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
+        print(f"rank {rank}: stopped: another rank exited during a collective ({first}); its error is above",
+              file=sys.stderr)
+        return EXIT_PEER_GONE
+    except KeyboardInterrupt:
+        print(f"rank {rank}: interrupted; metrics.jsonl and checkpoints/ are consistent: rerun the same command "
+              "to resume from the last checkpoint", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
 
 

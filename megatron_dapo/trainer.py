@@ -33,14 +33,19 @@ logger = logging.getLogger(__name__)
 
 
 class PreemptionFlag:
-    """Set by SIGUSR1/SIGTERM (SLURM's pre-timeout signal, preemption); read after a step."""
+    """Set by SIGUSR1/SIGTERM (SLURM's pre-timeout signal, preemption) or Ctrl-C; read after a step.
+
+    A second Ctrl-C interrupts at once (KeyboardInterrupt; train.py exits 130).
+    """
 
     def __init__(self) -> None:
         self.requested = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum: int, _frame: Any) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
         logger.warning("received %s: saving a checkpoint after this step, then exiting", signal.Signals(signum).name)
         self.requested = True
 

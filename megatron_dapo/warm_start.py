@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import LossSettings, MegatronActor
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+from megatron_dapo.checkpoint.files import chmod_as_created
 from megatron_dapo.config import Config
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.embedded import atomic_dir, digest, environment_key
@@ -236,6 +237,7 @@ def write_hf_checkpoint(tensors: dict[str, torch.Tensor], config_dir: Path, out:
     """model.safetensors + config.json/generation_config.json from `config_dir` (+ a record), atomically."""
     with atomic_dir(out) as tmp:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        chmod_as_created(tmp / "model.safetensors")
         for name in ("config.json", "generation_config.json"):
             if (config_dir / name).is_file():
                 shutil.copy(config_dir / name, tmp / name)

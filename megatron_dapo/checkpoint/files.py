@@ -98,6 +98,26 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it (os.umask can only be read by setting it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def chmod_as_created(path: str | os.PathLike[str], directory: bool = False) -> None:
+    """Give ``path`` the mode a plain open()/mkdir() would: safetensors' save_file and
+    mkstemp/mkdtemp create 0600/0700, which other users of a shared model directory cannot read."""
+    os.chmod(path, (0o777 if directory else 0o666) & ~current_umask())
+
+
 def write_synced(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` and fsync it before returning."""
     with open(path, "wb") as f:

@@ -51,8 +51,10 @@ from megatron_dapo.checkpoint.format import (
     model_architecture,
     model_sharded_state_dict,
     read_manifest,
+    step_of,
     unwrap,
 )
+from megatron_dapo.checkpoint.integrity import checksum_tree, verify_checksums
 from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
 
 logger = logging.getLogger(__name__)
@@ -128,33 +130,65 @@ class CheckpointManager:
             raise CheckpointError(
                 f"trainer_state for step {step} is not JSON-able ({e}); pass plain ints/floats/str/lists/dicts"
             ) from None
-        if rank == 0:
-            self.root.mkdir(parents=True, exist_ok=True)
-            self._clean_leftovers()
-            (tmp / DIST_DIR).mkdir(parents=True)
-            (tmp / RNG_DIR).mkdir()
-        barrier()
+        try:
+            if rank == 0:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._clean_leftovers()
+                (tmp / DIST_DIR).mkdir(parents=True)
+                (tmp / RNG_DIR).mkdir()
+            barrier()
 
-        _write_checkpoint(
-            tmp,
-            model_chunks,
-            optimizer,
-            scheduler,
-            step=step,
-            extra_files={
-                TRAINER_STATE: trainer_json.encode(),
-                CONFIG_YAML: yaml.safe_dump(config_dict, sort_keys=False).encode(),
-            },
-            hf_dir=hf_dir,
-            model_family=model_family,
-            with_rng=True,
-            optimizer_sharding=self.optimizer_sharding,
-        )
-        if rank == 0:
-            self._publish(tmp, final)
-            self._prune(keep=final)
+            _write_checkpoint(
+                tmp,
+                model_chunks,
+                optimizer,
+                scheduler,
+                step=step,
+                extra_files={
+                    TRAINER_STATE: trainer_json.encode(),
+                    CONFIG_YAML: yaml.safe_dump(config_dict, sort_keys=False).encode(),
+                },
+                hf_dir=hf_dir,
+                model_family=model_family,
+                with_rng=True,
+                optimizer_sharding=self.optimizer_sharding,
+            )
+            if rank == 0:
+                self._publish(tmp, final)
+                self._prune(keep=final)
+        except BaseException as e:  # torch's CheckpointException is a BaseException
+            cause = os_error_in(e) or _disk_full(self.root)
+            if cause is None:
+                raise
+            if rank == 0:
+                # Free what the failed save wrote: after a full disk it is what fills it.
+                shutil.rmtree(tmp, ignore_errors=True)
+            previous = self.latest()
+            kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+            raise CheckpointError(
+                f"saving checkpoint step {step} to {self.root} failed: {cause}; {kept}. "
+                "Free space (or fix the permissions) and rerun the same command to resume"
+            ) from None
         barrier()
         return final
+
+    def discard_after(self, step: int) -> list[Path]:
+        """Delete complete checkpoints newer than ``step`` (rank 0, after resuming from ``step``).
+
+        They belong to the history the resumed run replaces; left in place, a later
+        ``resume=auto`` would take the newest of them and mix the two histories.
+        """
+        removed = []
+        for ckpt in complete_checkpoints(self.root):
+            if (step_of(ckpt) or 0) > step:
+                aside = self.root / f"{TMP_PREFIX}discarded-{ckpt.name}"
+                os.rename(ckpt, aside)
+                shutil.rmtree(aside, ignore_errors=True)
+                removed.append(ckpt)
+        if removed:
+            logger.warning("resumed from step %d: removed the newer checkpoints %s of the replaced history",
+                           step, ", ".join(p.name for p in removed))
+        return removed
 
     def load(
         self,
@@ -188,6 +222,7 @@ class CheckpointManager:
         ckpt = Path(path)
         manifest = read_manifest(ckpt)
         check_compatible(manifest, model_chunks, str(ckpt), model_family)
+        verify_checksums(ckpt, manifest)
         load_optimizer = optimizer is not None and manifest.get("has_optimizer", False)
         if optimizer is not None and not load_optimizer:
             logger.warning(
@@ -352,7 +387,9 @@ def _write_checkpoint(
         manifest["has_scheduler"] = scheduler is not None
         manifest["has_rng"] = with_rng
     barrier()
+    checksums = checksum_tree(tmp)  # collective: every rank sums its share of the files
     if rank == 0:
+        manifest["checksums"] = checksums
         fsync_tree(tmp)
         # The manifest is the completeness mark, so it goes in after everything else is durable.
         write_synced(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True).encode())
@@ -409,6 +446,50 @@ def save_model_checkpoint(
         fsync_dir(out.parent)
     barrier()
     return out
+
+
+def os_error_in(err: BaseException) -> str | None:
+    """The operating-system failure behind a save error, as one line, or None if there is none.
+
+    torch.distributed.checkpoint wraps a writer's OSError (disk full, read-only) in its
+    own exception types, sometimes only as text of a remote rank's traceback.
+    """
+    seen: set[int] = set()
+    stack: list[BaseException] = [err]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return f"{os.strerror(e.errno)} (errno {e.errno}{', ' + str(e.filename) if e.filename else ''})"
+        stack += [c for c in (e.__cause__, e.__context__) if c is not None]
+        failures = getattr(e, "failures", None)  # torch CheckpointException: rank -> (exception, trace)
+        if isinstance(failures, dict):
+            stack += [f[0] for f in failures.values() if isinstance(f, tuple) and isinstance(f[0], BaseException)]
+    text = str(err)
+    for errno_name in ("No space left on device", "Read-only file system", "Permission denied",
+                       "Disk quota exceeded"):
+        if errno_name in text:
+            return errno_name
+    return None
+
+
+# Less free space than this after a failed save means the disk filled up: torch.save reports
+# a full disk as "basic_ios::clear: iostream error" / "unexpected pos", without the errno.
+_DISK_FULL_MARGIN_BYTES = 16 << 20
+
+
+def _disk_full(path: Path) -> str | None:
+    """'No space left on device (...)' if the filesystem of ``path`` is (nearly) full, else None."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if free >= _DISK_FULL_MARGIN_BYTES:
+        return None
+    return f"No space left on device ({free >> 10} KiB free)"
 
 
 def _prime_optimizer_state(optimizer: Any) -> None:

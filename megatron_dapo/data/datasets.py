@@ -81,19 +81,31 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
     """Yields (location, row) pairs; location names the file and row for error messages."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
+        with path.open("rb") as f:
+            for line_number, raw in enumerate(f, start=1):
+                where = f"{path} line {line_number}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{where}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                    "save the file as UTF-8") from None
                 if not line.strip():
                     continue
-                where = f"{path} line {line_number}"
                 try:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: invalid JSON ({e.msg}); {EXPECTED_SCHEMA}") from None
     elif suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        for row_number, row in enumerate(pq.read_table(path).to_pylist()):
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as e:  # truncated or not parquet at all
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise DataError(f"prompt file {path} cannot be read as parquet ({first[:200]}); "
+                            "the file is truncated or corrupted: copy or export it again") from None
+        for row_number, row in enumerate(rows):
             yield f"{path} row {row_number} (0-based)", row
     else:
         raise DataError(f"prompt file {path} has extension {path.suffix!r}; use a .jsonl or .parquet file")

@@ -40,6 +40,8 @@ SPM_EOS_ID = 3
 # Bumped when the training recipe below changes, so old cache entries are not reused.
 _SPM_CACHE_VERSION = 1
 SPM_MODEL_FILENAME = "spm.model"
+# Files of which an HF model directory needs at least one to have a tokenizer.
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 def concat_messages(messages: Sequence[dict[str, str]]) -> str:
@@ -319,6 +321,16 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise DataError(
             f"tokenizer path {path} is neither a sentencepiece .model file nor a local "
             "directory with an HF tokenizer; point it at one (nothing is downloaded at run time)"
+        )
+    found = sorted(p.name for p in path.iterdir() if p.name in HF_TOKENIZER_FILES)
+    if not found and (path / SPM_MODEL_FILENAME).is_file():
+        # An embedded-task model exported to HF carries its sentencepiece model (run.py).
+        return SentencePieceTokenizer(path / SPM_MODEL_FILENAME)
+    if not found:
+        # transformers would build a tokenizer of one token from config.json alone: every prompt empty.
+        raise DataError(
+            f"{path} has no tokenizer files (none of {', '.join(HF_TOKENIZER_FILES)}); copy the model's "
+            "tokenizer files into it or set model.tokenizer"
         )
     from transformers import AutoTokenizer
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.errors import UserError
 from megatron_dapo.models.adapter import DecoderAdapter, ModelAdapter, te_available, unwrap_model
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint, read_hf_config
@@ -50,7 +51,7 @@ def adapter_for(source: str | Path | dict[str, Any]) -> DecoderAdapter:
         by_arch = {arch: name for name, cls in ADAPTERS.items() for arch in cls.architectures}
         family = next((by_arch[a] for a in raw.get("architectures") or [] if a in by_arch), None)
     if family is None:
-        raise ValueError(
+        raise UserError(
             f"{where} has model_type={raw.get('model_type')!r}, architectures={raw.get('architectures')}; "
             f"supported model types are {sorted(ADAPTERS)}"
         )

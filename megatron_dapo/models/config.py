@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_dapo.errors import UserError
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HFModelConfig:
@@ -48,7 +50,7 @@ class HFModelConfig:
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_kv_heads != 0:
-            raise ValueError(
+            raise UserError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads} in config.json; the config is corrupt"
             )
@@ -78,7 +80,7 @@ def parse_decoder_config(
     )
     missing = [key for key in required if key not in raw]
     if missing:
-        raise ValueError(f"{source} lacks required keys {missing}; it is not a complete decoder config.json")
+        raise UserError(f"{source} lacks required keys {missing}; it is not a complete decoder config.json")
     if raw.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={raw['hidden_act']!r} (only 'silu' is supported)")
     rope = raw.get("rope_parameters") or {}
@@ -91,7 +93,7 @@ def parse_decoder_config(
     num_heads = raw["num_attention_heads"]
     architectures = raw.get("architectures") or [""]
     if problems:
-        raise ValueError(
+        raise UserError(
             f"{source} describes a model this adapter cannot reproduce exactly: " + "; ".join(problems)
         )
     return HFModelConfig(

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from megatron_dapo.errors import UserError
+
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -31,15 +33,15 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
     """
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
-        raise ValueError(
+        raise UserError(
             f"HF checkpoint {directory} has no {CONFIG_FILE}; pass the directory save_pretrained wrote"
         )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); re-download or re-save the checkpoint") from err
+        raise UserError(f"{path} is not valid JSON ({err}); re-download or re-save the checkpoint") from err
     if not isinstance(config, dict):
-        raise ValueError(f"{path} holds a {type(config).__name__}, not a JSON object; re-save the checkpoint")
+        raise UserError(f"{path} holds a {type(config).__name__}, not a JSON object; re-save the checkpoint")
     return config
 
 
@@ -54,7 +56,7 @@ class HFCheckpoint:
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
         if not self.directory.is_dir():
-            raise ValueError(f"HF checkpoint directory {directory} does not exist; check the path")
+            raise UserError(f"HF checkpoint directory {directory} does not exist; check the path")
         self.config = read_hf_config(self.directory)
         self._file_of: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -74,20 +76,20 @@ class HFCheckpoint:
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             except (json.JSONDecodeError, KeyError) as err:
-                raise ValueError(
+                raise UserError(
                     f"{index} is unreadable or lacks 'weight_map' ({err}); re-download it"
                 ) from err
             files = sorted({self.directory / name for name in weight_map.values()})
             missing = [f.name for f in files if not f.is_file()]
             if missing:
-                raise ValueError(
+                raise UserError(
                     f"{index} lists shard files that are missing: {missing}; the download is incomplete"
                 )
             return files
         files = sorted(self.directory.glob("*.safetensors"))
         if not files:
             found = sorted(p.name for p in self.directory.iterdir())
-            raise ValueError(
+            raise UserError(
                 f"HF checkpoint {self.directory} has no *.safetensors files (found {found}); "
                 "only safetensors is supported: re-save with save_pretrained(safe_serialization=True)"
             )
@@ -98,10 +100,15 @@ class HFCheckpoint:
             try:
                 self._handles[file] = safe_open(str(file), framework="pt")
             except Exception as err:
-                raise ValueError(
+                raise UserError(
                     f"{file} is truncated or not a safetensors file ({err}); re-download it"
                 ) from err
         return self._handles[file]
+
+    @property
+    def dtypes(self) -> dict[str, str]:
+        """Tensor name -> safetensors dtype name ("F32", "BF16", "I32", ...)."""
+        return dict(self._dtypes)
 
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -133,6 +140,6 @@ class HFCheckpoint:
             assert dim == 1, f"only dims 0 and 1 are sliced, got {dim}"
             return tensor_slice[:, start:stop]
         except Exception as err:
-            raise ValueError(
+            raise UserError(
                 f"reading {name!r} from {self._file_of[name]} failed ({err}); the file is truncated, re-download it"
             ) from err

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dapo.errors import UserError
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint
 
@@ -121,6 +122,10 @@ def expected_hf_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
+"""safetensors dtype names a weight may be stored in."""
+
+
 def check_checkpoint(hf: HFModelConfig, ckpt: HFCheckpoint) -> None:
     """Compare the checkpoint's tensors with what config.json implies; raise once, listing all differences.
 
@@ -141,13 +146,18 @@ def check_checkpoint(hf: HFModelConfig, ckpt: HFCheckpoint) -> None:
         for name in set(expected) & set(found)
         if tuple(found[name]) != expected[name]
     )
-    if missing or unexpected or wrong:
+    # Integer or bool "weights" would be cast to floats silently: the file is not these weights.
+    dtypes = ckpt.dtypes
+    not_float = sorted(f"{name} {dtypes[name]}" for name in set(expected) & set(found)
+                       if dtypes[name] not in FLOAT_DTYPES)
+    if missing or unexpected or wrong or not_float:
         problems = []
-        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong)):
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", wrong),
+                             (f"not floating point ({'/'.join(FLOAT_DTYPES)})", not_float)):
             if items:
                 shown = ", ".join(items[:8]) + (f" (+{len(items) - 8} more)" if len(items) > 8 else "")
                 problems.append(f"{len(items)} {label}: {shown}")
-        raise ValueError(
+        raise UserError(
             f"HF checkpoint {ckpt.directory} does not match its config.json ({hf.architecture}): "
             + "; ".join(problems)
             + "; the weights and config.json come from different models or the save was partial"
@@ -202,7 +212,7 @@ def tensor_maps(
         else:
             unknown.append(name)
     if unknown:
-        raise ValueError(
+        raise UserError(
             f"Megatron parameters {unknown} have no HF counterpart; the model was built with options the "
             "adapter does not map (e.g. add_bias_linear or MoE): build it with the adapter's transformer_config"
         )

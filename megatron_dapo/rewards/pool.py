@@ -13,8 +13,8 @@ is running, kills the worker when that call's deadline passes and starts a fresh
 Workers start with "forkserver" (or "spawn" where forkserver is missing): a fresh
 interpreter, never a fork of a process that holds threads and communicator state.
 
-Workers are daemon processes so that they die with the controller; a reward function
-therefore cannot start processes of its own. The pool is not thread-safe.
+Workers are daemon processes so that they die with the controller, also after kill -9
+(lifetime.py); a reward function therefore cannot start processes of its own. The pool is not thread-safe.
 """
 
 import contextlib
@@ -30,6 +30,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megatron_dapo.errors import UserError
+from megatron_dapo.lifetime import die_with_parent
 from megatron_dapo.rewards.registry import RewardFn, get_reward_fn
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,12 @@ FAILURE_SCORE = -1.0
 DEFAULT_MAX_RESPONSE_CHARS = 200_000
 
 RewardInput = tuple[str, str, dict | None]
+# The circuit breaker judges a batch from this many finished calls on (or all, if fewer).
+BREAKER_MIN_CALLS = 16
+
+
+class RewardFunctionBroken(UserError):
+    """Most calls of a batch failed: the reward function, not the responses, is at fault."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,6 +90,9 @@ def _worker_main(conn: Connection, fn_spec: str) -> None:
         conn: the worker's end of its pipe to the pool.
         fn_spec: the reward function spec, resolved here with get_reward_fn.
     """
+    # A worker outlives a SIGKILLed trainer otherwise (lifetime.py); its parent is the forkserver,
+    # which exits when the trainer does.
+    die_with_parent()
     # Ctrl-C reaches the whole process group; the pool, not each worker, handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -114,6 +124,12 @@ class _Batch:
         self.results: list[dict[str, Any] | None] = [None] * num_calls
         self.failures: dict[int, tuple[bool, str]] = {}  # index -> (timed out, message)
 
+    def broken(self, max_failure_fraction: float) -> bool:
+        """True once enough calls finished and more than the given share of them failed."""
+        num_done = sum(r is not None for r in self.results)
+        return (num_done >= min(BREAKER_MIN_CALLS, len(self.results)) and num_done > 0
+                and len(self.failures) > max_failure_fraction * num_done)
+
     def fail(self, index: int, error: str, *, timed_out: bool = False) -> None:
         """Record a failed call: it scores FAILURE_SCORE and its result names the error."""
         self.results[index] = {"score": FAILURE_SCORE, "acc": False, "error": error}
@@ -134,6 +150,10 @@ class RewardPool:
         max_response_chars: responses longer than this keep only their tail.
         start_timeout_s: seconds a worker may take to start and import fn_spec.
         start_method: "forkserver" or "spawn"; None picks forkserver where available.
+        max_failure_fraction: score_batch raises RewardFunctionBroken once more than this
+            share of a batch's finished calls failed (from BREAKER_MIN_CALLS calls on):
+            a function that always fails would otherwise train on constant -1, and a hung
+            one cost timeout_s per call. 1.0 = never.
 
     Raises:
         UserError: a bad argument, or fn_spec that does not resolve (in the workers too).
@@ -148,6 +168,7 @@ class RewardPool:
         max_response_chars: int = DEFAULT_MAX_RESPONSE_CHARS,
         start_timeout_s: float = 120.0,
         start_method: str | None = None,
+        max_failure_fraction: float = 1.0,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise UserError(
@@ -175,6 +196,9 @@ class RewardPool:
         self.timeout_s = float(timeout_s)
         self.max_response_chars = max_response_chars
         self.start_timeout_s = float(start_timeout_s)
+        if not 0 < max_failure_fraction <= 1:
+            raise UserError(f"RewardPool max_failure_fraction={max_failure_fraction!r}: expected a share in (0, 1]")
+        self.max_failure_fraction = float(max_failure_fraction)
         # Resolving here too makes a bad spec fail in the caller, with its own traceback.
         self._fn: RewardFn = get_reward_fn(fn_spec)
         self._context = mp.get_context(start_method)
@@ -241,6 +265,8 @@ class RewardPool:
                     done.results[index] = self._fn(solution_str, ground_truth, extra_info)
                 except Exception as err:
                     done.fail(index, f"{type(err).__name__}: {err}")
+                if done.broken(self.max_failure_fraction):
+                    raise self._broken(done)
 
         num_timeouts = sum(timed_out for timed_out, _ in done.failures.values())
         stats = RewardStats(
@@ -320,6 +346,19 @@ class RewardPool:
                     worker.task = index
                     worker.deadline = time.monotonic() + self.timeout_s
             self._poll([w for w in self._workers if w.task is not None or not w.ready], done)
+            if done.broken(self.max_failure_fraction):
+                raise self._broken(done)
+
+    def _broken(self, done: _Batch) -> RewardFunctionBroken:
+        num_done = sum(r is not None for r in done.results)
+        num_timeouts = sum(timed_out for timed_out, _ in done.failures.values())
+        return RewardFunctionBroken(
+            f"reward function {self.fn_spec!r} failed on {len(done.failures)} of {num_done} calls "
+            f"({len(done.failures) - num_timeouts} errors, {num_timeouts} timeouts of {self.timeout_s:g} s), more "
+            f"than reward.max_failure_fraction={self.max_failure_fraction:g}; first: "
+            f"{done.failures[min(done.failures)][1]}. Fix the reward function (or raise reward.timeout_s if it is "
+            "only slow)"
+        )
 
     def _poll(self, busy: list[_Worker], done: _Batch) -> None:
         """Wait for the next message or deadline among busy workers, and act on it.

@@ -112,7 +112,7 @@ def _import_user_fn(spec: str) -> Callable[..., Any]:
             else f"importing {module_name!r} failed: {err}"
         )
         raise UserError(f"reward function {spec!r}: {what}; {_EXPECTED_FORM}") from err
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # a module that calls sys.exit/exit() on import, too
         raise UserError(
             f"reward function {spec!r}: importing {module_name!r} raised {type(err).__name__}: {err}; "
             "fix the module so that it imports cleanly"

@@ -9,3 +9,8 @@ def char_parity(solution_str: str, ground_truth: str, extra_info: dict | None = 
     """
     acc = sum(map(ord, solution_str)) % 2 == 0
     return {"score": 1.0 if acc else -1.0, "acc": acc}
+
+
+def always_fails(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """A broken reward function: the run must stop with this error, not train on -1."""
+    raise ZeroDivisionError("the grader divided by zero")

@@ -128,6 +128,23 @@ def test_truncated_shard_is_one_line_exit_2(converted: dict[str, tuple[Path, Pat
     assert not (tmp_path / "o").exists()
 
 
+def test_flipped_byte_in_tensor_data_is_one_line_exit_2(converted: dict[str, tuple[Path, Path]],
+                                                      tmp_path: Path) -> None:
+    # Before: the export succeeded with one weight silently changed.
+    broken = tmp_path / "broken"
+    shutil.copytree(converted["qwen2"][1], broken)
+    shard = max((broken / "dist").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(shard, "r+b") as f:
+        f.seek(shard.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x40]))
+    line = _one_line_error(_run([str(TO_HF), "--ckpt", str(broken), "--out", str(tmp_path / "o")]))
+    assert (f"checkpoint {broken}: dist/{shard.name} does not match its checksum (corrupted on disk or in a "
+            "copy); use an earlier checkpoint or copy this one again") in line
+    assert not (tmp_path / "o").exists()
+
+
 def test_truncated_metadata_is_one_line_exit_2(
     converted: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:

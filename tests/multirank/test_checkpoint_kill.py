@@ -75,6 +75,29 @@ def _child_resume(root: Path) -> None:
     mgr.save(2, [ddp], opt, sched, {"step": 2}, {"seed": 7})
 
 
+def _child_disk_full(root: Path) -> None:
+    """Save step 1, fill the disk, try step 2: one CheckpointError line, the tmp dir gone."""
+    from test_checkpoint_layouts import _build, _train_step
+
+    from megatron_dapo.checkpoint import CheckpointError, manager
+
+    _, ddp, opt, sched = _build(tp=1, pp=1)
+    mgr = manager.CheckpointManager(root / "ckpt", keep_last=2)
+    _train_step(ddp, opt, sched, 0)
+    mgr.save(1, [ddp], opt, sched, {"step": 1}, {"seed": 7})
+    with open(root / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"0" * 65536)
+        except OSError:
+            pass
+    _train_step(ddp, opt, sched, 1)
+    try:
+        mgr.save(2, [ddp], opt, sched, {"step": 2}, {"seed": 7})
+    except CheckpointError as e:
+        print(f"SAVE_FAILED {e}", flush=True)
+
+
 def _spawn(log: Path, *args: str) -> subprocess.Popen[str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -128,9 +151,41 @@ def test_kill_9_during_save_keeps_previous_checkpoint(tmp_path: Path, kill_point
     assert (ckpt / "latest").read_text() == "step_2\n"
 
 
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_disk_full_during_save_is_one_line_and_recoverable(tmp_path: Path, small_tmpfs: Path) -> None:
+    from megatron_dapo.checkpoint import latest_checkpoint
+
+    proc = _spawn(tmp_path / "full.log", "disk_full", str(small_tmpfs))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, (tmp_path / "full.log").read_text()[-3000:]
+    ckpt = small_tmpfs / "ckpt"
+    line = next(x for x in out.splitlines() if x.startswith("SAVE_FAILED"))
+    # torch.save reports it as "basic_ios::clear: iostream error", with no errno: the free space tells.
+    prefix, rest = line.split(" KiB free)", 1)
+    assert prefix.startswith(f"SAVE_FAILED saving checkpoint step 2 to {ckpt} failed: No space left on device (")
+    assert rest == (f"; the previous checkpoint {ckpt}/step_1 is intact. Free space (or fix the permissions) "
+                    "and rerun the same command to resume")
+    # The failed save's files are gone (before: .tmp-step_2 stayed and filled the disk).
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_1"]
+    assert latest_checkpoint(ckpt) == ckpt / "step_1"
+
+
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if sys.argv[1] == "save":
         _child_save(Path(sys.argv[2]), sys.argv[3])
+    elif sys.argv[1] == "disk_full":
+        _child_disk_full(Path(sys.argv[2]))
     else:
         _child_resume(Path(sys.argv[2]))

@@ -17,7 +17,7 @@ EXAMPLES = sorted(Path(__file__).resolve().parents[2].glob("examples/*.yaml"))
 BAD_CONFIGS = [
     ("algorithm: {clip_ratio_hgh: 0.3}", [],
      "{f}: algorithm.clip_ratio_hgh: unknown key; did you mean 'algorithm.clip_ratio_high'?"),
-    ("", ["algorithm.clip_ratio_hgh=0.3"],
+    ("trainer: {seed: 1}", ["algorithm.clip_ratio_hgh=0.3"],
      "command line: algorithm.clip_ratio_hgh: unknown key; did you mean 'algorithm.clip_ratio_high'?"),
     ("algorithm: {clip_ratio_low: 1.5}", [],
      "{f}: algorithm.clip_ratio_low=1.5: must be in (0, 1); DAPO uses 0.2"),
@@ -43,7 +43,7 @@ BAD_CONFIGS = [
     ("data: {max_response_length: 4096}", [],
      "{f}: reward.overlong_buffer.len: must be < data.max_response_length=4096; shrink the buffer or "
      "disable it (reward.overlong_buffer.enable=false)"),
-    ("", ["reward.overlong_buffer.len=30000"],
+    ("trainer: {seed: 1}", ["reward.overlong_buffer.len=30000"],
      "command line: reward.overlong_buffer.len=30000: must be < data.max_response_length=20480; shrink the "
      "buffer or disable it (reward.overlong_buffer.enable=false)"),
     ("parallel: {tensor_model_parallel_size: 3}", [],
@@ -77,10 +77,10 @@ BAD_CONFIGS = [
     ("modle: {}", [], "{f}: modle: unknown key; did you mean 'model'?"),
     ("- a\n- b", [], "{f}: the top level must be a mapping of sections (model, data, ...)"),
     ("model: {hf_checkpoint: [x", [], "{f} line 1: invalid YAML: expected ',' or ']', but got '<stream end>'"),
-    ("", ["algorithm.clip_ratio_high"],
+    ("trainer: {seed: 1}", ["algorithm.clip_ratio_high"],
      "command line: bad override 'algorithm.clip_ratio_high'; expected dotted.key=value, e.g. "
      "algorithm.clip_ratio_high=0.28"),
-    ("", ["trainer..seed=1"],
+    ("trainer: {seed: 1}", ["trainer..seed=1"],
      "command line: bad override 'trainer..seed=1'; expected dotted.key=value, e.g. "
      "algorithm.clip_ratio_high=0.28"),
 ]
@@ -118,6 +118,21 @@ def test_override_types_follow_yaml():
 def test_int_widens_to_float_and_later_override_wins():
     cfg = load_config(None, ["optim.lr=1", "optim.lr=2"])
     assert cfg.optim.lr == 2.0 and isinstance(cfg.optim.lr, float)
+
+
+def test_a_whole_section_override_merges_into_the_files_section(tmp_path):
+    f = tmp_path / "exp.yaml"
+    f.write_text("optim: {lr: 3.0e-4, lr_warmup_steps: 4, clip_grad: 0.5}\n")
+    cfg = load_config(f, ["optim={lr: 1.0e-4}"])
+    # Before: the section was replaced, so warmup and clip_grad fell back to the defaults.
+    assert (cfg.optim.lr, cfg.optim.lr_warmup_steps, cfg.optim.clip_grad) == (1e-4, 4, 0.5)
+
+
+def test_validate_reads_options_between_overrides(tmp_path, capsys):
+    f = tmp_path / "exp.yaml"
+    f.write_text("trainer: {seed: 1}\n")
+    assert cli.run(["config", "validate", str(f), "optim.lr=1", "--world-size", "2", "trainer.seed=3"]) == 0
+    assert capsys.readouterr().out == f"{f}: OK (data-parallel size 2 at world size 2)\n"
 
 
 def test_defaults_are_the_paper_settings():

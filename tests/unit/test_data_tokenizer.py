@@ -1,5 +1,6 @@
 """The sentencepiece tokenizer: exact round trips, digit splitting, special ids, the cache."""
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -8,10 +9,12 @@ import sentencepiece as spm
 from megatron_dapo.data.arithmetic import ArithmeticMix, generate_problems
 from megatron_dapo.data.errors import DataError
 from megatron_dapo.data.tokenizer import (
+    SPM_MODEL_FILENAME,
     SentencePieceSettings,
     SentencePieceTokenizer,
     Tokenizer,
     load_or_train_sentencepiece,
+    load_tokenizer,
 )
 
 
@@ -68,3 +71,22 @@ def test_bad_settings_and_paths() -> None:
         SentencePieceTokenizer("/nonexistent/spm.model")
     with pytest.raises(DataError, match="empty corpus"):
         load_or_train_sentencepiece(["", ""], "/nonexistent", SentencePieceSettings())
+
+
+def test_an_hf_dir_without_tokenizer_files_is_refused(tmp_path: Path) -> None:
+    # Before: transformers built a one-token tokenizer from config.json and every prompt was empty.
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    with pytest.raises(DataError, match=r"has no tokenizer files \(none of tokenizer.json, .*\); copy the model's "
+                                        r"tokenizer files into it or set model.tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_an_exported_embedded_model_dir_loads_its_sentencepiece_model(tmp_path: Path, corpus: list[str]) -> None:
+    trained = load_or_train_sentencepiece(corpus, tmp_path / "cache", SentencePieceSettings())
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "config.json").write_text('{"model_type": "qwen2"}')
+    shutil.copyfile(trained.model_path, export / SPM_MODEL_FILENAME)
+    again = load_tokenizer(export)
+    assert again.vocab_size == trained.vocab_size
+    assert again.encode("12 + 30 = 42") == trained.encode("12 + 30 = 42") != []

@@ -10,7 +10,7 @@ import pytest
 import reward_fns_for_tests
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.rewards.pool import FAILURE_SCORE, RewardPool, RewardStats
+from megatron_dapo.rewards.pool import FAILURE_SCORE, RewardFunctionBroken, RewardPool, RewardStats
 
 HELPERS = reward_fns_for_tests.__name__
 TIMEOUT_S = 1.0
@@ -171,3 +171,33 @@ def test_bad_arguments_name_the_value(kwargs: dict, message: str) -> None:
     with pytest.raises(UserError) as excinfo:
         RewardPool(**arguments)
     assert str(excinfo.value) == message
+
+
+def test_a_reward_that_mostly_fails_stops_with_its_own_error() -> None:
+    # Before: every call scored -1 and the run trained on (or, with DAPO, filtered away) a constant.
+    inputs = [("raise", "1", None)] * 17 + [("ok", "1", None)] * 3
+    with RewardPool("reward_fns_for_tests:misbehave", num_workers=0, timeout_s=1.0,
+                    max_failure_fraction=0.5) as pool, pytest.raises(RewardFunctionBroken) as info:
+        pool.score_batch(inputs)
+    assert str(info.value) == (
+        "reward function 'reward_fns_for_tests:misbehave' failed on 16 of 16 calls (16 errors, 0 timeouts of "
+        "1 s), more than reward.max_failure_fraction=0.5; first: RuntimeError: cannot score 'raise'. Fix the "
+        "reward function (or raise reward.timeout_s if it is only slow)")
+
+
+def test_a_hung_reward_trips_the_breaker_after_a_small_batch_not_every_call() -> None:
+    inputs = [("hang", "1", None)] * 4
+    start = time.monotonic()
+    with RewardPool("reward_fns_for_tests:misbehave", num_workers=2, timeout_s=0.3,
+                    max_failure_fraction=0.5) as pool, pytest.raises(RewardFunctionBroken, match=r"failed on \d of \d "
+                                                                     r"calls \(0 errors, \d timeouts of 0.3 s\)"):
+        pool.score_batch(inputs)
+    assert time.monotonic() - start < 60
+
+
+def test_a_few_failures_under_the_share_do_not_stop_the_run() -> None:
+    inputs = [("raise", "1", None)] * 8 + [("ok", "1", None)] * 12
+    with RewardPool("reward_fns_for_tests:misbehave", num_workers=0, timeout_s=1.0,
+                    max_failure_fraction=0.5) as pool:
+        results, stats = pool.score_batch(inputs)
+    assert stats.num_errors == 8 and [r["score"] for r in results[8:]] == [1.0] * 12

@@ -1,0 +1,163 @@
+"""Faults of a real (tiny) run: kill -9 of the trainer's main process before its first
+checkpoint and during its first save, then the same command again.
+
+After each kill no process of the run may remain 10 s later (megatron-core's spawn
+Manager, the resource tracker, reward workers: megatron_dapo/lifetime.py), and the
+finished run's metrics.jsonl holds each step once (megatron_dapo/output_dir.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from trainer_utils import REPO, read_rows, train_command, trainer_env, write_config
+
+pytestmark = pytest.mark.e2e
+
+
+def _run_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries the run's tag (children inherit it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"FAULT_TEST_TAG={tag}".encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(") ", 1)[1][0] == "Z":
+                    continue
+        except OSError:
+            continue
+        found.append(int(entry))
+    return found
+
+
+def _kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
+                    timeout_s: float = 600) -> None:
+    """Start the run, SIGKILL its main process (only it, as the OOM killer does) once `ready()`."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before the kill point:\n" + \
+                log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        tag = env["FAULT_TEST_TAG"]
+        deadline = time.monotonic() + 10
+        while _run_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = _run_processes(tag)
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+    finally:
+        # A failing test must not leave its run behind: its own session holds only it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_kill_9_before_and_during_the_first_save_then_rerun(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    # The first checkpoint is step 2's (save_interval=0: only at the end).
+    config = write_config(tmp_path / "tiny.yaml", trainer={**_TRAINER, "save_interval": 0})
+    command = train_command(config, f"trainer.output_dir={out}")
+    env = {**trainer_env(tmp_path / "cache"), "FAULT_TEST_TAG": uuid.uuid4().hex}
+    metrics = out / "metrics.jsonl"
+
+    def logged_step_1() -> bool:
+        return metrics.is_file() and '"step": 1,' in metrics.read_text()
+
+    _kill_main_when(command, env, tmp_path / "a.log", logged_step_1)
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step_*"))
+    # Before: the rerun appended to the crashed attempt's lines (0, 1, 0, 1, 2).
+    _kill_main_when(command, env, tmp_path / "b.log", lambda: (out / "checkpoints" / ".tmp-step_2").exists())
+    proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step_2"]
+    # The embedded task's tokenizer travels with the checkpoint, so an export can be trained from.
+    from megatron_dapo.data.tokenizer import SentencePieceTokenizer, load_tokenizer
+
+    assert isinstance(load_tokenizer(out / "checkpoints" / "step_2" / "hf"), SentencePieceTokenizer)
+    assert _run_processes(env["FAULT_TEST_TAG"]) == []
+
+
+_TRAINER = {"total_training_steps": 2, "ppo_mini_batch_size": 2, "test_freq": 2, "device": "cpu",
+            "max_tokens_per_microbatch": 256, "logprob_chunk_size": 64}
+
+
+def test_ctrl_c_saves_after_the_step_and_the_rerun_continues(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml", trainer={**_TRAINER, "save_interval": 0})
+    command = train_command(config, f"trainer.output_dir={out}")
+    env = {**trainer_env(tmp_path / "cache"), "FAULT_TEST_TAG": uuid.uuid4().hex}
+    log = tmp_path / "a.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 600
+        # Step 0 (validation) is logged: the loop, and with it the Ctrl-C handler, is running.
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        rc = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # Before: a KeyboardInterrupt traceback, and no checkpoint of the finished step.
+    assert rc == 0, log.read_text()[-3000:]
+    assert "Traceback" not in log.read_text()
+    assert (out / "checkpoints" / "step_1" / "manifest.json").is_file()
+    proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2]
+
+
+def test_a_user_error_under_torchrun_prints_once_and_every_rank_exits_2(tmp_path: Path) -> None:
+    config = write_config(tmp_path / "tiny.yaml")
+    proc = subprocess.run(train_command(config, "model.hf_checkpoint=/nonexistent/model",
+                                        f"trainer.output_dir={tmp_path / 'run'}", nproc=2),
+                          env=trainer_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    line = ("error: model.hf_checkpoint='/nonexistent/model' is not a directory; point it at an HF model "
+            "directory (config.json, *.safetensors, tokenizer files)")
+    assert proc.stderr.count(line) == 1, proc.stderr[-4000:]
+    # torchrun itself exits 1 whatever its workers' codes; its summary shows each rank's code.
+    assert proc.returncode == 1
+    assert "exitcode  : 2" in proc.stderr, proc.stderr[-4000:]
+
+
+def test_controller_failing_in_rollout_ends_every_rank_in_bounded_time(tmp_path: Path) -> None:
+    # Rank 0 stops in step 1's rollout (the reward circuit breaker) while rank 1 already waits
+    # for its share of the batch; torchrun must end rank 1 and the error must name the cause.
+    config = write_config(tmp_path / "tiny.yaml", reward={**_REWARD, "reward_fn": "e2e_reward_fns:always_fails"},
+                          trainer={**_TRAINER, "val_before_train": False})
+    start = time.monotonic()
+    proc = subprocess.run(train_command(config, f"trainer.output_dir={tmp_path / 'run'}", nproc=2),
+                          env=trainer_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True, timeout=600)
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-4000:]  # torchrun's own code
+    assert proc.stderr.count("error: reward function 'e2e_reward_fns:always_fails' failed on") == 1, \
+        proc.stderr[-4000:]
+    assert "ZeroDivisionError: the grader divided by zero" in proc.stderr
+    # Rank 1 lost its peer in a collective: one line, no traceback, after rank 0's exit code 2.
+    assert "rank 1: stopped: another rank exited during a collective (" in proc.stderr
+    assert "[rank1]: Traceback" not in proc.stderr
+    assert "exitcode  : 2" in proc.stderr.split("Root Cause")[1], proc.stderr[-3000:]
+    assert elapsed < 400, elapsed  # setup dominates; the default collective timeout is 10 minutes
+
+
+_REWARD = {"num_workers": 1, "overlong_buffer": {"enable": True, "len": 4}}

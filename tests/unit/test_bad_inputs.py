@@ -1,0 +1,313 @@
+"""A hostile user's inputs: each bad config, CLI argument, reward, prompt file, HF checkpoint
+or resume checkpoint ends in ONE line naming it, exit code 2, no traceback.
+
+Every case runs the real CLI in-process (`megatron-dapo config validate ...` and friends), which
+reads what `train` would read first (megatron_dapo/preflight.py), so the table stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo import cli
+
+ROWS = [{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}]
+GOOD_JSONL = json.dumps(ROWS[0]) + "\n"
+
+
+def _jsonl(*rows: object) -> str:
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _safetensors_header(header: dict) -> bytes:
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text
+
+
+# (id, files {name: text|bytes} written under the case dir, argv after "megatron-dapo",
+#  expected message fragment). In argv, files and expectations, {d} is the case dir, {hf} a
+# valid tiny HF checkpoint and {tok} a tokenizer; c.yaml defaults to a one-line valid config.
+DATA = ["model.hf_checkpoint={hf}", "model.tokenizer={tok}"]
+CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
+    # ------------------------------------------------------------------ configs
+    ("yaml-duplicate-section", {"c.yaml": "optim: {lr: 3.0e-4}\ntrainer: {seed: 1}\noptim: {lr: 1.0e-6}\n"},
+     ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml line 3: duplicate key 'optim' (first at line 1); merge the two into one"),
+    ("yaml-duplicate-key", {"c.yaml": "optim:\n  lr: 1.0\n  lr: 2.0\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml line 3: duplicate key 'lr' (first at line 2); merge the two into one"),
+    ("yaml-duplicate-in-override", {}, ["config", "validate", "{d}/c.yaml", "optim={{lr: 1, lr: 2}}"],
+     "command line: cannot parse the value of 'optim': line 1: duplicate key 'lr' (first at line 1)"),
+    ("yaml-empty", {"c.yaml": ""}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: the file is empty (or only comments); start from examples/tiny_cpu.yaml"),
+    ("yaml-only-comments", {"c.yaml": "# all defaults?\n"}, ["config", "show", "{d}/c.yaml"],
+     "{d}/c.yaml: the file is empty (or only comments)"),
+    ("yaml-not-utf8", {"c.yaml": b"trainer:\n  experiment_name: caf\xe9\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml line 2: not UTF-8 (byte 0xe9); save the file as UTF-8"),
+    ("yaml-invalid", {"c.yaml": "model: {hf_checkpoint: [x\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml line 2: invalid YAML: expected ',' or ']'"),
+    ("yaml-top-level-list", {"c.yaml": "- a\n- b\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: the top level must be a mapping of sections"),
+    ("yaml-missing-file", {}, ["config", "validate", "{d}/nope.yaml"],
+     "{d}/nope.yaml: no such config file; pick one of examples/*.yaml"),
+    ("lr-inf-in-file", {"c.yaml": "optim: {lr: .inf}\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: optim.lr=inf: expected a finite number, got inf"),
+    ("lr-nan-override", {}, ["config", "validate", "{d}/c.yaml", "optim.lr=.nan"],
+     "command line: optim.lr=nan: expected a finite number, got nan"),
+    ("clip-minus-inf", {}, ["config", "validate", "{d}/c.yaml", "algorithm.clip_ratio_high=-.inf"],
+     "command line: algorithm.clip_ratio_high=-inf: expected a finite number, got -inf"),
+    ("reward-timeout-inf", {}, ["config", "validate", "{d}/c.yaml", "reward.timeout_s=.inf"],
+     "command line: reward.timeout_s=inf: expected a finite number, got inf"),
+    ("rollout-temperature-0", {}, ["config", "validate", "{d}/c.yaml", "rollout.temperature=0"],
+     "command line: rollout.temperature=0: must be > 0 for training rollouts (the actor divides logits by it)"),
+    ("output-dir-empty", {}, ["config", "validate", "{d}/c.yaml", "trainer.output_dir="],
+     "command line: trainer.output_dir='': is empty: give a run directory"),
+    ("output-dir-blank", {"c.yaml": "trainer: {output_dir: '  '}\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: trainer.output_dir='  ': is empty"),
+    ("train-files-empty-name", {}, ["config", "validate", "{d}/c.yaml", "data.train_files=['']"],
+     "command line: data.train_files=['']: holds an empty file name"),
+    ("val-files-empty-name", {"c.yaml": "data: {val_files: [a.jsonl, '']}\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: data.val_files=['a.jsonl', '']: holds an empty file name"),
+    ("resume-empty", {}, ["config", "validate", "{d}/c.yaml", "trainer.resume="],
+     "command line: trainer.resume='': is empty: use auto, disable or a checkpoint path"),
+    ("unknown-section", {"c.yaml": "optimizer: {lr: 1.0}\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: optimizer: unknown key; did you mean 'optim'?"),
+    ("unknown-key-override", {}, ["config", "validate", "{d}/c.yaml", "optim.learning_rate=1"],
+     "command line: optim.learning_rate: unknown key"),
+    ("int-as-string", {"c.yaml": "trainer: {total_training_steps: ten}\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: trainer.total_training_steps='ten': expected an integer, got str 'ten'"),
+    ("bool-as-int", {}, ["config", "validate", "{d}/c.yaml", "trainer.seed=true"],
+     "command line: trainer.seed=True: expected an integer, got bool True"),
+    ("steps-zero", {}, ["config", "validate", "{d}/c.yaml", "trainer.total_training_steps=0"],
+     "command line: trainer.total_training_steps=0: must be > 0"),
+    ("engine-typo", {}, ["config", "validate", "{d}/c.yaml", "rollout.engine=sglng"],
+     "did you mean 'sglang'?"),
+    ("section-as-scalar", {"c.yaml": "optim: 0.1\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: optim=0.1: expected a mapping of OptimConfig fields, got 0.1"),
+    ("gen-below-train-batch", {}, ["config", "validate", "{d}/c.yaml", "data.gen_batch_size=1"],
+     "data.gen_batch_size=1: must be >= train_batch_size"),
+    ("tp-does-not-divide-heads", {}, ["config", "validate", "{d}/c.yaml", "parallel.tensor_model_parallel_size=3"],
+     "parallel.tensor_model_parallel_size=3 does not divide num_attention_heads"),
+    # ------------------------------------------------------------------ command line
+    ("cli-world-size-0", {}, ["config", "validate", "{d}/c.yaml", "--world-size", "0"],
+     "argument --world-size: must be >= 1 (the number of processes), got 0"),
+    ("cli-world-size-negative", {}, ["config", "validate", "{d}/c.yaml", "--world-size", "-2"],
+     "argument --world-size: must be >= 1 (the number of processes), got -2"),
+    ("cli-world-size-text", {}, ["config", "validate", "{d}/c.yaml", "--world-size", "two"],
+     "argument --world-size: expected a whole number of processes, got 'two'"),
+    ("cli-world-size-indivisible", {}, ["config", "validate", "{d}/c.yaml", "--world-size", "3",
+                                        "parallel.tensor_model_parallel_size=2"],
+     "does not divide the world size 3 (--world-size); launch a multiple of 2 processes"),
+    ("cli-intermixed-override-is-read", {}, ["config", "validate", "{d}/c.yaml", "--world-size", "2",
+                                             "optim.lr=.inf"],
+     "command line: optim.lr=inf: expected a finite number, got inf"),
+    ("cli-nodes-mismatch", {}, ["config", "validate", "{d}/c.yaml", "trainer.n_gpus_per_node=4", "--world-size", "2"],
+     "trainer.nnodes x trainer.n_gpus_per_node = 1x4 but the launcher started 2 processes (--world-size)"),
+    ("cli-dp-rank-without-sequences", {}, ["config", "validate", "{d}/c.yaml", "--world-size", "16",
+                                           "trainer.ppo_mini_batch_size=1", "rollout.n=4"],
+     "trainer.ppo_mini_batch_size x rollout.n = 1x4 = 4 sequences per mini-batch, fewer than the data-parallel "
+     "size 16 at world size 16 (--world-size): some ranks would get none; raise trainer.ppo_mini_batch_size to "
+     "at least 4 or launch fewer processes"),
+    ("cli-unknown-flag", {}, ["config", "validate", "{d}/c.yaml", "--bogus"],
+     "megatron-dapo: error: unrecognized arguments: --bogus"),
+    ("cli-no-command", {}, [], "megatron-dapo: error: the following arguments are required: command"),
+    ("cli-bad-command", {}, ["trian", "{d}/c.yaml"], "argument command: invalid choice: 'trian'"),
+    ("cli-config-no-action", {}, ["config"], "the following arguments are required: action"),
+    ("cli-validate-no-file", {}, ["config", "validate"], "the following arguments are required: file"),
+    ("cli-override-no-equals", {}, ["config", "validate", "{d}/c.yaml", "optim.lr"],
+     "command line: bad override 'optim.lr'; expected dotted.key=value"),
+    ("cli-override-empty-part", {}, ["config", "validate", "{d}/c.yaml", "optim..lr=1"],
+     "command line: bad override 'optim..lr=1'"),
+    ("cli-override-into-value", {}, ["config", "validate", "{d}/c.yaml", "optim=1", "optim.lr=2"],
+     "command line: cannot set optim.lr: optim is a value, not a section"),
+    ("cli-override-unparsable", {}, ["config", "validate", "{d}/c.yaml", "optim.lr=[1"],
+     "command line: cannot parse the value of 'optim.lr'"),
+    ("cli-convert-missing-args", {}, ["convert", "mcore-to-hf"], "the following arguments are required: --ckpt"),
+    # ------------------------------------------------------------------ rewards
+    ("reward-builtin-typo", {}, ["config", "validate", "{d}/c.yaml", "reward.reward_fn=math_dap"],
+     "reward function 'math_dap' is not a built-in and not 'module:function'"),
+    ("reward-module-missing", {}, ["config", "validate", "{d}/c.yaml", "reward.reward_fn=no_such_mod_18:f"],
+     "reward function 'no_such_mod_18:f': module 'no_such_mod_18' not found"),
+    ("reward-no-attribute", {"rw_noattr.py": "def g(a, b, extra_info=None):\n    return 1.0\n"},
+     ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_noattr:f"],
+     "module 'rw_noattr' has no attribute 'f'"),
+    ("reward-not-callable", {"rw_notcall.py": "f = 3\n"},
+     ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_notcall:f"],
+     "rw_notcall.f is of type int, not callable"),
+    ("reward-bad-signature", {"rw_sig.py": "def f(a):\n    return 1.0\n"},
+     ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_sig:f"],
+     "cannot be called as f(solution_str, ground_truth, extra_info=...)"),
+    ("reward-raises-on-import", {"rw_raise.py": "raise RuntimeError('no GPU here')\n"},
+     ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_raise:f"],
+     "importing 'rw_raise' raised RuntimeError: no GPU here; fix the module so that it imports cleanly"),
+    ("reward-exits-on-import", {"rw_exit.py": "import sys\nsys.exit(3)\n"},
+     ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_exit:f"],
+     "importing 'rw_exit' raised SystemExit: 3; fix the module so that it imports cleanly"),
+    ("reward-syntax-error", {"rw_syntax.py": "def f(:\n"},
+     ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_syntax:f"],
+     "importing 'rw_syntax' raised SyntaxError"),
+    ("reward-missing-dependency", {"rw_dep.py": "import not_installed_pkg_18\n"},
+     ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_dep:f"],
+     "importing 'rw_dep' failed: No module named 'not_installed_pkg_18'"),
+    # ------------------------------------------------------------------ prompt data
+    ("data-not-utf8", {"p.jsonl": b'{"prompt": "caf\xe9", "answer": "1"}\n'},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "{d}/p.jsonl line 1: not UTF-8 (byte 0xe9 at column 16); save the file as UTF-8"),
+    ("data-invalid-json", {"p.jsonl": GOOD_JSONL + '{"prompt": \n'},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "{d}/p.jsonl line 2: invalid JSON"),
+    ("data-missing-file", {}, ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/none.jsonl]"],
+     "prompt file {d}/none.jsonl does not exist; check data.train_files / data.val_files"),
+    ("data-bad-extension", {"p.csv": "prompt,answer\n"},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.csv]"],
+     "prompt file {d}/p.csv has extension '.csv'; use a .jsonl or .parquet file"),
+    ("data-truncated-parquet", {"p.parquet": "PARQUET_TRUNCATED"},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.parquet]"],
+     "prompt file {d}/p.parquet cannot be read as parquet ("),
+    ("data-not-parquet", {"p.parquet": "just text\n"},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.parquet]"],
+     "the file is truncated or corrupted: copy or export it again"),
+    ("data-empty-file", {"p.jsonl": "\n"},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "prompt file {d}/p.jsonl has no rows"),
+    ("data-no-prompt", {"p.jsonl": _jsonl({"question": "1+1?", "answer": "2"})},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "{d}/p.jsonl line 1: row has no 'prompt' field"),
+    ("data-plain-no-answer", {"p.jsonl": _jsonl({"prompt": "1+1?"})},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "{d}/p.jsonl line 1: plain row (string 'prompt') has no 'answer' field"),
+    ("data-empty-messages", {"p.jsonl": _jsonl({"prompt": [], "reward_model": {"ground_truth": "2"}})},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "{d}/p.jsonl line 1: 'prompt' is an empty list"),
+    ("data-answer-is-list", {"p.jsonl": _jsonl({"prompt": "1+1?", "answer": [2]})},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "is not a string or number"),
+    ("data-extra-info-not-object", {"p.jsonl": _jsonl({**ROWS[0], "extra_info": [1]})},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "{d}/p.jsonl line 1: 'extra_info' = [1] is not an object"),
+    ("data-source-not-string", {"p.jsonl": _jsonl({**ROWS[0], "data_source": 7})},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],
+     "{d}/p.jsonl line 1: 'data_source' = 7 is not a string"),
+    ("data-bad-val-file", {"p.jsonl": GOOD_JSONL, "v.jsonl": "not json\n"},
+     ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]", "data.val_files=[{d}/v.jsonl]"],
+     "{d}/v.jsonl line 1: invalid JSON"),
+    ("data-without-tokenizer", {"p.jsonl": GOOD_JSONL},
+     ["config", "validate", "{d}/c.yaml", "data.train_files=[{d}/p.jsonl]"],
+     "data.train_files is set but neither model.tokenizer nor model.hf_checkpoint is"),
+    ("data-tokenizer-missing", {"p.jsonl": GOOD_JSONL},
+     ["config", "validate", "{d}/c.yaml", "model.tokenizer={d}/tok", "data.train_files=[{d}/p.jsonl]"],
+     "tokenizer path {d}/tok is neither a sentencepiece .model file nor a local directory"),
+    # ------------------------------------------------------------------ HF checkpoints
+    ("hf-without-tokenizer", {}, ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={hf}"],
+     "{hf} has no tokenizer files (none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, "
+     "spiece.model); copy the model's tokenizer files into it or set model.tokenizer"),
+    ("hf-int32-weights", {"hf/config.json": "COPY_HF_CONFIG", "hf/model.safetensors": "HF_WEIGHTS_EMBED_INT32"},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf", "model.tokenizer={tok}"],
+     "does not match its config.json (Qwen2ForCausalLM): 1 not floating point (F32/BF16/F16/F64): "
+     "model.embed_tokens.weight I32"),
+    ("hf-wrong-model-type", {"hf/config.json": "HF_CONFIG_AS_LLAMA", "hf/model.safetensors": "HF_WEIGHTS"},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf", "model.tokenizer={tok}"],
+     "does not match its config.json (LlamaForCausalLM): 3 unexpected: model.layers.0.self_attn.k_proj.bias"),
+    ("hf-missing-dir", {}, ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint=/nonexistent/model"],
+     "model.hf_checkpoint='/nonexistent/model' is not a directory; point it at an HF model directory"),
+    ("hf-no-config", {"hf/model.safetensors": _safetensors_header({})},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf"], "config.json"),
+    ("hf-config-not-json", {"hf/config.json": "{model_type: qwen2"},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf"], "cannot read {d}/hf/config.json: Expecting property name"),
+    ("hf-unsupported-family", {"hf/config.json": json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf"],
+     "has model_type='gpt2', architectures=['GPT2LMHeadModel']; supported model types are"),
+    ("hf-corrupt-shard-header", {"hf/config.json": "COPY_HF_CONFIG", "hf/model.safetensors": b"\xff" * 64},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf"],
+     "{d}/hf/model.safetensors is truncated or not a safetensors file"),
+    ("hf-no-weights", {"hf/config.json": "COPY_HF_CONFIG"},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf"],
+     "HF checkpoint {d}/hf has no *.safetensors files"),
+    ("hf-index-missing-shard", {"hf/config.json": "COPY_HF_CONFIG", "hf/model.safetensors.index.json":
+                                json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf"],
+     "lists shard files that are missing: ['model-00001-of-00002.safetensors']; the download is incomplete"),
+    # ------------------------------------------------------------------ resume checkpoints
+    ("resume-missing", {}, ["config", "validate", "{d}/c.yaml", "trainer.resume={d}/ckpt/step_3"],
+     "no checkpoint at {d}/ckpt/step_3: the directory does not exist; pass a step_<N> directory"),
+    ("resume-incomplete", {"ckpt/step_3/dist/x": "x"},
+     ["config", "validate", "{d}/c.yaml", "trainer.resume={d}/ckpt/step_3"],
+     "no checkpoint at {d}/ckpt/step_3: manifest.json is missing"),
+    ("resume-bad-manifest", {"ckpt/step_3/manifest.json": "{", "ckpt/step_3/dist/x": "x"},
+     ["config", "validate", "{d}/c.yaml", "trainer.resume={d}/ckpt/step_3"],
+     "{d}/ckpt/step_3/manifest.json is corrupted (Expecting property name"),
+    ("resume-future-format", {"ckpt/step_3/manifest.json": json.dumps({"format_version": 99}),
+                              "ckpt/step_3/dist/x": "x"},
+     ["config", "validate", "{d}/c.yaml", "trainer.resume={d}/ckpt/step_3"],
+     "format_version 99 in {d}/ckpt/step_3/manifest.json, this megatron-dapo reads 1"),
+]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> dict[str, str]:
+    """A valid tiny HF checkpoint and the embedded task's tokenizer (made once)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from model_utils import make_tiny_checkpoint
+
+    from megatron_dapo.config import EmbeddedTaskConfig
+    from megatron_dapo.embedded import task_for
+
+    root = tmp_path_factory.mktemp("shared")
+    hf = make_tiny_checkpoint(root / "hf", num_layers=1)
+    task = task_for(EmbeddedTaskConfig(num_train=50, num_val=8, num_sft=8), root / "cache")
+    return {"hf": str(hf), "tok": str(task.tokenizer_path)}
+
+
+def test_at_least_sixty_bad_inputs() -> None:
+    assert len(CASES) >= 60
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize(("files", "argv", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, shared, files, argv, expected) -> None:
+    d = tmp_path
+    monkeypatch.syspath_prepend(str(d))  # the reward modules of the case
+    files = {"c.yaml": "trainer: {seed: 1}\n", **files}
+    for name, content in files.items():
+        path = d / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if content == "COPY_HF_CONFIG":
+            content = (Path(shared["hf"]) / "config.json").read_text()
+        if content == "HF_CONFIG_AS_LLAMA":
+            config = json.loads((Path(shared["hf"]) / "config.json").read_text())
+            content = json.dumps({**config, "model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+        if content in ("HF_WEIGHTS", "HF_WEIGHTS_EMBED_INT32"):
+            from safetensors.torch import load_file, save_file
+
+            tensors = load_file(str(Path(shared["hf"]) / "model.safetensors"))
+            if content.endswith("INT32"):
+                tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"].int()
+            save_file(tensors, str(path))
+            continue
+        if content == "PARQUET_TRUNCATED":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            pq.write_table(pa.Table.from_pylist([{"prompt": "1+1?", "answer": "2"}] * 50), path)
+            content = path.read_bytes()[: path.stat().st_size // 2]
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+    fill = {"d": str(d), **shared}
+    args = [a.format(**fill) for a in argv]
+    try:
+        code = cli.run(args)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert expected.format(**fill) in err, err
+    assert re.match(r"^(error: |megatron-dapo[\w -]*: error: )", err), err
