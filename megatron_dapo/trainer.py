@@ -117,7 +117,7 @@ def compute_old_log_probs(run: Run, shards: list[Shard]) -> dict[str, float]:
     """
     diff_sum, num_tokens = 0.0, 0
     for shard in shards:
-        log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
+        log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature, response_only=True)
         shard.batch.old_log_probs = log_probs
         mask = shard.batch.response_mask
         diff_sum += float((log_probs - shard.rollout_log_probs).abs()[mask].sum())

@@ -74,7 +74,7 @@ def run_sft(actor: MegatronActor, sft_path: str, tokenizer_path: str, *, num_ste
         box: list[Any] = [None]
         dist.scatter_object_list(box, payload if dims.is_controller else None, src=0)
         batch = _sft_batch(box[0])
-        batch.old_log_probs, _ = actor.compute_log_probs(batch, temperature=1.0)
+        batch.old_log_probs, _ = actor.compute_log_probs(batch, temperature=1.0, response_only=True)
         actor.train_step(batch, loss)
         if dims.is_controller and (step % 50 == 0 or step == num_steps):
             # Before this step's update, on this rank's share: the token-mean NLL.

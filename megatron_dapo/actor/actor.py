@@ -246,12 +246,34 @@ class MegatronActor:
         )
 
     def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float,
-                     entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob and entropy rows [n, S] of a micro-batch from its vocab-parallel logits."""
+                     entropy_grad: bool, response_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy rows [n, S] of a micro-batch from its vocab-parallel logits.
+
+        With response_only, only the positions of mb.loss_mask are computed (0 elsewhere):
+        prompt and padding positions, most of a short-response batch, would each cost a
+        softmax over the vocabulary (and its backward) for values nothing reads.
+        """
         logits = output.reshape(-1, output.shape[-1])  # [n*S or sum L, V/tp]
         targets = mb.targets.reshape(-1)
         if mb.flat_index is not None:
             targets = targets[mb.flat_index]
+        if response_only:
+            wanted = mb.loss_mask.reshape(-1)
+            if mb.flat_index is not None:
+                wanted = wanted[mb.flat_index]
+            # Every TP rank holds the same mask, so all take part in the same collectives.
+            keep = torch.nonzero(wanted).squeeze(-1)  # [k]
+            log_prob, entropy = self._stats(logits.index_select(0, keep), targets[keep], temperature, entropy_grad)
+            num_positions = logits.shape[0]
+            log_prob = log_prob.new_zeros(num_positions).index_copy(0, keep, log_prob)
+            entropy = entropy.new_zeros(num_positions).index_copy(0, keep, entropy)
+        else:
+            log_prob, entropy = self._stats(logits, targets, temperature, entropy_grad)
+        return mb.to_rows(log_prob), mb.to_rows(entropy)
+
+    def _stats(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+               entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(target) [T] and entropy [T] from logits [T, V/tp]."""
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         kwargs = {"temperature": temperature, "tp_group": tp_group, "chunk_size": self.logprob_chunk_size,
                   "vocab_size": self.vocab_size}
@@ -262,11 +284,12 @@ class MegatronActor:
                 entropy = log_probs_and_entropy(logits.detach(), targets, **kwargs)[1]
         else:
             log_prob, entropy = log_probs_and_entropy(logits, targets, **kwargs)
-        return mb.to_rows(log_prob), mb.to_rows(entropy)
+        return log_prob, entropy
 
     # ----------------------------------------------------------------------- step 5
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float, *,
+                          response_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of this rank's sequences under the current weights (forward only).
 
         Collective over the model-parallel and data-parallel groups; the result is
@@ -275,6 +298,8 @@ class MegatronActor:
         Args:
             batch: this data-parallel rank's sequences (old_log_probs/advantages unused).
             temperature: the rollout temperature; probabilities are softmax(logits / temperature).
+            response_only: compute only where batch.response_mask is set (0 elsewhere), all
+                that step 5 needs.
 
         Returns:
             (log_probs [B, S], entropy [B, S]) fp32 on dims.device, aligned with
@@ -288,7 +313,8 @@ class MegatronActor:
         out = torch.zeros(2, num_seqs, width, dtype=torch.float32, device=self.dims.device)
 
         def keep(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True) -> None:
-            log_prob, entropy = self._token_stats(mb, output, temperature, entropy_grad=False)
+            log_prob, entropy = self._token_stats(mb, output, temperature, entropy_grad=False,
+                                                  response_only=response_only)
             if mb.indices:
                 rows = torch.as_tensor(mb.indices, device=out.device)
                 cols = mb.targets.shape[1]
@@ -347,8 +373,9 @@ class MegatronActor:
         undo_megatron_mean = num_mb * dims.dp
 
         def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # Every term of the loss and every metric reads only loss_mask positions.
             log_prob, entropy = self._token_stats(mb, output, loss.temperature,
-                                                  entropy_grad=loss.entropy_coeff != 0)
+                                                  entropy_grad=loss.entropy_coeff != 0, response_only=True)
             agg = {"loss_agg_mode": loss.loss_agg_mode, "num_global_tokens": num_tokens,
                    "num_global_seqs": num_seqs, "loss_scale_factor": scale_factor}
             pg_loss, pg_metrics = compute_policy_loss(
