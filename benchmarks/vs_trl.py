@@ -1,11 +1,13 @@
 """The tiny DAPO step, megatron-dapo against TRL's GRPOTrainer set up as DAPO, phase by phase.
 
     /work/venvs/i14/bin/python benchmarks/vs_trl.py                 # 3 rounds x 12 steps, 2 threads
-    python benchmarks/vs_trl.py --rounds 5 --steps 8 --ours-path /tmp/old_checkout
+    python benchmarks/vs_trl.py --rounds 5 --steps 8 --baseline-path /tmp/old_checkout
 
 TRL is an optional dependency of this benchmark only (``pip install trl``, never needed by
 the trainer). Each round runs each side once in a fresh process, the order alternating
-round by round, so that load from other processes falls on both sides alike; the first
+round by round, so that load from other processes falls on both sides alike (with
+--baseline-path, a third side times another checkout of megatron-dapo, e.g. the commit
+before a change, in the same rounds); the first
 --warmup steps of each process are dropped and the table shows the median per RL step over
 all remaining steps of all rounds.
 
@@ -86,10 +88,16 @@ def prepare(cache_dir: Path, ours_python: str, ours_path: Path, workdir: Path) -
             "clip_grad": cfg.optim.clip_grad, "warmup": cfg.optim.lr_warmup_steps}
 
 
+def _thread_env(threads: int) -> dict[str, str]:
+    # Passive OpenMP waits: on a shared, oversubscribed machine spinning worker threads
+    # made steps of either side up to 50x slower at random, which times the machine.
+    return {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def run_ours(python: str, ours_path: Path, cache_dir: Path, out_dir: Path, *, steps: int,
              threads: int) -> list[dict[str, float]]:
     """One fresh `megatron_dapo.train` process; per-step phase seconds from its metrics.jsonl."""
-    env = {**os.environ, "PYTHONPATH": str(ours_path), "OMP_NUM_THREADS": str(threads),
+    env = {**os.environ, **_thread_env(threads), "PYTHONPATH": str(ours_path),
            "MEGATRON_DAPO_CACHE": str(cache_dir)}
     cmd = [python, "-m", "megatron_dapo.train", str(CONFIG), *OVERRIDES,
            f"trainer.total_training_steps={steps}", f"trainer.output_dir={out_dir}", "logging.console=false"]
@@ -102,18 +110,25 @@ def run_ours(python: str, ours_path: Path, cache_dir: Path, out_dir: Path, *, st
 
 def run_trl(setup_file: Path, out_file: Path, *, steps: int, threads: int) -> list[dict[str, float]]:
     """One fresh TRL process (this script with --trl-child)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    env = {**os.environ, **_thread_env(threads)}
     subprocess.run([sys.executable, __file__, "--trl-child", str(setup_file), "--out", str(out_file),
                     "--steps", str(steps), "--threads", str(threads)], env=env, check=True)
     return json.loads(out_file.read_text())
 
 
-def table(ours: list[dict[str, float]], trl: list[dict[str, float]]) -> str:
-    lines = ["| median per RL step | megatron-dapo | TRL | ours/TRL |", "|---|---|---|---|"]
+def table(rows: dict[str, list[dict[str, float]]]) -> str:
+    """Markdown table: the median of each phase per side, and ours/TRL (and ours/baseline)."""
+    sides = [side for side in ("ours", "baseline", "trl") if rows.get(side)]
+    names = {"ours": "megatron-dapo", "baseline": "megatron-dapo baseline", "trl": "TRL"}
+    ratios = [("ours", "trl", "ours/TRL")] + ([("ours", "baseline", "ours/baseline"),
+                                                ("baseline", "trl", "baseline/TRL")] if "baseline" in sides else [])
+    lines = ["| median per RL step | " + " | ".join(names[s] for s in sides) + " | "
+             + " | ".join(r[2] for r in ratios) + " |", "|---" * (1 + len(sides) + len(ratios)) + "|"]
     for key in PHASES:
-        a, b = statistics.median(r[key] for r in ours), statistics.median(r[key] for r in trl)
+        med = {s: statistics.median(r[key] for r in rows[s]) for s in sides}
         fmt = "{:.0f}" if key == "gen_tokens_per_s" else "{:.3f}"
-        lines.append(f"| {LABELS[key]} | {fmt.format(a)} | {fmt.format(b)} | {a / b:.2f} |")
+        lines.append(f"| {LABELS[key]} | " + " | ".join(fmt.format(med[s]) for s in sides) + " | "
+                     + " | ".join(f"{med[a] / med[b]:.2f}" for a, b, _ in ratios) + " |")
     return "\n".join(lines)
 
 
@@ -124,6 +139,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps of each process left out")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--ours-path", type=Path, default=ROOT, help="checkout whose megatron_dapo is timed")
+    parser.add_argument("--baseline-path", type=Path, help="another checkout timed in the same rounds")
     parser.add_argument("--ours-python", default=getattr(sys, "_base_executable", sys.executable),
                         help="interpreter for our side (default: the one this venv was made from)")
     parser.add_argument("--cache", type=Path, default=Path(os.environ.get("MEGATRON_DAPO_CACHE",
@@ -144,23 +160,28 @@ def main() -> None:
         setup_file = work / "setup.json"
         setup_file.write_text(json.dumps(setup))
         rows: dict[str, list[dict[str, float]]] = {"ours": [], "trl": []}
+        paths = {"ours": args.ours_path.resolve()}
+        if args.baseline_path is not None:
+            rows["baseline"], paths["baseline"] = [], args.baseline_path.resolve()
+        sides = list(rows)
         for rnd in range(args.rounds):
-            order = ("ours", "trl") if rnd % 2 == 0 else ("trl", "ours")
+            order = sides if rnd % 2 == 0 else sides[::-1]
             for side in order:
                 start = time.perf_counter()
-                if side == "ours":
-                    got = run_ours(args.ours_python, args.ours_path.resolve(), cache, work / f"ours{rnd}",
-                                   steps=args.steps, threads=args.threads)
-                else:
+                if side == "trl":
                     got = run_trl(setup_file, work / f"trl{rnd}.json", steps=args.steps, threads=args.threads)
+                else:
+                    got = run_ours(args.ours_python, paths[side], cache, work / f"{side}{rnd}",
+                                   steps=args.steps, threads=args.threads)
                 rows[side].extend(got[args.warmup:])
                 print(f"round {rnd + 1}/{args.rounds} {side}: {time.perf_counter() - start:.0f} s, median step "
                       f"{statistics.median(r['step'] for r in got[args.warmup:]):.3f} s", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\n{args.rounds} interleaved rounds x {args.steps - args.warmup} timed steps, "
-          f"{args.threads} threads, ours from {args.ours_path}\n")
-    print(table(rows["ours"], rows["trl"]))
+          f"{args.threads} threads, ours from {args.ours_path}"
+          + (f", baseline from {args.baseline_path}" if args.baseline_path else "") + "\n")
+    print(table(rows))
 
 
 # ----------------------------------------------------------------------------- TRL side
