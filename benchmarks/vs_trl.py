@@ -8,8 +8,8 @@ the trainer). Each round runs each side once in a fresh process, the order alter
 round by round, so that load from other processes falls on both sides alike (with
 --baseline-path, a third side times another checkout of megatron-dapo, e.g. the commit
 before a change, in the same rounds); the first
---warmup steps of each process are dropped and the table shows the median per RL step over
-all remaining steps of all rounds.
+--warmup steps of each process are dropped and the tables show the median and the best
+(least disturbed) RL step over all remaining steps of all rounds.
 
 One RL step on both sides: 16 prompts x 8 responses (<= 32 response tokens, temperature 1,
 top-p 1), the reward, group-normalised advantages, old log-probs with the current weights,
@@ -116,16 +116,19 @@ def run_trl(setup_file: Path, out_file: Path, *, steps: int, threads: int) -> li
     return json.loads(out_file.read_text())
 
 
-def table(rows: dict[str, list[dict[str, float]]]) -> str:
-    """Markdown table: the median of each phase per side, and ours/TRL (and ours/baseline)."""
+def table(rows: dict[str, list[dict[str, float]]], stat: str = "median") -> str:
+    """Markdown table: the median (or best) of each phase per side, and ours/TRL (and ours/baseline)."""
+    pick = statistics.median if stat == "median" else min
     sides = [side for side in ("ours", "baseline", "trl") if rows.get(side)]
     names = {"ours": "megatron-dapo", "baseline": "megatron-dapo baseline", "trl": "TRL"}
     ratios = [("ours", "trl", "ours/TRL")] + ([("ours", "baseline", "ours/baseline"),
                                                 ("baseline", "trl", "baseline/TRL")] if "baseline" in sides else [])
-    lines = ["| median per RL step | " + " | ".join(names[s] for s in sides) + " | "
+    lines = [f"| {stat} per RL step | " + " | ".join(names[s] for s in sides) + " | "
              + " | ".join(r[2] for r in ratios) + " |", "|---" * (1 + len(sides) + len(ratios)) + "|"]
     for key in PHASES:
-        med = {s: statistics.median(r[key] for r in rows[s]) for s in sides}
+        # The best throughput is the largest, not the smallest.
+        best = max if key == "gen_tokens_per_s" and stat != "median" else pick
+        med = {s: best(r[key] for r in rows[s]) for s in sides}
         fmt = "{:.0f}" if key == "gen_tokens_per_s" else "{:.3f}"
         lines.append(f"| {LABELS[key]} | " + " | ".join(fmt.format(med[s]) for s in sides) + " | "
                      + " | ".join(f"{med[a] / med[b]:.2f}" for a, b, _ in ratios) + " |")
@@ -182,6 +185,9 @@ def main() -> None:
           f"{args.threads} threads, ours from {args.ours_path}"
           + (f", baseline from {args.baseline_path}" if args.baseline_path else "") + "\n")
     print(table(rows))
+    # On a loaded machine the best step is the least disturbed one; compare it too.
+    print()
+    print(table(rows, "best"))
 
 
 # ----------------------------------------------------------------------------- TRL side
