@@ -277,7 +277,10 @@ class MegatronActor:
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         kwargs = {"temperature": temperature, "tp_group": tp_group, "chunk_size": self.logprob_chunk_size,
                   "vocab_size": self.vocab_size}
-        if not entropy_grad and torch.is_grad_enabled() and te_parallel_cross_entropy_fn() and logits.is_cuda:
+        # No rows (a micro-batch without response tokens) stays on the chunked path, which
+        # handles an empty input; the fused kernel is never handed one.
+        if (not entropy_grad and torch.is_grad_enabled() and te_parallel_cross_entropy_fn() and logits.is_cuda
+                and logits.shape[0] > 0):
             # The fused kernel gives log-probs with gradient; entropy is then only a metric.
             log_prob = log_probs_from_logits(logits, targets, **kwargs)
             with torch.no_grad():
