@@ -36,6 +36,8 @@ setup(
         # wanted; megatron-core falls back to torch implementations without it.
         "gpu": ["transformer-engine[pytorch]>=1.13", "sglang[srt]>=0.4.6"],
         "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
+        # benchmarks/vs_trl.py only; never imported by the trainer.
+        "bench": ["trl>=1.16"],
     },
     entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
 )

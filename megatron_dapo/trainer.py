@@ -140,7 +140,8 @@ def fit(run: Run) -> dict[str, float]:
 def compute_old_log_probs(run: Run, shards: list[Shard]) -> None:
     """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place."""
     for shard in shards:
-        shard.batch.old_log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
+        shard.batch.old_log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature,
+                                                                   response_only=True)
 
 
 def compute_ref_log_probs(run: Run, shards: list[Shard]) -> None:

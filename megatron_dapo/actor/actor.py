@@ -307,8 +307,13 @@ class MegatronActor:
         )
 
     def _token_stats(self, mb: MicroBatch, output: torch.Tensor, temperature: float,
-                     entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob and entropy rows [n, S] of a micro-batch from its vocab-parallel logits."""
+                     entropy_grad: bool, response_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy rows [n, S] of a micro-batch from its vocab-parallel logits.
+
+        With response_only (CP 1), only the positions of mb.loss_mask are computed (0
+        elsewhere): prompt and padding positions, most of a short-response batch, would each
+        cost a softmax over the vocabulary (and its backward) for values nothing reads.
+        """
         logits = output.reshape(-1, output.shape[-1])  # [n*S/cp or sum L (+ SP padding), V/tp]
         targets = mb.targets  # shifted on whole sequences, then split like the inputs
         cp = self.dims.cp
@@ -319,12 +324,34 @@ class MegatronActor:
         if mb.flat_index is not None:
             targets = targets[mb.flat_index]
             logits = logits[: targets.numel()]  # the packed padding after the real tokens predicts nothing
+        if response_only and cp == 1:
+            wanted = mb.loss_mask.reshape(-1)
+            if mb.flat_index is not None:
+                wanted = wanted[mb.flat_index]
+            # Every TP rank holds the same mask, so all take part in the same collectives.
+            keep = torch.nonzero(wanted).squeeze(-1)  # [k]
+            log_prob, entropy = self._stats(logits.index_select(0, keep), targets[keep], temperature, entropy_grad)
+            num_positions = logits.shape[0]
+            log_prob = log_prob.new_zeros(num_positions).index_copy(0, keep, log_prob)
+            entropy = entropy.new_zeros(num_positions).index_copy(0, keep, entropy)
+        else:
+            log_prob, entropy = self._stats(logits, targets, temperature, entropy_grad)
+        if cp > 1:
+            return (gather_over_cp(log_prob.view(local_shape), self.dims.cp_group, cp),
+                    gather_over_cp(entropy.view(local_shape), self.dims.cp_group, cp))
+        return mb.to_rows(log_prob), mb.to_rows(entropy)
+
+    def _stats(self, logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+               entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """log p(target) [T] and entropy [T] from logits [T, V/tp]."""
         tp_group = self.dims.tp_group if self.dims.tp > 1 else None
         kwargs = {"temperature": temperature, "tp_group": tp_group, "chunk_size": self.logprob_chunk_size,
                   "vocab_size": self.vocab_size}
         fused_both = logits.is_cuda and triton_log_probs_fn() is not None
+        # No rows (a micro-batch without response tokens) stays off TE's kernel, which
+        # cannot take an empty input; the chunked path and the Triton kernel handle one.
         if (not fused_both and not entropy_grad and torch.is_grad_enabled() and te_parallel_cross_entropy_fn()
-                and logits.is_cuda):
+                and logits.is_cuda and logits.shape[0] > 0):
             # TE's kernel gives log-probs with gradient; entropy is then only a metric (a second
             # pass). The Triton kernel, where available, gives both in one pass instead.
             log_prob = log_probs_from_logits(logits, targets, **kwargs)
@@ -332,15 +359,12 @@ class MegatronActor:
                 entropy = log_probs_and_entropy(logits.detach(), targets, **kwargs)[1]
         else:
             log_prob, entropy = log_probs_and_entropy(logits, targets, **kwargs)
-        if cp > 1:
-            return (gather_over_cp(log_prob.view(local_shape), self.dims.cp_group, cp),
-                    gather_over_cp(entropy.view(local_shape), self.dims.cp_group, cp))
-        return mb.to_rows(log_prob), mb.to_rows(entropy)
+        return log_prob, entropy
 
     # ----------------------------------------------------------------------- step 5
 
-    def compute_log_probs(self, batch: RolloutBatch, temperature: float,
-                          model: Any | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float, model: Any | None = None, *,
+                          response_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of this rank's sequences under the current weights (forward only).
 
         Collective over the model-parallel and data-parallel groups; the result is
@@ -350,6 +374,8 @@ class MegatronActor:
             batch: this data-parallel rank's sequences (old_log_probs/advantages unused).
             temperature: the rollout temperature; probabilities are softmax(logits / temperature).
             model: another model of this actor's layout to run instead (the frozen reference).
+            response_only: compute only where batch.response_mask is set (0 elsewhere), all
+                that step 5 needs.
 
         Returns:
             (log_probs [B, S], entropy [B, S]) fp32 on dims.device, aligned with
@@ -363,7 +389,8 @@ class MegatronActor:
         out = torch.zeros(2, num_seqs, width, dtype=torch.float32, device=self.dims.device)
 
         def keep(mb: MicroBatch, output: torch.Tensor, non_loss_data: bool = True) -> None:
-            log_prob, entropy = self._token_stats(mb, output, temperature, entropy_grad=False)
+            log_prob, entropy = self._token_stats(mb, output, temperature, entropy_grad=False,
+                                                  response_only=response_only)
             _scatter_rows(out[0], mb, log_prob)
             _scatter_rows(out[1], mb, entropy)
 
@@ -430,8 +457,9 @@ class MegatronActor:
             forward_log_probs = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=dims.device)
 
         def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            # Every term of the loss and every metric reads only loss_mask positions.
             log_prob, entropy = self._token_stats(mb, output, loss.temperature,
-                                                  entropy_grad=loss.entropy_coeff != 0)
+                                                  entropy_grad=loss.entropy_coeff != 0, response_only=True)
             old_log_prob = mb.old_log_probs
             if forward_log_probs is not None:
                 old_log_prob = log_prob.detach()

@@ -25,6 +25,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint
+from megatron_dapo.models.sdpa_attention import SdpaDotProductAttention
 from megatron_dapo.parallel import ParallelDims
 
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -264,7 +265,10 @@ class DecoderAdapter:
                     "use_te=True but transformer_engine is not importable or CUDA is absent; use use_te=False"
                 )
             return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        return gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        # Fused SDPA instead of megatron's unfused local attention (models/sdpa_attention.py).
+        spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
+        return spec
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocab rows Megatron allocates: V padded to a multiple of make_vocab_size_divisible_by * tp."""

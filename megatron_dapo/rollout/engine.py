@@ -18,8 +18,9 @@ lower than the log of the probability it was actually drawn with, exactly as in 
 Greedy decoding (temperature 0) reports ``log_softmax(logits)``, SGLang's temperature-1
 convention for greedy requests.
 
-Seeding: a seeded request draws response ``(prompt i, sample j)`` from a generator seeded by
-``response_seed(seed, i * n + j)``, where ``i`` is the GLOBAL prompt index
+Seeding: a seeded request draws response ``(prompt i, sample j)`` from a random stream seeded by
+``response_seed(seed, i * n + j)`` (the local engine: SplitMix64, token t takes the stream's
+t-th output, see sampling.counter_uniforms), where ``i`` is the GLOBAL prompt index
 (``index_offset + local index``). A controller that spreads prompts over several engines
 passes each engine its offset, so seeded rollouts do not depend on how prompts were spread.
 The local engine is bit-reproducible this way; SGLang only when its servers run with

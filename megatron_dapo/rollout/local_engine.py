@@ -9,7 +9,9 @@ weight-sync tests use it as the receiving end.
 
 Generation runs a batch of responses at once with a KV cache: prompts are left-padded,
 the attention mask hides the padding and position ids count only real tokens, so every
-row computes what it would compute alone. Sampling is in rollout/sampling.py (float64).
+row computes what it would compute alone. Rows that finish leave the batch (and the KV
+cache) at once. Sampling is in rollout/sampling.py (float64, one batched draw per decode
+step from counter-based per-response streams).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from megatron_dapo.rollout.engine import (
     check_prompts,
     response_seed,
 )
-from megatron_dapo.rollout.sampling import sample_next_tokens
+from megatron_dapo.rollout.sampling import counter_uniforms, sample_next_tokens
 
 __all__ = ["LocalEngine"]
 
@@ -44,7 +46,7 @@ class LocalEngine:
         *,
         name: str = "local0",
         load_weights: bool = True,
-        max_batch_size: int = 64,
+        max_batch_size: int = 256,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
@@ -124,22 +126,18 @@ class LocalEngine:
         self._abort.clear()
         base_seed = params.seed if params.seed is not None else secrets.randbits(62)
         rows = [(index_offset + i, j) for i in range(len(prompts)) for j in range(params.n)]
+        seeds = torch.tensor([response_seed(base_seed, p * params.n + j) for p, j in rows], dtype=torch.long)
         results: list[GenerationResult] = []
         for start in range(0, len(rows), self._max_batch_size):
             chunk = rows[start : start + self._max_batch_size]
-            chunk_prompts = [list(prompts[p - index_offset]) for p, _ in chunk]
             if self._abort.is_set():
                 results.extend(
                     GenerationResult(prompt_index=p, sample_index=j, output_ids=[], logprobs=[], finish_reason="abort")
                     for p, j in chunk
                 )
                 continue
-            generators = None
-            if not params.greedy:
-                generators = [
-                    torch.Generator().manual_seed(response_seed(base_seed, p * params.n + j)) for p, j in chunk
-                ]
-            outs = self._generate_batch(chunk_prompts, params, generators)
+            chunk_prompts = [prompts[p - index_offset] for p, _ in chunk]
+            outs = self._generate_batch(chunk_prompts, params, seeds[start : start + len(chunk)])
             results.extend(
                 GenerationResult(prompt_index=p, sample_index=j, output_ids=ids, logprobs=lps, finish_reason=why)
                 for (p, j), (ids, lps, why) in zip(chunk, outs)
@@ -147,52 +145,72 @@ class LocalEngine:
         return results
 
     def _generate_batch(
-        self, prompts: list[list[int]], params: SamplingParams, generators: list[torch.Generator] | None
+        self, prompts: list[Sequence[int]], params: SamplingParams, seeds: torch.Tensor
     ) -> list[tuple[list[int], list[float], FinishReason]]:
-        """Decode one batch of rows to completion with a shared KV cache."""
+        """Decode one batch of rows to completion with a shared KV cache.
+
+        A finished row leaves the batch at once (its KV-cache rows are dropped), so the
+        decode steps of the long tail only compute the rows still running. Each row keeps
+        its own token count, limit and seed, which is what lets rows of different ages share
+        a batch: the tokens of a response do not depend on its batch mates.
+        """
         num_rows = len(prompts)
-        max_len = max(len(p) for p in prompts)
-        input_ids = torch.zeros(num_rows, max_len, dtype=torch.long)  # [B, L] left-padded
-        mask = torch.zeros(num_rows, max_len, dtype=torch.long)
-        for r, p in enumerate(prompts):
-            input_ids[r, max_len - len(p) :] = torch.tensor(p)
-            mask[r, max_len - len(p) :] = 1
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        max_len = int(lens.max())
+        mask = torch.arange(max_len).unsqueeze(0) >= (max_len - lens).unsqueeze(1)  # [B, L] left-padded
+        input_ids = torch.zeros(num_rows, max_len, dtype=torch.long)
+        input_ids[mask] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
+        mask = mask.long()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count 0, 1, ...; pads 0
         stop_ids = torch.tensor(sorted(self._eos_ids | set(params.stop_token_ids)), dtype=torch.long)
-        limit = params.max_new_tokens
+        limits = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)
         if self._max_positions is not None:
-            # Rows share the cache length, so the longest prompt sets the context limit.
-            limit = min(limit, self._max_positions - max_len)
-        out_ids: list[list[int]] = [[] for _ in range(num_rows)]
-        out_lps: list[list[float]] = [[] for _ in range(num_rows)]
-        reasons: list[FinishReason | None] = [None] * num_rows
+            limits = torch.minimum(limits, self._max_positions - lens)  # each row's own context limit
+        width = max(int(limits.max()), 0)
+        out_ids = torch.zeros(num_rows, width, dtype=torch.long)
+        out_lps = torch.zeros(num_rows, width, dtype=torch.float64)
+        num_out = torch.zeros(num_rows, dtype=torch.long)
+        reasons: list[FinishReason] = ["length"] * num_rows
+        active = torch.nonzero(limits > 0).squeeze(-1)  # [b] source row of each batch row
+        if active.numel() < num_rows:
+            input_ids, mask, positions = input_ids[active], mask[active], positions[active]
         cache = DynamicCache(config=self._model.config)
         input_ids, mask, positions = (t.to(self._device) for t in (input_ids, mask, positions))
         step_ids = input_ids
-        for _ in range(max(limit, 0)):
+        while active.numel() > 0:
             logits = self._model(
-                input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-            ).logits[:, -1, :].cpu()  # [B, V]
+                input_ids=step_ids.to(self._device), attention_mask=mask.to(self._device),
+                position_ids=positions.to(self._device), past_key_values=cache, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1, :].cpu()  # [b, V]; sampling and bookkeeping stay on CPU
+            counts = num_out[active]
+            uniforms = None if params.greedy else counter_uniforms(seeds[active], counts)
             tokens, logprobs = sample_next_tokens(
-                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, generators=generators
+                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, uniforms=uniforms
             )
+            out_ids[active, counts] = tokens
+            out_lps[active, counts] = logprobs
+            num_out[active] = counts = counts + 1
             stopped = torch.isin(tokens, stop_ids)
-            for r in range(num_rows):
-                if reasons[r] is None:
-                    out_ids[r].append(int(tokens[r]))
-                    out_lps[r].append(float(logprobs[r]))
-                    if stopped[r]:
-                        reasons[r] = "stop"
-            if all(reason is not None for reason in reasons):
-                break
+            done = stopped | (counts >= limits[active])
+            for r in active[stopped].tolist():
+                reasons[r] = "stop"
             if self._abort.is_set():
-                reasons = [reason or "abort" for reason in reasons]
+                for r in active[~done].tolist():
+                    reasons[r] = "abort"
                 break
-            # Finished rows keep decoding (their tokens are dropped) so the batch stays rectangular.
-            step_ids = tokens.unsqueeze(-1).to(self._device)  # [B, 1]
-            mask = torch.cat([mask, torch.ones(num_rows, 1, dtype=mask.dtype, device=mask.device)], dim=-1)
+            if bool(done.any()):
+                keep = torch.nonzero(~done).squeeze(-1)
+                if keep.numel() == 0:
+                    break
+                cache.batch_select_indices(keep)
+                active, tokens, mask, positions = active[keep], tokens[keep], mask[keep], positions[keep]
+            step_ids = tokens.unsqueeze(-1)  # [b, 1]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
             positions = positions[:, -1:] + 1
-        return [(ids, lps, reason or "length") for ids, lps, reason in zip(out_ids, out_lps, reasons)]
+        counts_list = num_out.tolist()
+        return [
+            (out_ids[r, :n].tolist(), out_lps[r, :n].tolist(), reasons[r]) for r, n in enumerate(counts_list)
+        ]
 
     # ------------------------------------------------------------------ weights
 

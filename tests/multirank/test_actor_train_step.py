@@ -133,6 +133,8 @@ def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Te
             if ways == 5:
                 log_probs, entropy = a.compute_log_probs(mine, TEMPERATURE)
                 out["log_probs"], out["entropy"] = log_probs, entropy
+                out["response_log_probs"], _ = a.compute_log_probs(mine, TEMPERATURE, response_only=True)
+                out["response_mask"] = mine.response_mask
                 out["num_microbatches"] = len(a._microbatches(mine))
             metrics = a.train_step(mine, loss)
             out["steps"][ways] = {"metrics": metrics, "weights": export(a)}
@@ -175,6 +177,10 @@ def _check_layout(out_by_rank: list[dict], layout: tuple[int, int], setup: dict)
         errors["log_prob_abs"] = max(errors.get("log_prob_abs", 0.0), float(diff))
         assert float(diff) < 1e-4, (layout, float(diff))
         assert float(r["log_probs"][~valid].abs().max()) == 0.0
+        # response_only computes the response positions alone, the same values, 0 elsewhere.
+        response = r["response_mask"]
+        assert float((r["response_log_probs"] - r["log_probs"]).abs()[response].max()) < 1e-6
+        assert float(r["response_log_probs"][~response].abs().max()) == 0.0
     r0 = out_by_rank[0][layout]
     # Plain SGD: (w0 - w1) / lr is the gradient; compare with float64 transformers.
     for mode in ("token-mean", "seq-mean-token-mean"):

@@ -164,3 +164,24 @@ def test_bad_inputs_name_the_value(tiny):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match=r"has no config\.json"):
         LocalEngine(tiny[0] / "missing")
+
+
+def test_finished_rows_leave_the_batch_without_changing_any_response(tiny):
+    path, _ = tiny
+    engine = LocalEngine(path)
+    batch_rows: list[int] = []
+    engine.model.register_forward_hook(lambda module, args, output: batch_rows.append(output.logits.shape[0]))
+    # Stopping on a few frequent tokens ends responses at different steps.
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=5, stop_token_ids=(10, 20, 30, 40, 50))
+    together = engine.generate(PROMPTS, params)
+    lengths = sorted(len(r.output_ids) for r in together)
+    assert lengths[0] < lengths[-1]
+    # One forward per decode step of the longest response; each has exactly the unfinished rows.
+    assert batch_rows == [sum(n > step for n in lengths) for step in range(lengths[-1])]
+    for i in range(len(PROMPTS)):
+        alone = LocalEngine(path).generate([PROMPTS[i]], params, index_offset=i)
+        mates = together[4 * i : 4 * i + 4]
+        assert [(r.output_ids, r.finish_reason) for r in alone] == [(r.output_ids, r.finish_reason) for r in mates]
+        # fp32 matmuls of other batch shapes round differently, far below a sampling decision.
+        for a, b in zip(alone, mates):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from megatron_dapo.rollout.sampling import sample_next_tokens, truncated_distribution
+from megatron_dapo.rollout.sampling import counter_uniforms, sample_next_tokens, truncated_distribution
 
 LOGITS = torch.tensor([2.0, 0.5, 1.7, -1.0, 0.9, 3.1, -0.3, 1.2, 0.0, 2.6, -2.0, 1.4])
 
@@ -38,9 +38,9 @@ def test_sampling_support_and_frequencies_match_float64_reference(temperature, t
     expected = _reference(LOGITS.tolist(), temperature, top_k, top_p)
     num_rows = 6000
     logits = LOGITS.expand(num_rows, -1).float()
-    generators = [torch.Generator().manual_seed(1000 + r) for r in range(num_rows)]
+    uniforms = counter_uniforms(torch.arange(1000, 1000 + num_rows), torch.zeros(num_rows, dtype=torch.long))
     tokens, logprobs = sample_next_tokens(
-        logits, temperature=temperature, top_k=top_k, top_p=top_p, generators=generators
+        logits, temperature=temperature, top_k=top_k, top_p=top_p, uniforms=uniforms
     )
     counts = torch.bincount(tokens, minlength=LOGITS.numel())
     # Exact support: never a token outside the top-k/top-p set.
@@ -67,25 +67,63 @@ def test_truncated_distribution_equals_reference_exactly():
 def test_tiny_top_p_and_top_k_1_are_argmax():
     logits = LOGITS.expand(50, -1)
     for kwargs in ({"top_k": 1, "top_p": 1.0}, {"top_k": -1, "top_p": 1e-6}):
-        generators = [torch.Generator().manual_seed(r) for r in range(50)]
-        tokens, _ = sample_next_tokens(logits, temperature=1.0, generators=generators, **kwargs)
+        uniforms = counter_uniforms(torch.arange(50), torch.zeros(50, dtype=torch.long))
+        tokens, _ = sample_next_tokens(logits, temperature=1.0, uniforms=uniforms, **kwargs)
         assert tokens.tolist() == [5] * 50
 
 
 def test_greedy_is_argmax_with_temperature_one_logprob():
     logits = torch.stack([LOGITS, -LOGITS])
-    tokens, logprobs = sample_next_tokens(logits, temperature=0, top_k=-1, top_p=1.0, generators=None)
+    tokens, logprobs = sample_next_tokens(logits, temperature=0, top_k=-1, top_p=1.0, uniforms=None)
     assert tokens.tolist() == [5, 10]
     expected = torch.log_softmax(logits.double(), dim=-1)[[0, 1], [5, 10]]
     torch.testing.assert_close(logprobs, expected, rtol=0, atol=0)
 
 
-def test_seeded_generators_reproduce_and_differ_across_seeds():
+def _splitmix64(seed: int, index: int) -> int:
+    """The index-th output (0-based) of SplitMix64 seeded by seed, in plain Python integers."""
+    mask = (1 << 64) - 1
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
+
+
+def test_counter_uniforms_are_splitmix64_outputs():
+    seeds = [0, 1, 12345, (1 << 63) - 1, 0x5DEECE66D, 987654321987654321]
+    counters = [0, 1, 7, 31, 1000, 5]
+    got = counter_uniforms(torch.tensor(seeds), torch.tensor(counters))
+    expected = [(_splitmix64(s, c) >> 11) * 2.0**-53 for s, c in zip(seeds, counters)]
+    assert got.dtype == torch.float64
+    assert got.tolist() == expected
+    assert got.min() >= 0 and got.max() < 1
+
+
+def test_counter_uniforms_are_uniform_and_decorrelated():
+    seeds = torch.arange(20000)
+    first, second = counter_uniforms(seeds, torch.zeros_like(seeds)), counter_uniforms(seeds, torch.ones_like(seeds))
+    for u in (first, second):
+        counts = torch.histc(u.float(), bins=10, min=0, max=1)
+        assert (counts - 2000).abs().max() < 5 * math.sqrt(2000 * 0.9)
+    assert abs(torch.corrcoef(torch.stack([first, second]))[0, 1]) < 0.03
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(-1, 1.0), (4, 1.0), (-1, 0.8)])
+def test_seeded_draws_reproduce_and_differ_across_seeds(top_k, top_p):
     logits = LOGITS.expand(64, -1)
 
     def draw(seed: int) -> list[int]:
-        generators = [torch.Generator().manual_seed(seed * 100 + r) for r in range(64)]
-        return sample_next_tokens(logits, temperature=1.0, top_k=-1, top_p=1.0, generators=generators)[0].tolist()
+        uniforms = counter_uniforms(torch.arange(64) + seed * 100, torch.zeros(64, dtype=torch.long))
+        return sample_next_tokens(logits, temperature=1.0, top_k=top_k, top_p=top_p, uniforms=uniforms)[0].tolist()
 
     assert draw(1) == draw(1)
     assert draw(1) != draw(2)
+
+
+def test_untruncated_path_picks_the_token_whose_cdf_interval_holds_u():
+    logits = torch.tensor([[0.0, -200.0, 1.0, -1000.0]]).expand(6, -1)  # token 3 has exactly zero mass
+    probs = torch.softmax(logits[0].double(), -1)
+    cdf = probs.cumsum(-1)
+    uniforms = torch.tensor([0.0, float(cdf[0]) * 0.999, float(cdf[0]) * 1.001, 0.5, 1 - 1e-16, 0.9999999999999999])
+    tokens, _ = sample_next_tokens(logits, temperature=1.0, top_k=-1, top_p=1.0, uniforms=uniforms)
+    assert tokens.tolist() == [0, 0, 2, 2, 2, 2]
