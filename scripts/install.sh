@@ -8,12 +8,12 @@ cd "$(dirname "$0")/.."
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "$PY" -m pip install "torch>=2.4,<2.14"
+    "$PY" -m pip install "torch>=2.4,<2.15"
   elif "$PY" -m pip download --no-deps -q -d /tmp/.torch-probe "torch==2.13.0+cpu" >/dev/null 2>&1 \
        || ls /opt/wheels/torch-2.13.0+cpu-* >/dev/null 2>&1; then
     "$PY" -m pip install "torch==2.13.0"
   else
-    "$PY" -m pip install "torch>=2.4,<2.14" --index-url https://download.pytorch.org/whl/cpu
+    "$PY" -m pip install "torch>=2.4,<2.15" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
 # Idempotent and quick when everything is there; also picks up new requirements.
