@@ -13,12 +13,14 @@ distribution from the package index without downloading a wheel:
 Then, for the target (CPython 3.12 by default, Linux x86_64, glibc 2.34), it checks:
 every pin has a file installable there; every Requires-Dist of a pinned package (markers
 and the extras we request evaluated) that names another pinned package admits that pin;
-and setup.py's install_requires and `gpu` extra admit the pins. Unpinned transitive
-dependencies are left to pip, as constraints files do. Any failure is one line naming the
-two packages and the versions. Exit 0 when consistent, 1 on a conflict, 3 when the index
+and setup.py's install_requires and `gpu` extra admit the pins (seconds). Then pip's own
+resolver runs over the whole tree (`install --dry-run --report --only-binary=:all:` for the
+target platform, fast-deps for indexes without PEP 658; 1-2 minutes with pip >= 25), so an
+unpinned transitive dependency that cannot be satisfied fails too. Any failure is one line
+naming the packages and versions. Exit 0 when consistent, 1 on a conflict, 3 when the index
 cannot be reached (CI has PyPI access; a sandbox may not).
 
-    python3 scripts/check_gpu_pins.py [--python 3.12] [--constraints constraints/gpu.txt]
+    python3 scripts/check_gpu_pins.py [--python 3.12] [--constraints constraints/gpu.txt] [--no-resolve]
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ import io
 import json
 import re
 import struct
+import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -237,8 +241,12 @@ def fetch_metadata(pin: Pin, python: str) -> tuple[str, str]:
     raise LookupError(f"no file of {pin.name}=={pin.version} installs on CPython {python} manylinux x86_64")
 
 
-def check(constraints: Path, python: str) -> list[str]:
-    """All conflicts of `constraints` for CPython `python` (network)."""
+def check(constraints: Path, python: str) -> tuple[list[str], dict[str, tuple[str, str]]]:
+    """Pin-against-pin conflicts of `constraints` for CPython `python` (network).
+
+    Returns:
+        (one line per conflict, canonical name -> (metadata text, file it was read from)).
+    """
     pins = read_pins(constraints)
     env = target_env(python)
     problems = []
@@ -248,11 +256,14 @@ def check(constraints: Path, python: str) -> list[str]:
             pins[canonicalize_name(req.name)].extras = frozenset(req.extras)
     problems += conflicts("setup.py", setup_reqs, pins, env)
 
+    metas: dict[str, tuple[str, str]] = {}
+
     def one(pin: Pin) -> list[str]:
         try:
             text, filename = fetch_metadata(pin, python)
         except LookupError as exc:
             return [str(exc)]
+        metas[pin.name] = (text, filename)
         meta = HeaderParser().parsestr(text)
         rp = meta.get("Requires-Python")
         out = []
@@ -264,17 +275,112 @@ def check(constraints: Path, python: str) -> list[str]:
     with ThreadPoolExecutor(8) as pool:
         for found in pool.map(one, pins.values()):
             problems += found
-    return problems
+    return problems, metas
+
+
+def resolve_requirements(metas: dict[str, tuple[str, str]], python: str) -> list[str]:
+    """What pip resolves: setup.py's requirements, with every sdist-only pin replaced by its
+    own Requires-Dist (pip would build it, which needs torch: the multi-GB download).
+
+    For transformer-engine[pytorch] that is transformer-engine plus transformer_engine_torch's
+    requirements (torch, transformer_engine_cu13, onnx, ...).
+    """
+    env = target_env(python)
+    sdist_only = {n for n, (_, fn) in metas.items() if fn.endswith(".tar.gz")}
+    out: list[str] = []
+    for req in setup_requirements(ROOT / "setup.py", "gpu"):
+        name = canonicalize_name(req.name)
+        if name in metas and req.extras:
+            meta = HeaderParser().parsestr(metas[name][0])
+            keep = set()
+            for extra in req.extras:
+                pulled = {
+                    canonicalize_name(Requirement(r).name)
+                    for r in meta.get_all("Requires-Dist") or []
+                    if applies(Requirement(r), env, frozenset({extra}))
+                    and not applies(Requirement(r), env, frozenset())
+                }
+                if not pulled & sdist_only:
+                    keep.add(extra)
+            req.extras = keep
+        out.append(str(req))
+    cuda_variant = {re.sub(r"-cu\d+$", "", n): n for n in metas if re.search(r"-cu\d+$", n)}
+    for name in sorted(sdist_only):
+        meta = HeaderParser().parsestr(metas[name][0])
+        for line in meta.get_all("Requires-Dist") or []:
+            req = Requirement(line)
+            if not applies(req, env, frozenset()):
+                continue
+            # An sdist's requirements were written on the machine that built it: TE's torch
+            # extension asks for the TE core of *torch's* CUDA major (transformer_engine_cu12
+            # in the 2.11.0 sdist); the constraints name the one for the pinned torch.
+            base = re.sub(r"-cu\d+$", "", canonicalize_name(req.name))
+            if canonicalize_name(req.name) not in metas and base in cuda_variant:
+                req.name = cuda_variant[base]
+            out.append(str(req))
+    return out
+
+
+def pip_resolve(requirements: list[str], python: str, pins: dict[str, Pin], sdist_only: set[str]) -> list[str]:
+    """Runs pip's resolver (--dry-run) over the whole dependency tree for the target.
+
+    pip reads PEP 658 metadata where the index serves it and, with fast-deps, range-reads
+    the wheel otherwise, so no wheel is downloaded whole.
+
+    Returns:
+        [] when pip finds a solution, else one line with pip's own explanation.
+    """
+    platforms = [f"manylinux_2_{m}_x86_64" for m in range(GLIBC[1], 16, -1)]
+    platforms += ["manylinux2014_x86_64", "linux_x86_64"]
+    with tempfile.TemporaryDirectory() as tmp:
+        cons = Path(tmp) / "constraints.txt"
+        # pip would have to build an sdist-only pin; its requirements are already in the list.
+        cons.write_text(
+            "".join(
+                f"{p.name}=={p.version}\n" for p in pins.values() if p.name not in sdist_only
+            )
+        )
+        cmd = [
+            sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed",
+            "--use-feature=fast-deps", "--no-cache-dir", "--only-binary=:all:",
+            "--python-version", python, "--implementation", "cp", "--abi", "cp" + python.replace(".", ""),
+            *[a for plat in platforms for a in ("--platform", plat)],
+            "--target", str(Path(tmp) / "target"), "--report", str(Path(tmp) / "report.json"),
+            "-c", str(cons), *requirements,
+        ]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if proc.returncode == 0:
+            report = json.loads((Path(tmp) / "report.json").read_text())
+            got = {canonicalize_name(i["metadata"]["name"]): i["metadata"]["version"] for i in report["install"]}
+            return [
+                f"pip resolved {n}=={got[n]}, not the pinned {p.version}"
+                for n, p in pins.items()
+                if n in got and Version(got[n]) != p.version
+            ]
+    # pip prints the ERROR lines on stderr and "The conflict is caused by:" on stdout.
+    text = proc.stdout + "\n" + proc.stderr
+    err = [ln.strip() for ln in text.splitlines() if ln.strip() and "Location" not in ln]
+    if any(k in text for k in ("NewConnectionError", "Temporary failure in name resolution")):
+        raise ConnectionError(err[-1] if err else "pip could not reach the index")
+    why = [ln for ln in err if ln.startswith(("ERROR: Cannot install", "ERROR: Could not find", "ERROR: No matching"))]
+    why += [ln for ln in err if ln.startswith("The user requested") or " depends on " in ln]
+    return ["pip cannot resolve the set: " + " | ".join(why or err[-3:])]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--constraints", type=Path, default=ROOT / "constraints" / "gpu.txt")
     ap.add_argument("--python", default="3.12", help="target CPython minor version")
+    ap.add_argument("--no-resolve", action="store_true",
+                    help="only pin against pin (seconds); skip pip's resolve of the whole tree (1-2 min)")
     args = ap.parse_args(argv)
     start = time.monotonic()
     try:
-        problems = check(args.constraints, args.python)
+        problems, metas = check(args.constraints, args.python)
+        if not problems and not args.no_resolve:
+            pins = read_pins(args.constraints)
+            sdist_only = {n for n, (_, fn) in metas.items() if fn.endswith(".tar.gz")}
+            problems = pip_resolve(resolve_requirements(metas, args.python), args.python, pins, sdist_only)
     except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
         print(f"check_gpu_pins: cannot reach the package index {INDEX} ({exc}); this check needs network access")
         return 3

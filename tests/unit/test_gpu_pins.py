@@ -85,3 +85,38 @@ def test_only_exact_pins(tmp_path):
     bad.write_text("torch>=2.14\n")
     with pytest.raises(SystemExit, match=r"c.txt:1: 'torch>=2.14' is not an exact pin"):
         pins_mod.read_pins(bad)
+
+
+def test_docker_base_image_carries_the_pinned_torch():
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    base = next(ln.split("=", 1)[1] for ln in dockerfile.splitlines() if ln.startswith("ARG BASE_IMAGE="))
+    # pytorch/pytorch:<torch>-cuda<X>-cudnn<Y>-devel: pip must find the pinned torch already there.
+    assert base.startswith(f"pytorch/pytorch:{PINS['torch'].version}-cuda13.")
+    assert base.endswith("-devel")  # nvcc, for transformer_engine_torch's sdist
+    assert "-c constraints/gpu.txt" in dockerfile and '".[gpu' in dockerfile
+
+
+def _meta(name, version, *requires, sdist=False):
+    text = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    text += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    return text, f"{name}-{version}" + (".tar.gz" if sdist else "-py3-none-any.whl")
+
+
+def test_resolver_gets_an_sdist_only_pin_as_its_requirements():
+    metas = {
+        "transformer-engine": _meta(
+            "transformer-engine", "2.11.0",
+            'transformer_engine_torch==2.11.0; extra == "pytorch"',
+            'transformer_engine_cu13==2.11.0; extra == "core-cu13"',
+        ),
+        "transformer-engine-torch": _meta(
+            "transformer_engine_torch", "2.11.0", "torch>=2.1", "onnx", "transformer_engine_cu12==2.11.0", sdist=True
+        ),
+        "transformer-engine-cu13": _meta("transformer_engine_cu13", "2.11.0"),
+        "sglang": _meta("sglang", "0.5.23", "torch==2.14.1"),
+    }  # fmt: skip
+    reqs = pins_mod.resolve_requirements(metas, "3.12")
+    assert "transformer-engine>=2.8" in reqs  # the [pytorch] extra (the sdist) is dropped
+    assert "sglang[srt]<0.6,>=0.5.2" in reqs
+    # the sdist's requirements instead, its TE core swapped for the CUDA 13 one the constraints pin
+    assert reqs[-3:] == ["torch>=2.1", "onnx", "transformer-engine-cu13==2.11.0"]
