@@ -136,7 +136,7 @@ def conflicts(
         env: target marker environment.
         extras: extras requested from `requirer`, for `extra == "..."` markers.
     Returns:
-        e.g. ["sglang==0.5.23 requires torch==2.14.1 but constraints/gpu.txt pins torch==2.13.0"].
+        e.g. ["sglang==0.5.23 requires torch==2.14.1 but the constraints pin torch==2.13.0"].
     """
     out = []
     for req in requires:
