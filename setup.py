@@ -18,7 +18,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
     install_requires=[
-        "torch>=2.4,<2.14",
+        "torch>=2.4,<2.15",
         "megatron-core>=0.13,<0.18",
         "pyyaml>=6.0",
         "sentencepiece>=0.2",
@@ -34,7 +34,11 @@ setup(
     extras_require={
         # apex is optional and not on the package index: build it from source when
         # wanted; megatron-core falls back to torch implementations without it.
-        "gpu": ["transformer-engine[pytorch]>=1.13", "sglang[srt]>=0.4.6"],
+        # TE >= 2.8: before it the fused cross entropy read only grad_output[0] of a
+        # per-token grad_output (zero gradient; the actor refuses it at run time). sglang:
+        # the versions our client (rollout/sglang_engine.py) was read against; 0.5.22+ pin
+        # torch 2.14.1, hence torch < 2.15 above. One tested set: constraints/gpu.txt.
+        "gpu": ["transformer-engine[pytorch]>=2.8", "sglang[srt]>=0.5.2,<0.6"],
         "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
         # benchmarks/vs_trl.py only; never imported by the trainer.
         "bench": ["trl>=1.16"],

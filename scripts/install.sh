@@ -20,7 +20,7 @@ esac
 
 if ! "$PY" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    "$PY" -m pip install "torch>=2.4,<2.14"
+    "$PY" -m pip install "torch>=2.4,<2.15"
   elif "$PY" -m pip download --no-deps -q -d /tmp/.torch-probe "torch==2.13.0+cpu" >/dev/null 2>&1 \
        || ls /opt/wheels/torch-2.13.0+cpu-* >/dev/null 2>&1; then
     "$PY" -m pip install "torch==2.13.0"

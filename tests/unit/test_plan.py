@@ -224,6 +224,22 @@ def test_dry_run_prints_the_layout_and_launches_nothing() -> None:
     assert not (REPO / "logs" / "dapo-dryrun").exists()
 
 
+def test_dry_run_with_apptainer_wraps_each_rank() -> None:
+    env = _clean_env(CONFIG="examples/tiny_cpu.yaml", NNODES="1", GPUS_PER_NODE="2", DEVICE="cpu", DRY_RUN="1",
+                     APPTAINER_IMAGE="/img/megatron-dapo.sif", APPTAINER_BINDS="/data")
+    proc = subprocess.run(["bash", "slurm/dapo.sbatch"], env=env, text=True, capture_output=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[2] == (
+        "launch: srun --nodes=1 --ntasks-per-node=2 --ntasks=2 --kill-on-bad-exit=1 --label --cpu-bind=none "
+        f"apptainer exec --nv --bind /data --pwd {REPO} /img/megatron-dapo.sif {sys.executable} "
+        "-m megatron_dapo.train examples/tiny_cpu.yaml trainer.nnodes=1 trainer.n_gpus_per_node=2 trainer.device=cpu"
+    )
+    both = subprocess.run(["bash", "slurm/dapo.sbatch"], env={**env, "CONTAINER_IMAGE": "x.sqsh"}, text=True,
+                          capture_output=True, timeout=120, cwd=REPO)
+    assert both.returncode == 2 and "not both" in both.stderr
+
+
 def test_dry_run_of_the_32b_script_shows_plan_and_fit() -> None:
     proc = subprocess.run(["bash", "slurm/dapo_32b.sbatch"], env=_clean_env(DRY_RUN="1"), text=True,
                           capture_output=True, timeout=120, cwd=REPO)
