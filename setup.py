@@ -35,7 +35,13 @@ setup(
         # apex is optional and not on the package index: build it from source when
         # wanted; megatron-core falls back to torch implementations without it.
         "gpu": ["transformer-engine[pytorch]>=1.13", "sglang[srt]>=0.4.6"],
+        # rollout.engine=vllm on GPUs (CUDA build). CPU machines: scripts/install_vllm_cpu.sh.
+        "vllm": ["vllm>=0.32,<0.33"],
         "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
     },
-    entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-dapo=megatron_dapo.cli:main"],
+        # vLLM loads these in its server and worker processes: the CPU weight-sync backend.
+        "vllm.general_plugins": ["megatron_dapo_weights=megatron_dapo.rollout.vllm_transfer:register"],
+    },
 )

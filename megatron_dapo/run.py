@@ -298,7 +298,7 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated))
+    run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated, run.output_dir))
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
@@ -306,12 +306,20 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
                                 wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl)
 
 
-def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None) -> list[Any]:
-    """The controller's engines: one local engine, or a client of every colocated SGLang engine."""
+def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None, output_dir: Path) -> list[Any]:
+    """The controller's engines: one local engine, one vLLM server, or a client of every colocated SGLang engine."""
     if cfg.rollout.engine == "local":
         from megatron_dapo.rollout.local_engine import LocalEngine
 
         return [LocalEngine(hf_dir, name="local0")]
+    if cfg.rollout.engine == "vllm":
+        from megatron_dapo.rollout.vllm_engine import VLLMEngine
+
+        r = cfg.rollout
+        return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",
+                                  host=r.host, device=cfg.trainer.device if cfg.trainer.device != "auto" else None,
+                                  gpu_memory_utilization=r.gpu_memory_utilization,
+                                  request_timeout_s=r.request_timeout_s)]
     assert colocated is not None and colocated.clients, "launch_colocated_engines runs before the controller"
     return colocated.clients
 
