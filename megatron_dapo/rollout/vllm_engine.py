@@ -108,7 +108,10 @@ def build_launch_command(
         command += ["--max-model-len", str(max_model_len)]
     if device == "cpu":
         # fp32 like the CPU actor (log-prob parity); eager: no compile time for a tiny model.
-        command += ["--dtype", "float32", "--enforce-eager"]
+        # No chunked prefill: for a seeded request whose prefill is split over steps, vLLM 0.32
+        # rewinds the request's generator offset, which torch's CPU generator lacks, and the
+        # server dies ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync).
+        command += ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
     else:
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization), "--enable-sleep-mode"]
     return command

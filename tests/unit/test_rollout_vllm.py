@@ -20,6 +20,7 @@ def test_launch_command_asks_for_the_contract_logprobs_and_the_weight_transfer_b
     assert _flag(command, "--logprobs-mode") == "processed_logprobs"
     assert json.loads(_flag(command, "--weight-transfer-config")) == {"backend": "megatron_dapo_shm"}
     assert _flag(command, "--dtype") == "float32" and "--skip-tokenizer-init" in command
+    assert "--no-enable-chunked-prefill" in command  # seeded requests would crash vLLM's CPU runner
     assert "--enable-scale-out" in command and _flag(command, "--api-key") == "k"
     gpu = build_launch_command("/ckpt", host="h", port=1, api_key="k", device="cuda", gpu_memory_utilization=0.5)
     assert "--enable-sleep-mode" in gpu and _flag(gpu, "--gpu-memory-utilization") == "0.5"

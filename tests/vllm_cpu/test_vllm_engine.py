@@ -99,6 +99,15 @@ def test_seeded_sampling_repeats(engine):
     assert [r.output_ids for r in first] == [r.output_ids for r in again]
 
 
+def test_seeded_batch_larger_than_one_scheduler_step(engine):
+    # 200 x 60 prompt tokens exceed a step's token budget. With chunked prefill, vLLM 0.32's
+    # CPU runner rewinds a seeded request's generator offset, which torch's CPU generator
+    # does not have, and the server dies (seen in the tiny run's first evaluation).
+    prompts = [[(i + k) % 97 + 1 for k in range(60)] for i in range(200)]
+    results = engine.generate(prompts, SamplingParams(n=1, max_new_tokens=2, seed=7))
+    assert len(results) == 200 and all(len(r.output_ids) == 2 for r in results)
+
+
 def test_greedy_stops_on_a_stop_token_and_reports_it(engine, checkpoints):
     greedy = engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=8))[0]
     expected = reference_log_probs(checkpoints[0], PROMPTS[0], greedy.output_ids, 0.0)
