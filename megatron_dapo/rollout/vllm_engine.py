@@ -36,6 +36,7 @@ requests report ``log_softmax(logits)``, as engine.py specifies. The default
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -286,7 +287,9 @@ class VLLMEngine:
                 for future in pending:
                     future.cancel()
                 if self.process.returncode is None:
-                    self.abort()  # the other requests of this call are not wanted any more
+                    # The other requests of this call are not wanted any more; the first error is the one to report.
+                    with contextlib.suppress(EngineError):
+                        self.abort()
                 raise failed.exception()  # type: ignore[misc]
         return [f.result() for f in futures]
 

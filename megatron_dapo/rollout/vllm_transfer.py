@@ -14,7 +14,9 @@ server and worker process):
   machine has it) and POSTs ``{"update_info": {"path": ...}}``;
 - the worker maps the file and feeds the tensors to the model's own ``load_weights`` inside
   vLLM's layerwise reload (``start_weight_update`` / ``finish_weight_update``), exactly as
-  vLLM's CUDA-IPC backend does with the tensors it rebuilds from handles.
+  vLLM's CUDA-IPC backend does with the tensors it rebuilds from handles (the reload re-runs
+  the CPU kernels' weight packing, so plain in-place copies are not enough), then ties a
+  tied lm_head to the new embedding again.
 
 The server and the trainer share the machine's filesystem because the controller launches
 the server on its own node (vllm_engine.py). This module imports vLLM at the top: only
@@ -74,6 +76,27 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        self._retie_word_embeddings()
+
+    def _retie_word_embeddings(self) -> None:
+        """Share the embedding with lm_head again after a reload (tie_word_embeddings models).
+
+        The layerwise reload gives embed_tokens a new weight tensor, while lm_head still holds
+        the one it was tied to at load time (and, on CPU, a GEMM plan packed from it):
+        generation then scores tokens with the first weights (the tiny run's engine-vs-actor log-prob gap grew from 4e-7 at step 1 to
+        7.7e-3 by step 59). vLLM ties them at construction with ``ParallelLMHead.tie_weights``;
+        this repeats that call.
+        """
+        hf_config = getattr(self.model_config, "hf_config", None)
+        lm_head = getattr(self.model, "lm_head", None)
+        embed_tokens = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if getattr(hf_config, "tie_word_embeddings", False) and lm_head is not None and embed_tokens is not None:
+            self.model.lm_head = lm_head.tie_weights(embed_tokens)
+            # On CPU the head computes logits from a GEMM plan packed from its weight when it was
+            # loaded (UnquantizedEmbeddingMethod -> dispatch_cpu_unquantized_gemm): re-pack it.
+            quant_method = getattr(self.model.lm_head, "quant_method", None)
+            if quant_method is not None:
+                quant_method.process_weights_after_loading(self.model.lm_head)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load one bucket (synchronously; the base class would synchronize an accelerator)."""

@@ -35,7 +35,8 @@ def make_checkpoint(directory: Path, seed: int) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_hidden_layers=2, tie_word_embeddings=False, rms_norm_eps=1e-5))
+    # Tied like the tiny run's model: a weight sync must keep lm_head == embed_tokens.
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_hidden_layers=2, tie_word_embeddings=True, rms_norm_eps=1e-5))
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)
