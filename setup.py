@@ -39,9 +39,15 @@ setup(
         # the versions our client (rollout/sglang_engine.py) was read against; 0.5.22+ pin
         # torch 2.14.1, hence torch < 2.15 above. One tested set: constraints/gpu.txt.
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang[srt]>=0.5.2,<0.6"],
+        # rollout.engine=vllm on GPUs (CUDA build). CPU machines: scripts/install_vllm_cpu.sh.
+        "vllm": ["vllm>=0.32,<0.33"],
         "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
         # benchmarks/vs_trl.py only; never imported by the trainer.
         "bench": ["trl>=1.16"],
     },
-    entry_points={"console_scripts": ["megatron-dapo=megatron_dapo.cli:main"]},
+    entry_points={
+        "console_scripts": ["megatron-dapo=megatron_dapo.cli:main"],
+        # vLLM loads these in its server and worker processes: the CPU weight-sync backend.
+        "vllm.general_plugins": ["megatron_dapo_weights=megatron_dapo.rollout.vllm_transfer:register"],
+    },
 )

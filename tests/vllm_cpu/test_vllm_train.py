@@ -1,0 +1,39 @@
+"""The tiny DAPO run of examples/tiny_cpu.yaml with rollout.engine=vllm learns (real vLLM server on CPU).
+
+20 of the example's 60 steps keep the tier's time bounded; the default run gains about 13
+accuracy points by step 20 with the local engine (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from trainer_utils import REPO, read_rows, run_trainer
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.e2e,
+    pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (scripts/install_vllm_cpu.sh)"),
+]
+
+
+def test_tiny_run_with_vllm_learns_and_matches_the_actor_logprobs(tmp_path):
+    out = tmp_path / "run"
+    proc = run_trainer(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=vllm", f"trainer.output_dir={out}",
+                       "trainer.total_training_steps=20", "trainer.save_interval=20",
+                       cache_dir=tmp_path / "cache", timeout_s=1800)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_rows(out)
+    train = [r for r in rows if "rollout/train_logprob_abs_diff" in r]
+    assert len(train) == 20
+    # Engine (vLLM, fp32) vs actor log-probs of the same tokens, at every step.
+    assert max(r["rollout/train_logprob_abs_diff"] for r in train) < 1e-4
+    acc = [r["val/acc"] for r in rows if "val/acc" in r]
+    assert len(acc) == 3, acc
+    assert acc[-1] - acc[0] >= 0.05, acc
+    assert (out / "engine_logs" / "vllm0.log").is_file()
