@@ -78,6 +78,7 @@ def _worker(pp: int, directory: str) -> dict:
     out["current_metrics"] = current.train_step(batch, loss, old_from_forward=True)
     out["current_weights"] = export(current)
     out["current_old"] = batch.old_log_probs
+    out["response_mask"] = batch.response_mask
     with pytest.raises(ValueError, match=r"batch\.old_log_probs is set; pass one or the other"):
         current.train_step(RolloutBatch(**_batch(), old_log_probs=out["recomputed"]), loss, old_from_forward=True)
 
@@ -108,7 +109,11 @@ def test_old_log_probs_from_the_update_forward_and_constant_sum_norm(checkpoint:
         assert r["current_metrics"]["actor/ppo_kl"] == 0.0
         assert r["current_metrics"]["actor/pg_clipfrac"] == 0.0
         assert r["current_metrics"]["actor/pg_clipfrac_lower"] == 0.0
-        assert float((r["current_old"] - r["recomputed"]).abs().max()) < 1e-6
+        # The update computes log-probs at response positions only (0 elsewhere).
+        on_response = r["response_mask"][:, 1:]  # position t's log-prob sits in column t
+        diff = (r["current_old"] - r["recomputed"])[:, 1:]
+        assert float(diff[on_response].abs().max()) < 1e-6
+        assert float(r["current_old"][:, 1:][~on_response].abs().max()) == 0.0
         assert r["current_metrics"] == outs[0]["current_metrics"]
     r = outs[0]
     # The recomputed log-probs give a ratio of 1 up to fp32 noise: the same step.
