@@ -42,6 +42,7 @@ import os
 import secrets
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -173,6 +174,8 @@ class VLLMEngine:
         self._control_timeout_s = control_timeout_s
         self._sleep_mode = sleep_mode
         self._updating = False
+        # Set by abort(): requests of the running generate() not yet sent are not sent at all.
+        self._aborted = threading.Event()
         self._bucket_dir = Path(tempfile.mkdtemp(prefix=f"megatron_dapo_{name}_", dir=_shared_memory_dir()))
 
     @classmethod
@@ -274,6 +277,7 @@ class VLLMEngine:
             ``len(prompts) * n`` results, prompt-major.
         """
         check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
+        self._aborted.clear()
         call_id = uuid.uuid4().hex[:12]
         stop = list(dict.fromkeys([*params.stop_token_ids, *self._eos_ids]))
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
@@ -295,6 +299,9 @@ class VLLMEngine:
 
     def _generate_one(self, prompt: Sequence[int], params: SamplingParams, stop: list[int], prompt_index: int,
                       sample_index: int, call_id: str) -> GenerationResult:
+        if self._aborted.is_set():  # still queued behind the concurrency bound when abort() came
+            return GenerationResult(prompt_index=prompt_index, sample_index=sample_index, output_ids=[],
+                                    logprobs=[], finish_reason="abort")
         sampling: dict[str, Any] = {
             "n": 1, "max_tokens": params.max_new_tokens, "temperature": params.temperature,
             "top_p": params.top_p, "top_k": params.top_k, "stop_token_ids": stop,
@@ -345,7 +352,12 @@ class VLLMEngine:
             self._post("/wake_up")
 
     def abort(self) -> None:
-        """Abort every in-flight request; their responses finish with reason "abort"."""
+        """Abort every in-flight request; their responses finish with reason "abort".
+
+        Requests of the running generate() that wait behind the concurrency bound are not
+        sent; they finish with reason "abort" and no tokens.
+        """
+        self._aborted.set()
         self._post("/abort_requests", {})
 
     def health(self, *, timeout_s: float = 30.0) -> bool:
