@@ -19,7 +19,8 @@ import ipaddress
 import os
 import socket
 import subprocess
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from megatron_dapo.rollout.engine import EngineError
@@ -30,6 +31,7 @@ __all__ = [
     "ServerProcess",
     "free_port",
     "node_address",
+    "poll_until_healthy",
     "server_environment",
 ]
 
@@ -176,3 +178,23 @@ class ServerProcess:
             self._popen.wait(timeout=timeout_s)
         except ProcessLookupError:
             pass
+
+
+def poll_until_healthy(health: Callable[[float], bool], *, timeout_s: float, poll_s: float, what: str,
+                       process: ServerProcess | None) -> None:
+    """Call `health(timeout)` until it returns True; raise EngineError after timeout_s.
+
+    Args:
+        health: one health check (it raises EngineError itself when the process died).
+        timeout_s: how long to keep trying.
+        poll_s: pause between checks.
+        what: the engine in the message, e.g. "SGLang engine sglang0 at http://...".
+        process: the server process whose log tail the message shows, if owned.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if health(min(30.0, max(deadline - time.monotonic(), 1.0))):
+            return
+        time.sleep(poll_s)
+    tail = "" if process is None else f"; log {process.log_path}, last lines:\n{process.log_tail()}"
+    raise EngineError(f"{what} not healthy after {timeout_s:.0f}s{tail}")

@@ -54,7 +54,7 @@ from megatron_dapo.rollout.engine import (
     check_prompts,
     response_seed,
 )
-from megatron_dapo.rollout.server_process import ServerProcess, server_environment
+from megatron_dapo.rollout.server_process import ServerProcess, poll_until_healthy, server_environment
 from megatron_dapo.rollout.sglang_server import (
     SGLangServerConfig,
     build_launch_command,
@@ -535,13 +535,8 @@ class SGLangEngine:
         Raises:
             EngineError: the server died (log tail included) or did not come up in time.
         """
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.health(timeout_s=min(30.0, max(deadline - time.monotonic(), 1.0))):
-                return
-            time.sleep(poll_s)
-        tail = "" if self.process is None else f"; log {self.process.log_path}, last lines:\n{self.process.log_tail()}"
-        raise EngineError(f"SGLang engine {self.name} at {self.base_url} not healthy after {timeout_s:.0f}s{tail}")
+        poll_until_healthy(lambda t: self.health(timeout_s=t), timeout_s=timeout_s, poll_s=poll_s,
+                           what=f"SGLang engine {self.name} at {self.base_url}", process=self.process)
 
     def shutdown(self) -> None:
         """Stop the owned server process (no-op for an attached server)."""

@@ -64,7 +64,13 @@ from megatron_dapo.rollout.engine import (
     check_prompts,
     response_seed,
 )
-from megatron_dapo.rollout.server_process import ServerProcess, free_port, node_address, server_environment
+from megatron_dapo.rollout.server_process import (
+    ServerProcess,
+    free_port,
+    node_address,
+    poll_until_healthy,
+    server_environment,
+)
 
 __all__ = ["VLLM_VERSION_READ", "VLLMEngine", "build_launch_command", "model_eos_ids"]
 
@@ -379,13 +385,8 @@ class VLLMEngine:
         Raises:
             EngineError: the server died (log tail included) or did not come up in time.
         """
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.health(timeout_s=min(30.0, max(deadline - time.monotonic(), 1.0))):
-                return
-            time.sleep(poll_s)
-        raise EngineError(f"vLLM engine {self.name} at {self.base_url} not healthy after {timeout_s:.0f}s; "
-                          f"log {self.process.log_path}, last lines:\n{self.process.log_tail()}")
+        poll_until_healthy(lambda t: self.health(timeout_s=t), timeout_s=timeout_s, poll_s=poll_s,
+                           what=f"vLLM engine {self.name} at {self.base_url}", process=self.process)
 
     def shutdown(self) -> None:
         """Stop the server process and remove the bucket directory."""
