@@ -13,20 +13,23 @@ the same generate-and-score path without filtering.
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from megatron_dapo.algo import DynamicSamplingBuffer, compute_group_advantages, soft_overlong_penalty
+from megatron_dapo.algo.dynamic_sampling import DynamicSamplingError, GroupFilterStats, filter_groups
 from megatron_dapo.config import ValKwargsConfig
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
 from megatron_dapo.data.tokenizer import Tokenizer
-from megatron_dapo.rewards.pool import RewardPool
+from megatron_dapo.rewards.pool import RewardPool, RewardStats
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
+from megatron_dapo.rollout.streaming import PromptFeed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,7 +99,10 @@ class CollectSettings:
     filter_metric: str
     """Metric with spread to keep a group (algorithm.filter_groups.metric)."""
     max_num_gen_batches: int
-    """Rounds before giving up (algorithm.filter_groups.max_num_gen_batches)."""
+    """Rounds before giving up (algorithm.filter_groups.max_num_gen_batches); streaming allows
+    this many times gen_batch_size prompts."""
+    streaming: bool = False
+    """Streaming collection (algorithm.filter_groups.mode=streaming) instead of rounds."""
     max_response_length: int
     """L_max (data.max_response_length)."""
     overlong_enable: bool
@@ -107,6 +113,23 @@ class CollectSettings:
     """Penalty at L_max (reward.overlong_buffer.penalty_factor)."""
     norm_adv_by_std: bool
     """GRPO/DAPO std normalisation (algorithm.norm_adv_by_std_in_grpo)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectState:
+    """What streaming collection carries from one step to the next (saved in checkpoints)."""
+
+    keep_rate: float = 0.5
+    """Share of the last step's finished groups that dynamic sampling kept: the prior of how many
+    prompts the next step puts in flight."""
+
+    def state_dict(self) -> dict[str, float]:
+        """For the checkpoint's trainer state."""
+        return {"keep_rate": self.keep_rate}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        """Restore what state_dict returned."""
+        self.keep_rate = float(state["keep_rate"])
 
 
 def generate_and_score(
@@ -128,10 +151,19 @@ def generate_and_score(
     generated_at = time.perf_counter()
     groups = [Group(prompt=p) for p in prompts]
     for r in results:
-        groups[r.prompt_index].samples.append(
-            Sample(prompt_ids=prompts[r.prompt_index].prompt_ids, response_ids=r.output_ids,
-                   rollout_log_probs=r.logprobs, finish_reason=r.finish_reason)
-        )
+        groups[r.prompt_index].samples.append(_sample(prompts[r.prompt_index], r))
+    stats = score_groups(groups, rewards=rewards, tokenizer=tokenizer)
+    return groups, {"reward/num_errors": float(stats.num_errors), "reward/num_timeouts": float(stats.num_timeouts),
+                    "timing_s/gen": generated_at - start, "timing_s/reward": time.perf_counter() - generated_at}
+
+
+def _sample(prompt: PromptRecord, r: GenerationResult) -> Sample:
+    return Sample(prompt_ids=prompt.prompt_ids, response_ids=r.output_ids, rollout_log_probs=r.logprobs,
+                  finish_reason=r.finish_reason)
+
+
+def score_groups(groups: Sequence[Group], *, rewards: RewardPool, tokenizer: Tokenizer) -> RewardStats:
+    """Score every sample of the groups with the verifier (in place)."""
     samples = [s for g in groups for s in g.samples]
     inputs = [(tokenizer.decode(s.response_ids), g.prompt.ground_truth, g.prompt.extra_info or None)
               for g in groups for s in g.samples]
@@ -139,8 +171,7 @@ def generate_and_score(
     for s, out in zip(samples, scored):
         s.score = float(out["score"])
         s.acc = bool(out["acc"])
-    return groups, {"reward/num_errors": float(stats.num_errors), "reward/num_timeouts": float(stats.num_timeouts),
-                    "timing_s/gen": generated_at - start, "timing_s/reward": time.perf_counter() - generated_at}
+    return stats
 
 
 def apply_overlong_penalty(groups: Sequence[Group], settings: CollectSettings) -> None:
@@ -179,27 +210,81 @@ def collect_batch(
     rewards: RewardPool,
     tokenizer: Tokenizer,
     settings: CollectSettings,
+    state: CollectState | None = None,
 ) -> tuple[list[Group], dict[str, float]]:
-    """Run generation rounds until a training batch of kept groups is full (steps 1-4).
+    """Generate and filter until a training batch of kept groups is full (steps 1-4).
 
-    Without dynamic sampling one round of `train_batch_size` prompts is the batch.
+    Without dynamic sampling one round of `train_batch_size` prompts is the batch. With it,
+    either rounds of `gen_batch_size` prompts (verl's recipe) or streaming (slime's): a
+    window of `gen_batch_size` prompts in flight, each group scored and filtered as soon as
+    its n responses are done, the rest aborted when the batch is full.
 
     Args:
         sampler: the training prompts, in resumable order.
-        step: the RL step (seeds the rounds' sampling).
+        step: the RL step (seeds the sampling).
+        state: streaming's carry-over between steps (updated here); None = a fresh one.
 
     Returns:
         Exactly `train_batch_size` groups of `n` samples with advantages, and the metrics
-        of the step (critic/*, response_length/*, train/num_gen_batches, filter counts).
+        of the step (critic/*, response_length/*, train/num_gen_batches, filter counts,
+        timing_s/fill, rollout/aborted_tokens, rollout/generated_tokens_per_kept_group).
 
     Raises:
-        DynamicSamplingError: `max_num_gen_batches` rounds did not fill the batch.
+        DynamicSamplingError: the prompt budget (`max_num_gen_batches` rounds' worth) did
+            not fill the batch.
     """
+    start = time.perf_counter()
+    if settings.filter_enable and settings.streaming:
+        batch, generated, aborted_tokens, counts = _collect_streaming(
+            sampler, step, rollout=rollout, rewards=rewards, tokenizer=tokenizer, settings=settings,
+            state=state if state is not None else CollectState())
+    else:
+        batch, generated, counts = _collect_rounds(
+            sampler, step, rollout=rollout, rewards=rewards, tokenizer=tokenizer, settings=settings)
+        aborted_tokens = 0
+        counts["timing_s/fill"] = time.perf_counter() - start
+    assign_advantages(batch, settings.norm_adv_by_std)
+    metrics = batch_metrics(batch, settings.max_response_length)
+    metrics.update(counts)
+    metrics["train/num_groups_generated"] = float(len(generated))
+    # Every generated token, dropped groups and aborted responses included: the compute an
+    # equal-budget ablation compares.
+    num_tokens = (sum(len(s.response_ids) for g in generated for s in g.samples) + aborted_tokens
+                  + metrics.get("train/num_generated_tokens", 0.0))
+    metrics["train/num_generated_tokens"] = float(num_tokens)
+    metrics["rollout/aborted_tokens"] = float(aborted_tokens)
+    metrics["rollout/generated_tokens_per_kept_group"] = num_tokens / len(batch)
+    # Accuracy over everything generated this step: the policy's real accuracy, before
+    # dynamic sampling removed the all-correct and all-wrong groups.
+    all_samples = [s for g in generated for s in g.samples]
+    metrics["train/acc_all_generated"] = sum(s.acc for s in all_samples) / len(all_samples)
+    accs = [sum(s.acc for s in g.samples) / len(g.samples) for g in batch]
+    metrics["train/kept_group_acc_min"] = min(accs)
+    metrics["train/kept_group_acc_max"] = max(accs)
+    metrics["train/num_groups"] = float(len(batch))
+    metrics["train/num_responses"] = float(sum(len(g.samples) for g in batch))
+    return batch, metrics
+
+
+def _new_counts() -> dict[str, float]:
+    return {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0, "timing_s/gen": 0.0, "timing_s/reward": 0.0,
+            "train/num_groups_dropped_all_correct": 0.0, "train/num_groups_dropped_all_wrong": 0.0,
+            "train/num_generated_tokens": 0.0}  # tokens of groups not in `generated` (late streaming groups)
+
+
+def _count_dropped(counts: dict[str, float], stats: GroupFilterStats) -> None:
+    counts["train/num_groups_dropped_all_correct"] += stats.num_dropped_all_correct
+    counts["train/num_groups_dropped_all_wrong"] += stats.num_dropped_all_wrong
+
+
+def _collect_rounds(
+    sampler: PromptSampler, step: int, *, rollout: RolloutController, rewards: RewardPool, tokenizer: Tokenizer,
+    settings: CollectSettings,
+) -> tuple[list[Group], list[Group], dict[str, float]]:
+    """Rounds of `gen_batch_size` prompts until the buffer is full: (batch, everything generated, counts)."""
     buffer = DynamicSamplingBuffer(settings.train_batch_size, settings.max_num_gen_batches)
     generated: list[Group] = []
-    counts: dict[str, float] = {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0, "timing_s/gen": 0.0,
-                                "timing_s/reward": 0.0}
-    dropped = {"all_correct": 0, "all_wrong": 0, "other": 0}
+    counts = _new_counts()
     num_rounds = 0
     while True:
         num_prompts = settings.gen_batch_size if settings.filter_enable else settings.train_batch_size
@@ -215,31 +300,100 @@ def collect_batch(
             batch = groups
             break
         stats = buffer.add_round(groups, [g.metric(settings.filter_metric) for g in groups])
-        dropped["all_correct"] += stats.num_dropped_all_correct
-        dropped["all_wrong"] += stats.num_dropped_all_wrong
-        dropped["other"] += stats.num_dropped_other
+        _count_dropped(counts, stats)
         if buffer.is_full:
             batch = buffer.take()
             break
-    assign_advantages(batch, settings.norm_adv_by_std)
-    metrics = batch_metrics(batch, settings.max_response_length)
-    metrics.update(counts)
-    metrics["train/num_gen_batches"] = float(num_rounds)
-    metrics["train/num_groups_generated"] = float(len(generated))
-    # Every generated token, dropped groups included: the compute an equal-budget ablation compares.
-    metrics["train/num_generated_tokens"] = float(sum(len(s.response_ids) for g in generated for s in g.samples))
-    metrics["train/num_groups_dropped_all_correct"] = float(dropped["all_correct"])
-    metrics["train/num_groups_dropped_all_wrong"] = float(dropped["all_wrong"])
-    # Accuracy over everything generated this step: the policy's real accuracy, before
-    # dynamic sampling removed the all-correct and all-wrong groups.
-    all_samples = [s for g in generated for s in g.samples]
-    metrics["train/acc_all_generated"] = sum(s.acc for s in all_samples) / len(all_samples)
-    accs = [sum(s.acc for s in g.samples) / len(g.samples) for g in batch]
-    metrics["train/kept_group_acc_min"] = min(accs)
-    metrics["train/kept_group_acc_max"] = max(accs)
-    metrics["train/num_groups"] = float(len(batch))
-    metrics["train/num_responses"] = float(sum(len(g.samples) for g in batch))
-    return batch, metrics
+    counts["train/num_gen_batches"] = float(num_rounds)
+    return batch, generated, counts
+
+
+_PRIOR_GROUPS = 4.0
+
+
+def _collect_streaming(
+    sampler: PromptSampler, step: int, *, rollout: RolloutController, rewards: RewardPool, tokenizer: Tokenizer,
+    settings: CollectSettings, state: CollectState,
+) -> tuple[list[Group], list[Group], int, dict[str, float]]:
+    """Streaming dynamic sampling: (batch, every scored group, aborted tokens, counts).
+
+    Groups are scored and filtered in the order they finish; the first `train_batch_size`
+    kept ones are the batch. Prompts count as used when an engine takes them, so the
+    sampler advances by exactly the prompts taken (the same number on every run of a seeded
+    single-engine run, which is what resume reproduces).
+    """
+    start = time.perf_counter()
+    records: list[PromptRecord] = []
+
+    def prompts() -> Iterator[list[int]]:
+        while True:
+            records.append(sampler.next_batch(1)[0])
+            yield records[-1].prompt_ids
+
+    counts = _new_counts()
+    kept: list[Group] = []
+    generated: list[Group] = []
+    filled_at: list[float] = []
+
+    def worth_taking(num_taken: int) -> bool:
+        # Take a prompt while the groups in flight, kept at the step's rate so far (with the last
+        # step's rate as a prior worth 4 groups), are not expected to fill the batch even one
+        # standard deviation short of their mean; at most gen_batch_size in flight. Counts only,
+        # never time: the schedule of a seeded single-engine run is reproducible.
+        in_flight = num_taken - len(generated)
+        rate = (len(kept) + _PRIOR_GROUPS * state.keep_rate) / (len(generated) + _PRIOR_GROUPS)
+        expected = len(kept) + rate * in_flight - math.sqrt(in_flight * rate * (1 - rate))
+        return in_flight < settings.gen_batch_size and expected < settings.train_batch_size
+
+    budget = settings.max_num_gen_batches * settings.gen_batch_size or None
+    feed = PromptFeed(prompts(), limit=budget, gate=worth_taking)
+
+    def on_group(results: list[GenerationResult]) -> None:
+        if len(kept) >= settings.train_batch_size:  # another engine's group, finished after the batch filled
+            counts["train/num_generated_tokens"] += sum(len(r.output_ids) for r in results)
+            return
+        group = Group(prompt=records[results[0].prompt_index],
+                      samples=[_sample(records[r.prompt_index], r) for r in results])
+        scored_at = time.perf_counter()
+        stats = score_groups([group], rewards=rewards, tokenizer=tokenizer)
+        counts["timing_s/reward"] += time.perf_counter() - scored_at
+        counts["reward/num_errors"] += stats.num_errors
+        counts["reward/num_timeouts"] += stats.num_timeouts
+        apply_overlong_penalty([group], settings)
+        generated.append(group)
+        values = torch.tensor(group.metric(settings.filter_metric), dtype=torch.float64)
+        kept_ids, filter_stats = filter_groups(values, torch.zeros(len(values), dtype=torch.long))
+        _count_dropped(counts, filter_stats)
+        if kept_ids.numel():
+            kept.append(group)
+        if len(kept) == settings.train_batch_size:
+            filled_at.append(time.perf_counter())
+            feed.close()
+            rollout.abort()
+        else:
+            feed.notify()
+
+    params = replace(settings.sampling, seed=round_seed(settings.sampling.seed, step, 0))
+    per_engine = -(-settings.gen_batch_size // len(rollout.engines))
+    aborted = rollout.stream(feed, params, on_group, max_inflight=per_engine)
+    counts["timing_s/gen"] = time.perf_counter() - start
+    if len(kept) < settings.train_batch_size:
+        raise DynamicSamplingError(
+            f"dynamic sampling kept {len(kept)} of the {settings.train_batch_size} groups a training batch needs "
+            f"from {feed.num_taken} prompts (algorithm.filter_groups.max_num_gen_batches="
+            f"{settings.max_num_gen_batches} x data.gen_batch_size={settings.gen_batch_size}); "
+            f"{counts['train/num_groups_dropped_all_correct']:.0f} groups were all-correct and "
+            f"{counts['train/num_groups_dropped_all_wrong']:.0f} all-wrong. Fix: raise "
+            "algorithm.filter_groups.max_num_gen_batches (0 = unlimited) or data.gen_batch_size, or check the "
+            "reward and the task difficulty (mostly all-correct: too easy; mostly all-wrong: too hard or the "
+            "reward never matches)")
+    counts["timing_s/fill"] = filled_at[0] - start
+    # Clamped away from 0 and 1 so that one extreme step does not stall or flood the next.
+    state.keep_rate = min(max(len(kept) / len(generated), 0.05), 0.95)
+    # Rounds' worth of prompts taken, comparable with the round-based count.
+    counts["train/num_gen_batches"] = feed.num_taken / settings.gen_batch_size
+    counts["train/num_prompts_taken"] = float(feed.num_taken)
+    return kept, generated, sum(len(r.output_ids) for r in aborted), counts
 
 
 def batch_metrics(groups: Sequence[Group], max_response_length: int) -> dict[str, float]:

@@ -296,7 +296,12 @@ class FilterGroupsConfig:
     metric: Literal["acc", "score", "seq_reward"] = "acc"
     """Per-response value whose spread within a group decides keep/drop."""
     max_num_gen_batches: int = 10
-    """Generation rounds per step before giving up with an error; 0 = unlimited."""
+    """Generation rounds per step before giving up with an error; 0 = unlimited. Streaming
+    allows max_num_gen_batches x data.gen_batch_size prompts per step."""
+    mode: Literal["streaming", "rounds"] = "streaming"
+    """streaming (slime): data.gen_batch_size prompts in flight, each group scored and filtered as
+    soon as its n responses are done, the rest aborted once the batch is full; rounds (verl's
+    DAPO recipe): whole rounds of gen_batch_size prompts, generate, score, filter, repeat."""
 
     def __post_init__(self) -> None:
         _check(self.max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = unlimited)")

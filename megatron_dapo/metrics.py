@@ -49,7 +49,7 @@ CONSOLE_KEYS: tuple[tuple[str, str, str], ...] = (
     ("val*/acc*", "val_acc", "{:.3f}"),
     ("response_length/mean", "resp_len", "{:.1f}"),
     ("actor/pg_clipfrac", "clipfrac", "{:.4f}"),
-    ("train/num_gen_batches", "gen_rounds", "{:.0f}"),
+    ("train/num_gen_batches", "gen_rounds", "{:.2g}"),  # streaming: prompts taken / gen_batch_size
     # The DAPO invariants, visible per step: the batch size and the kept groups' accuracy range.
     ("train/num_responses", "responses", "{:.0f}"),
     ("train/kept_group_acc_min", "kept_acc_min", "{:.2f}"),

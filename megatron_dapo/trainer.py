@@ -67,7 +67,7 @@ def fit(run: Run) -> dict[str, float]:
     Returns:
         The last step's metrics on the controller ({} elsewhere).
     """
-    cfg, actor, dims = run.cfg, run.actor, run.dims
+    cfg, dims = run.cfg, run.dims
     preemption = PreemptionFlag()
     timer = Timer()
     last: dict[str, float] = {}
@@ -86,36 +86,11 @@ def fit(run: Run) -> dict[str, float]:
             with timer("collect"):  # steps 1-4; split into timing_s/gen and timing_s/reward below
                 groups, collect_metrics = collect_batch(
                     run.sampler, step, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
-                    settings=run.collect_settings)
+                    settings=run.collect_settings, state=run.collect_state)
             metrics.update(collect_metrics)
             metrics.update(run.rollout_throughput())
-        with timer("dispatch"):
-            shards = run.dispatch(groups)  # this rank's mini-batches: list[Shard]
-            run.release_rollout_memory()  # colocated engines free the GPUs for training
-        if run.reference is not None:
-            with timer("ref"):
-                compute_ref_log_probs(run, shards)
-        source = cfg.old_log_probs_source
-        drift: dict[str, float] = {}
-        if source == "recompute":
-            with timer("old_log_prob"):
-                compute_old_log_probs(run, shards)
-                drift = rollout_mismatch(run, shards, correct=True)
-        elif source == "rollout":  # bypass: PPO's anchor is the engine's own policy
-            for shard in shards:
-                shard.batch.old_log_probs = shard.rollout_log_probs
-        old_from_forward = source == "current"
-        with timer("update_actor"):
-            actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward)
-                             for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
-        if old_from_forward:  # the update filled old_log_probs from its own forward
-            drift = rollout_mismatch(run, shards, correct=False)
-        with timer("sync"):
-            run.resume_rollout_memory()
-            sync_stats = run.sync_weights()
-        metrics.update(mean_metrics(actor_metrics))
-        metrics.update(drift)
-        metrics["sync/num_bytes"] = float(sync_stats.num_bytes)
+        shards, update_metrics = update_policy(run, groups, timer)
+        metrics.update(update_metrics)
         if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_training_steps):
             with timer("testing"):
                 metrics.update(validate(run))
@@ -135,6 +110,47 @@ def fit(run: Run) -> dict[str, float]:
             run.mark_preempted(step)
             break
     return last
+
+
+def update_policy(run: Run, groups: list[Group], timer: Timer) -> tuple[list[Shard], dict[str, float]]:
+    """Steps 5-7 on every rank: dispatch the batch, (old/ref) log-probs, the actor update, weight sync.
+
+    Args:
+        groups: the controller's training batch ([] on other ranks).
+        timer: collects timing_s/dispatch, ref, old_log_prob, update_actor and sync.
+
+    Returns:
+        This rank's shards and the step's actor, mismatch and sync metrics.
+    """
+    cfg, actor = run.cfg, run.actor
+    with timer("dispatch"):
+        shards = run.dispatch(groups)  # this rank's mini-batches: list[Shard]
+        run.release_rollout_memory()  # colocated engines free the GPUs for training
+    if run.reference is not None:
+        with timer("ref"):
+            compute_ref_log_probs(run, shards)
+    source = cfg.old_log_probs_source
+    drift: dict[str, float] = {}
+    if source == "recompute":
+        with timer("old_log_prob"):
+            compute_old_log_probs(run, shards)
+            drift = rollout_mismatch(run, shards, correct=True)
+    elif source == "rollout":  # bypass: PPO's anchor is the engine's own policy
+        for shard in shards:
+            shard.batch.old_log_probs = shard.rollout_log_probs
+    old_from_forward = source == "current"
+    with timer("update_actor"):
+        actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward)
+                         for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
+    if old_from_forward:  # the update filled old_log_probs from its own forward
+        drift = rollout_mismatch(run, shards, correct=False)
+    with timer("sync"):
+        run.resume_rollout_memory()
+        sync_stats = run.sync_weights()
+    metrics = mean_metrics(actor_metrics)
+    metrics.update(drift)
+    metrics["sync/num_bytes"] = float(sync_stats.num_bytes)
+    return shards, metrics
 
 
 def compute_old_log_probs(run: Run, shards: list[Shard]) -> None:

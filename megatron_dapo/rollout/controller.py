@@ -6,18 +6,21 @@ thread each: the engines do the work, the threads only wait on them), and concat
 answers back in prompt order. Each engine gets the global index of its first prompt, so
 results carry global prompt indices and seeded sampling does not depend on the split.
 If one engine fails, the others are aborted before the error is raised, so no engine is
-left generating for a step that will not use its output.
+left generating for a step that will not use its output. `stream` is the streaming variant:
+every engine takes prompts from one shared feed and hands back groups as they finish.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from megatron_dapo.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed, StreamingEngine, stream_per_prompt
 
 __all__ = ["EngineThroughput", "RolloutController"]
 
@@ -97,6 +100,42 @@ class RolloutController:
             )
         self.last_throughput = throughput
         return results
+
+    def stream(
+        self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
+    ) -> list[GenerationResult]:
+        """Stream generation on all engines at once from one shared feed (rollout/streaming.py).
+
+        Args:
+            feed: the prompts; every engine takes from it whenever it has room.
+            params: sampling settings (seeded per global prompt index, so a response's tokens do
+                not depend on which engine took its prompt).
+            on_group: receives each finished group, from the engine's thread; calls are serialised.
+            max_inflight: prompts in flight per engine.
+
+        Returns:
+            The responses cut short by abort(), from every engine.
+        """
+        lock = threading.Lock()
+
+        def serialised(group: list[GenerationResult]) -> None:
+            with lock:
+                on_group(group)
+
+        def run(engine: RolloutEngine) -> list[GenerationResult]:
+            if isinstance(engine, StreamingEngine):
+                return engine.stream(feed, params, serialised, max_inflight=max_inflight)
+            return stream_per_prompt(engine, feed, params, serialised, max_inflight=max_inflight)
+
+        futures = [self._pool.submit(run, engine) for engine in self.engines]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            feed.close()
+            self._abort_all_quietly()
+            wait(futures)
+            raise failed.exception()  # type: ignore[misc]
+        return [r for f in futures for r in f.result()]
 
     def abort(self) -> None:
         """Abort in-flight generation on every engine."""

@@ -7,32 +7,36 @@ full tensors under their HF names. Because weight sync targets HF names, a state
 this engine accepts is exactly what an SGLang server would be sent, so the multi-rank
 weight-sync tests use it as the receiving end.
 
-Generation runs a batch of responses at once with a KV cache: prompts are left-padded,
-the attention mask hides the padding and position ids count only real tokens, so every
-row computes what it would compute alone. Rows that finish leave the batch (and the KV
-cache) at once. Sampling is in rollout/sampling.py (float64, one batched draw per decode
-step from counter-based per-response streams).
+Generation is continuous batching with a KV cache (rollout/local_decoder.py): up to
+max_batch_size responses decode together, finished ones leave the batch at once and
+waiting ones join in their place, so the batch stays full until the work runs out.
+Prompts are left-padded, the attention mask hides the padding and position ids count only
+real tokens, so every row computes what it would compute alone. Sampling is in
+rollout/sampling.py (float64, one batched draw per decode step from counter-based
+per-response streams). `stream` feeds the same batch from a PromptFeed and hands back each
+prompt's group as soon as its n responses are done (streaming dynamic sampling).
 """
 
 from __future__ import annotations
 
 import secrets
 import threading
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from megatron_dapo.rollout.engine import (
     EngineError,
-    FinishReason,
     GenerationResult,
     SamplingParams,
     check_prompts,
     response_seed,
 )
-from megatron_dapo.rollout.sampling import counter_uniforms, sample_next_tokens
+from megatron_dapo.rollout.local_decoder import ContinuousDecoder, DecodeRow, FinishedRow
+from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed
 
 __all__ = ["LocalEngine"]
 
@@ -115,6 +119,65 @@ class LocalEngine:
         Returns:
             ``len(prompts) * n`` results, prompt-major.
         """
+        self._check_ready()
+        check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
+        self._abort.clear()
+        base_seed = params.seed if params.seed is not None else secrets.randbits(62)
+        pending = deque(row for i, prompt in enumerate(prompts)
+                        for row in self._rows(index_offset + i, prompt, params, base_seed))
+        finished = self._decode(params, lambda free: [pending.popleft() for _ in range(min(free, len(pending)))],
+                                lambda row: None)
+        finished.extend(_aborted(row) for row in pending)  # abort() came before these joined
+        by_row = {(f.row.prompt_index, f.row.sample_index): f for f in finished}
+        return [_result(by_row[(index_offset + i, j)]) for i in range(len(prompts)) for j in range(params.n)]
+
+    @torch.no_grad()
+    def stream(
+        self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
+    ) -> list[GenerationResult]:
+        """Generate groups for prompts taken from `feed` as rows free up (continuous batching).
+
+        At most `max_inflight` prompts' rows (and max_batch_size rows) run at once. A prompt
+        is taken when its n rows fit; its group goes to `on_group` as
+        soon as all n responses are done, from this thread, before the next decode step, so
+        a callback that closes the feed and aborts stops the engine at a point that depends
+        on token counts only (a seeded run stays reproducible).
+
+        Returns:
+            The responses of prompts whose group the abort left incomplete: those cut short
+            (reason abort, with whatever they had generated) and their finished mates.
+        """
+        self._check_ready()
+        self._abort.clear()
+        base_seed = params.seed if params.seed is not None else secrets.randbits(62)
+        pending: deque[DecodeRow] = deque()
+        groups: dict[int, list[FinishedRow]] = {}
+
+        capacity = min(self._max_batch_size, max(1, max_inflight) * params.n)
+
+        def admit(free: int) -> list[DecodeRow]:
+            free -= self._max_batch_size - capacity
+            while free - len(pending) >= min(params.n, capacity):
+                item = feed.take(block=False)  # this thread decodes: never wait for the gate here
+                if item is None:
+                    break
+                index, prompt = item
+                check_prompts([prompt], vocab_size=self._vocab_size, engine=self.name)
+                pending.extend(self._rows(index, prompt, params, base_seed))
+            return [pending.popleft() for _ in range(min(free, len(pending)))]
+
+        def done(f: FinishedRow) -> None:
+            group = groups.setdefault(f.row.prompt_index, [])
+            group.append(f)
+            if len(group) == params.n and all(g.finish_reason != "abort" for g in group):
+                del groups[f.row.prompt_index]
+                on_group(sorted((_result(g) for g in group), key=lambda r: r.sample_index))
+
+        self._decode(params, admit, done)
+        # Groups the abort left incomplete: rows cut short, and their mates that had finished.
+        return [_result(f) for group in groups.values() for f in group] + [_aborted(r) for r in pending]
+
+    def _check_ready(self) -> None:
         if self._released:
             raise EngineError(f"engine {self.name}: generate() after release_memory(); call resume_memory() first")
         if not self._weights_ready:
@@ -122,95 +185,46 @@ class LocalEngine:
                 f"engine {self.name}: no weights yet (built with load_weights=False); "
                 "sync the trainer's weights (update_weights + finish_weight_update) before generating"
             )
-        check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
-        self._abort.clear()
-        base_seed = params.seed if params.seed is not None else secrets.randbits(62)
-        rows = [(index_offset + i, j) for i in range(len(prompts)) for j in range(params.n)]
-        seeds = torch.tensor([response_seed(base_seed, p * params.n + j) for p, j in rows], dtype=torch.long)
-        results: list[GenerationResult] = []
-        for start in range(0, len(rows), self._max_batch_size):
-            chunk = rows[start : start + self._max_batch_size]
-            if self._abort.is_set():
-                results.extend(
-                    GenerationResult(prompt_index=p, sample_index=j, output_ids=[], logprobs=[], finish_reason="abort")
-                    for p, j in chunk
-                )
-                continue
-            chunk_prompts = [prompts[p - index_offset] for p, _ in chunk]
-            outs = self._generate_batch(chunk_prompts, params, seeds[start : start + len(chunk)])
-            results.extend(
-                GenerationResult(prompt_index=p, sample_index=j, output_ids=ids, logprobs=lps, finish_reason=why)
-                for (p, j), (ids, lps, why) in zip(chunk, outs)
-            )
-        return results
 
-    def _generate_batch(
-        self, prompts: list[Sequence[int]], params: SamplingParams, seeds: torch.Tensor
-    ) -> list[tuple[list[int], list[float], FinishReason]]:
-        """Decode one batch of rows to completion with a shared KV cache.
-
-        A finished row leaves the batch at once (its KV-cache rows are dropped), so the
-        decode steps of the long tail only compute the rows still running. Each row keeps
-        its own token count, limit and seed, which is what lets rows of different ages share
-        a batch: the tokens of a response do not depend on its batch mates.
-        """
-        num_rows = len(prompts)
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        max_len = int(lens.max())
-        mask = torch.arange(max_len).unsqueeze(0) >= (max_len - lens).unsqueeze(1)  # [B, L] left-padded
-        input_ids = torch.zeros(num_rows, max_len, dtype=torch.long)
-        input_ids[mask] = torch.tensor([t for p in prompts for t in p], dtype=torch.long)
-        mask = mask.long()
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # real tokens count 0, 1, ...; pads 0
-        stop_ids = torch.tensor(sorted(self._eos_ids | set(params.stop_token_ids)), dtype=torch.long)
-        limits = torch.full((num_rows,), params.max_new_tokens, dtype=torch.long)
+    def _rows(self, prompt_index: int, prompt: Sequence[int], params: SamplingParams, base_seed: int) -> list[DecodeRow]:
+        limit = params.max_new_tokens
         if self._max_positions is not None:
-            limits = torch.minimum(limits, self._max_positions - lens)  # each row's own context limit
-        width = max(int(limits.max()), 0)
-        out_ids = torch.zeros(num_rows, width, dtype=torch.long)
-        out_lps = torch.zeros(num_rows, width, dtype=torch.float64)
-        num_out = torch.zeros(num_rows, dtype=torch.long)
-        reasons: list[FinishReason] = ["length"] * num_rows
-        active = torch.nonzero(limits > 0).squeeze(-1)  # [b] source row of each batch row
-        if active.numel() < num_rows:
-            input_ids, mask, positions = input_ids[active], mask[active], positions[active]
-        cache = DynamicCache(config=self._model.config)
-        input_ids, mask, positions = (t.to(self._device) for t in (input_ids, mask, positions))
-        step_ids = input_ids
-        while active.numel() > 0:
-            logits = self._model(
-                input_ids=step_ids.to(self._device), attention_mask=mask.to(self._device),
-                position_ids=positions.to(self._device), past_key_values=cache, use_cache=True, logits_to_keep=1,
-            ).logits[:, -1, :].cpu()  # [b, V]; sampling and bookkeeping stay on CPU
-            counts = num_out[active]
-            uniforms = None if params.greedy else counter_uniforms(seeds[active], counts)
-            tokens, logprobs = sample_next_tokens(
-                logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, uniforms=uniforms
-            )
-            out_ids[active, counts] = tokens
-            out_lps[active, counts] = logprobs
-            num_out[active] = counts = counts + 1
-            stopped = torch.isin(tokens, stop_ids)
-            done = stopped | (counts >= limits[active])
-            for r in active[stopped].tolist():
-                reasons[r] = "stop"
-            if self._abort.is_set():
-                for r in active[~done].tolist():
-                    reasons[r] = "abort"
-                break
-            if bool(done.any()):
-                keep = torch.nonzero(~done).squeeze(-1)
-                if keep.numel() == 0:
-                    break
-                cache.batch_select_indices(keep)
-                active, tokens, mask, positions = active[keep], tokens[keep], mask[keep], positions[keep]
-            step_ids = tokens.unsqueeze(-1)  # [b, 1]
-            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
-            positions = positions[:, -1:] + 1
-        counts_list = num_out.tolist()
-        return [
-            (out_ids[r, :n].tolist(), out_lps[r, :n].tolist(), reasons[r]) for r, n in enumerate(counts_list)
-        ]
+            limit = min(limit, self._max_positions - len(prompt))  # the row's own context limit
+        return [DecodeRow(prompt_index=prompt_index, sample_index=j, prompt=prompt, limit=limit,
+                          seed=response_seed(base_seed, prompt_index * params.n + j)) for j in range(params.n)]
+
+    def _decode(
+        self, params: SamplingParams, admit: Callable[[int], list[DecodeRow]], done: Callable[[FinishedRow], None]
+    ) -> list[FinishedRow]:
+        """Run the continuous batch until `admit` has nothing more and every row finished.
+
+        Args:
+            admit: called before every step with the number of free rows; returns the rows to join.
+            done: called with each row as it finishes, aborted ones included.
+
+        Returns:
+            Every finished row, aborted ones included.
+        """
+        decoder = ContinuousDecoder(self._model, params=params, stop_ids=self._eos_ids | set(params.stop_token_ids),
+                                    max_rows=self._max_batch_size, device=self._device)
+        finished: list[FinishedRow] = []
+        while not self._abort.is_set():
+            joining = []
+            for row in admit(decoder.num_free):
+                if row.limit > 0:
+                    joining.append(row)
+                else:  # the prompt fills the context: nothing to generate
+                    finished.append(FinishedRow(row=row, output_ids=[], logprobs=[], finish_reason="length"))
+                    done(finished[-1])
+            if not joining and decoder.num_running == 0:
+                return finished
+            for f in decoder.step(joining):
+                finished.append(f)
+                done(f)
+        for f in decoder.abort():
+            finished.append(f)
+            done(f)
+        return finished
 
     # ------------------------------------------------------------------ weights
 
@@ -281,3 +295,13 @@ class LocalEngine:
     def shutdown(self) -> None:
         """Nothing to stop: the model is freed with the engine object."""
         self._abort.set()
+
+
+def _result(f: FinishedRow) -> GenerationResult:
+    return GenerationResult(prompt_index=f.row.prompt_index, sample_index=f.row.sample_index,
+                            output_ids=f.output_ids, logprobs=f.logprobs, finish_reason=f.finish_reason)
+
+
+def _aborted(row: DecodeRow) -> GenerationResult:
+    return GenerationResult(prompt_index=row.prompt_index, sample_index=row.sample_index, output_ids=[],
+                            logprobs=[], finish_reason="abort")

@@ -11,7 +11,8 @@ TRAIN_KEYS = [
     "train/kept_group_acc_min", "train/kept_group_acc_max", "actor/pg_loss", "actor/pg_clipfrac",
     "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
     "rollout/train_logprob_abs_diff", "timing_s/gen", "timing_s/reward", "timing_s/collect", "timing_s/old_log_prob", "timing_s/update_actor",
-    "timing_s/sync", "timing_s/step", "perf/throughput_tokens_per_s", "reward/num_errors",
+    "timing_s/sync", "timing_s/step", "perf/throughput_tokens_per_s", "reward/num_errors", "timing_s/fill",
+    "rollout/aborted_tokens", "rollout/generated_tokens_per_kept_group",
 ]
 
 
@@ -22,8 +23,9 @@ def cache_dir(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("nproc", "overrides"),
-    [(1, ()), (2, ("parallel.tensor_model_parallel_size=2",)), (2, ("parallel.pipeline_model_parallel_size=2",))],
-    ids=["single", "tp2", "pp2"],
+    [(1, ()), (1, ("algorithm.filter_groups.mode=rounds",)), (2, ("parallel.tensor_model_parallel_size=2",)),
+     (2, ("parallel.pipeline_model_parallel_size=2",))],
+    ids=["single", "rounds", "tp2", "pp2"],
 )
 def test_few_steps_hold_the_dapo_invariants(tmp_path, cache_dir, nproc, overrides):
     out = tmp_path / "run"
@@ -55,16 +57,16 @@ def test_bad_config_exits_2_with_one_line(tmp_path, cache_dir):
         "error: command line: algorithm.clip_ratio_hgh: unknown key; did you mean 'algorithm.clip_ratio_high'?")
 
 
-def test_unfillable_batch_stops_with_a_clear_error(tmp_path, cache_dir):
+@pytest.mark.parametrize(("mode", "how"), [("rounds", "after 2 generation rounds"), ("streaming", "from 16 prompts")])
+def test_unfillable_batch_stops_with_a_clear_error(tmp_path, cache_dir, mode, how):
     # The math verifier on a random-init model: every group all-wrong, so no batch fills.
     config = write_config(tmp_path / "tiny.yaml", reward={"reward_fn": "math_dapo", "num_workers": 0},
-                          algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 2}})
+                          algorithm={"filter_groups": {"enable": True, "max_num_gen_batches": 2, "mode": mode}})
     proc = run_trainer(config, f"trainer.output_dir={tmp_path / 'run'}", "trainer.val_before_train=false",
                        cache_dir=cache_dir)
     assert proc.returncode == 3
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("error: dynamic sampling kept 0 of the 4 groups a training batch needs after 2 "
-                           "generation rounds")
+    assert last.startswith(f"error: dynamic sampling kept 0 of the 4 groups a training batch needs {how}")
     assert "16 all-wrong" in last
 
 

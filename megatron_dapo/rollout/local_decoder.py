@@ -1,0 +1,233 @@
+"""Continuous batching for the local engine: rows join the running batch as others leave.
+
+One `ContinuousDecoder.step` is one decode step of every running row plus, when rows are
+admitted, the prefill of the newcomers. Both halves keep their own KV cache until the
+step's end, when the two caches are left-padded to a common length and concatenated along
+the batch; the attention mask hides the padding and position ids count only a row's real
+tokens, so a row computes what it would compute alone, whoever its batch mates are.
+Finished rows leave the batch (and the cache) at once, and cache columns that no row uses
+any more (the left padding of rows that left) are trimmed, so the cache never grows past
+the longest running row.
+
+Each row samples from its own counter-based stream (sampling.counter_uniforms with the
+row's seed and token count), so its tokens do not depend on when it joined either. The
+schedule itself (which rows are admitted at which step) is decided by the caller from
+token counts only, never from wall time, so a seeded run is reproducible run to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from megatron_dapo.rollout.engine import FinishReason, SamplingParams
+from megatron_dapo.rollout.sampling import counter_uniforms, sample_next_tokens
+
+__all__ = ["ContinuousDecoder", "DecodeRow", "FinishedRow"]
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class DecodeRow:
+    """One response to generate."""
+
+    prompt_index: int
+    """Global prompt index."""
+    sample_index: int
+    """Which of the prompt's n responses."""
+    prompt: Sequence[int]
+    """Prompt token ids."""
+    seed: int
+    """The response's stream seed (engine.response_seed)."""
+    limit: int
+    """Most tokens to generate (max_new_tokens, or less where the context ends)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FinishedRow:
+    """A row that left the batch, with what it generated."""
+
+    row: DecodeRow
+    """The row."""
+    output_ids: list[int]
+    """Generated token ids."""
+    logprobs: list[float]
+    """Temperature-scaled log-probs of the generated tokens."""
+    finish_reason: FinishReason
+    """stop, length or abort."""
+
+
+class ContinuousDecoder:
+    """The running batch of the local engine: KV cache, masks, per-row counters and outputs."""
+
+    def __init__(
+        self, model: PreTrainedModel, *, params: SamplingParams, stop_ids: Sequence[int], max_rows: int,
+        device: torch.device,
+    ) -> None:
+        """An empty batch.
+
+        Args:
+            model: the HF causal LM (eval mode).
+            params: sampling settings shared by every row.
+            stop_ids: token ids that end a response (eos and the request's stop ids).
+            max_rows: the most rows decoded together (bounds the KV cache).
+            device: where the model runs; sampling and bookkeeping stay on CPU.
+        """
+        self._model = model
+        self._params = params
+        self._stop_ids = torch.tensor(sorted(set(stop_ids)), dtype=torch.long)
+        self._device = device
+        self.max_rows = max_rows
+        width = params.max_new_tokens
+        self._out_ids = torch.zeros(max_rows, width, dtype=torch.long)  # one slot per running row
+        self._out_lps = torch.zeros(max_rows, width, dtype=torch.float64)
+        self._free_slots = list(range(max_rows - 1, -1, -1))
+        self._rows: list[DecodeRow] = []
+        self._slots = torch.zeros(0, dtype=torch.long)  # [b] slot of each batch row
+        self._seeds = torch.zeros(0, dtype=torch.long)
+        self._counts = torch.zeros(0, dtype=torch.long)
+        self._limits = torch.zeros(0, dtype=torch.long)
+        self._cache: DynamicCache | None = None
+        self._mask = torch.zeros(0, 0, dtype=torch.long)  # [b, C]: which cache columns are real tokens
+        self._next_ids = torch.zeros(0, dtype=torch.long)  # [b] the token each row feeds next
+
+    @property
+    def num_running(self) -> int:
+        """Rows in the batch."""
+        return len(self._rows)
+
+    @property
+    def num_free(self) -> int:
+        """Rows that can still join."""
+        return self.max_rows - len(self._rows)
+
+    def step(self, new_rows: Sequence[DecodeRow] = ()) -> list[FinishedRow]:
+        """Admit `new_rows` (prefill), decode one token for every row, drop the finished ones.
+
+        Args:
+            new_rows: rows joining now; at most `num_free`, each with limit >= 1.
+
+        Returns:
+            The rows that finished at this step (stop token or limit), in batch order.
+        """
+        if len(new_rows) > self.num_free:
+            raise ValueError(f"{len(new_rows)} rows cannot join a batch with {self.num_free} free rows")
+        logits: list[torch.Tensor] = []
+        if self._rows:
+            mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], dim=-1)
+            positions = self._mask.sum(-1, keepdim=True)  # real tokens before the one fed now
+            logits.append(self._forward(self._next_ids.unsqueeze(-1), mask, positions, self._cache))
+            self._mask = mask
+        if new_rows:
+            new_cache = DynamicCache(config=self._model.config)
+            lens = torch.tensor([len(r.prompt) for r in new_rows], dtype=torch.long)
+            width = int(lens.max())
+            new_mask = (torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)).long()  # left-padded
+            input_ids = torch.zeros(len(new_rows), width, dtype=torch.long)
+            input_ids[new_mask.bool()] = torch.tensor([t for r in new_rows for t in r.prompt], dtype=torch.long)
+            positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
+            logits.append(self._forward(input_ids, new_mask, positions, new_cache))
+            self._join(new_rows, new_cache, new_mask)
+        if not self._rows:
+            return []
+        return self._sample_and_retire(torch.cat(logits) if len(logits) > 1 else logits[0])
+
+    def abort(self) -> list[FinishedRow]:
+        """End every running row with reason "abort", keeping what it generated."""
+        finished = [self._finished(b, "abort") for b in range(len(self._rows))]
+        self._keep(torch.zeros(len(self._rows), dtype=torch.bool))
+        return finished
+
+    # ------------------------------------------------------------------ internals
+
+    def _forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None
+    ) -> torch.Tensor:
+        device = self._device
+        return self._model(
+            input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+            past_key_values=cache, use_cache=True, logits_to_keep=1,
+        ).logits[:, -1, :].cpu()  # [b, V]
+
+    def _join(self, rows: Sequence[DecodeRow], cache: DynamicCache, mask: torch.Tensor) -> None:
+        """Append the prefilled rows to the batch (their cache after the running rows')."""
+        slots = torch.tensor([self._free_slots.pop() for _ in rows], dtype=torch.long)
+        self._out_ids[slots] = 0
+        self._out_lps[slots] = 0.0
+        if self._cache is None or not self._rows:
+            self._cache, self._mask = cache, mask
+        else:
+            width = max(self._mask.shape[1], mask.shape[1])
+            for old, new in zip(self._cache.layers, cache.layers, strict=True):
+                if not isinstance(old, DynamicLayer) or type(old) is not type(new):
+                    raise TypeError(f"continuous batching needs plain DynamicLayer caches, got {type(old).__name__}")
+                old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
+                old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
+            self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)])
+        self._rows.extend(rows)
+        self._slots = torch.cat([self._slots, slots])
+        self._seeds = torch.cat([self._seeds, torch.tensor([r.seed for r in rows], dtype=torch.long)])
+        self._counts = torch.cat([self._counts, torch.zeros(len(rows), dtype=torch.long)])
+        self._limits = torch.cat([self._limits, torch.tensor([r.limit for r in rows], dtype=torch.long)])
+        self._next_ids = torch.cat([self._next_ids, torch.zeros(len(rows), dtype=torch.long)])
+
+    def _sample_and_retire(self, logits: torch.Tensor) -> list[FinishedRow]:
+        params = self._params
+        uniforms = None if params.greedy else counter_uniforms(self._seeds, self._counts)
+        tokens, logprobs = sample_next_tokens(
+            logits, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, uniforms=uniforms
+        )
+        self._out_ids[self._slots, self._counts] = tokens
+        self._out_lps[self._slots, self._counts] = logprobs
+        self._counts = self._counts + 1
+        self._next_ids = tokens
+        stopped = torch.isin(tokens, self._stop_ids)
+        done = stopped | (self._counts >= self._limits)
+        if not bool(done.any()):
+            return []
+        finished = [self._finished(b, "stop" if stopped[b] else "length") for b in torch.nonzero(done)[:, 0].tolist()]
+        self._keep(~done)
+        return finished
+
+    def _finished(self, b: int, reason: FinishReason) -> FinishedRow:
+        slot, count = int(self._slots[b]), int(self._counts[b])
+        return FinishedRow(row=self._rows[b], output_ids=self._out_ids[slot, :count].tolist(),
+                           logprobs=self._out_lps[slot, :count].tolist(), finish_reason=reason)
+
+    def _keep(self, keep: torch.Tensor) -> None:
+        """Keep the rows where `keep` is True; free the others' slots and cache rows."""
+        self._free_slots.extend(self._slots[~keep].tolist())
+        index = torch.nonzero(keep)[:, 0]
+        self._rows = [self._rows[b] for b in index.tolist()]
+        self._slots, self._seeds = self._slots[index], self._seeds[index]
+        self._counts, self._limits, self._next_ids = self._counts[index], self._limits[index], self._next_ids[index]
+        self._mask = self._mask[index]
+        if not self._rows:
+            self._cache = None
+            self._mask = torch.zeros(0, 0, dtype=torch.long)
+            return
+        assert self._cache is not None
+        self._cache.batch_select_indices(index.to(self._device))
+        used = torch.nonzero(self._mask.any(0))[:, 0]
+        first = int(used[0]) if used.numel() else 0
+        if first > 0:  # columns only rows that left had used: drop them
+            self._mask = self._mask[:, first:]
+            for layer in self._cache.layers:
+                layer.keys = layer.keys[..., first:, :]
+                layer.values = layer.values[..., first:, :]
+
+
+def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    """[b, h, c, d] -> [b, h, width, d] with zeros on the left of the sequence dim."""
+    missing = width - t.shape[-2]
+    if missing == 0:
+        return t
+    return torch.cat([t.new_zeros(*t.shape[:-2], missing, t.shape[-1]), t], dim=-2)
+
+
+def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    missing = width - mask.shape[1]
+    return mask if missing == 0 else torch.cat([mask.new_zeros(mask.shape[0], missing), mask], dim=1)

@@ -1,0 +1,154 @@
+"""Streaming generation: prompts go to the engines as they have room, groups come back as they finish.
+
+The round-based loop (generate a round of prompts, score, filter, repeat) waits for the
+slowest response of every round and generates whole rounds the batch may not need.
+Streaming (slime's over-sampling with abort) instead keeps the engines busy with a window of
+prompts: each engine takes the next prompt from a shared `PromptFeed` whenever it has room,
+hands a prompt's group of n responses to the collector as soon as all n are done, and stops
+when the collector closes the feed and aborts it because the batch is full.
+
+Engines that batch on their own (the local engine's continuous batching) implement
+`stream` natively. For servers (SGLang, vLLM), `stream_per_prompt` keeps `max_inflight`
+prompts in flight with one request per prompt; the server's continuous batching does the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from typing import Protocol, runtime_checkable
+
+from megatron_dapo.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+
+__all__ = ["GroupCallback", "PromptFeed", "StreamingEngine", "stream_per_prompt"]
+
+GroupCallback = Callable[[list[GenerationResult]], None]
+"""Receives one prompt's n finished responses (sample order); may close the feed and abort."""
+
+
+class PromptFeed:
+    """Prompts handed out one at a time to whichever engine has room; thread-safe.
+
+    A prompt counts as taken (consumed from the dataset) when an engine takes it, so the
+    collector can tell how many prompts a step used, and prompts never taken stay unread.
+    An optional `gate` lets the collector hold prompts back while the ones in flight are
+    expected to fill the batch; it is asked under the feed's lock, and the collector calls
+    `notify` whenever its answer may have changed.
+    """
+
+    def __init__(
+        self, prompts: Iterator[Sequence[int]], *, limit: int | None = None, gate: Callable[[int], bool] | None = None,
+    ) -> None:
+        """Args:
+            prompts: the prompts' token ids, drawn lazily (e.g. from the PromptSampler).
+            limit: the most prompts to hand out (None = as many as `prompts` yields).
+            gate: called with the number taken so far; False = not now (the feed is not exhausted).
+        """
+        self._prompts = prompts
+        self._limit = limit
+        self._gate = gate
+        self._changed = threading.Condition()
+        self._closed = False
+        self.num_taken = 0
+
+    def take(self, *, block: bool = True) -> tuple[int, Sequence[int]] | None:
+        """The next (global prompt index, token ids).
+
+        Args:
+            block: wait while the gate holds prompts back; False returns None at once then
+                (check `exhausted` to tell "not now" from "no more").
+
+        Returns:
+            The prompt, or None once closed or exhausted (or held back, without block).
+        """
+        with self._changed:
+            while not self._exhausted() and self._gate is not None and not self._gate(self.num_taken):
+                if not block:
+                    return None
+                self._changed.wait()
+            if self._exhausted():
+                return None
+            prompt = next(self._prompts, None)
+            if prompt is None:
+                self._closed = True
+                self._changed.notify_all()
+                return None
+            index = self.num_taken
+            self.num_taken += 1
+            return index, prompt
+
+    def notify(self) -> None:
+        """Wake blocked takers: the gate's answer may have changed."""
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """Hand out nothing more."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether take() can return nothing more."""
+        with self._changed:
+            return self._exhausted()
+
+    def _exhausted(self) -> bool:
+        return self._closed or (self._limit is not None and self.num_taken >= self._limit)
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """An engine with its own streaming loop (the local engine)."""
+
+    def stream(
+        self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
+    ) -> list[GenerationResult]:
+        """Generate for prompts taken from `feed` until it is exhausted or abort() comes.
+
+        At most `max_inflight` prompts are in flight at once.
+
+        Returns:
+            The responses cut short by abort(), with whatever tokens they had.
+        """
+        ...
+
+
+def stream_per_prompt(
+    engine: RolloutEngine, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
+) -> list[GenerationResult]:
+    """Stream through an engine's generate(): one request per prompt, `max_inflight` at a time.
+
+    A prompt whose responses come back with an abort is not a group (its results are
+    returned instead); every worker then takes the next prompt until the feed is exhausted.
+
+    Raises:
+        The first error of any request, after the others finished or were aborted by it.
+    """
+    aborted: list[GenerationResult] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while (item := feed.take()) is not None:
+            index, prompt = item
+            results = engine.generate([prompt], params, index_offset=index)
+            if any(r.finish_reason == "abort" for r in results):
+                with lock:
+                    aborted.extend(results)
+            else:
+                on_group(results)
+
+    with ThreadPoolExecutor(max_workers=max(1, max_inflight), thread_name_prefix=f"{engine.name}-stream") as pool:
+        futures = [pool.submit(worker) for _ in range(max(1, max_inflight))]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in futures if f in done and f.exception() is not None), None)
+        if failed is not None:
+            feed.close()
+            with contextlib.suppress(Exception):  # a dead engine cannot abort; the first error is the one to report
+                engine.abort()
+            wait(futures)
+            raise failed.exception()  # type: ignore[misc]
+    return aborted

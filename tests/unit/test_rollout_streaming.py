@@ -1,0 +1,176 @@
+"""Streaming generation: continuous batching in the local engine, the prompt feed, per-prompt streaming."""
+
+import threading
+import time
+
+import pytest
+import torch
+from test_rollout_local_engine import EOS, PROMPTS, make_tiny_qwen2
+
+from megatron_dapo.rollout.controller import RolloutController
+from megatron_dapo.rollout.engine import EngineError, SamplingParams
+from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.streaming import PromptFeed, StreamingEngine, stream_per_prompt
+
+# Stopping on a few frequent tokens ends responses at different steps, so rows leave and join.
+PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11, stop_token_ids=(10, 20, 30, 40, 50, EOS))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    return path, make_tiny_qwen2(path)
+
+
+class GenerateOnly:
+    """An engine with generate() and abort() only, as the server engines are to the streaming code."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.name, self._engine = "generate-only", engine
+
+    def generate(self, prompts, params, *, index_offset=0):
+        return self._engine.generate(prompts, params, index_offset=index_offset)
+
+    def abort(self):
+        self._engine.abort()
+
+    def shutdown(self):
+        self._engine.shutdown()
+
+
+def test_rows_joining_a_running_batch_compute_what_they_compute_alone(tiny):
+    path, _ = tiny
+    engine = LocalEngine(path, max_batch_size=3)  # 8 rows through 3 slots: rows must join mid-flight
+    shapes: list[tuple[int, int]] = []
+    engine.model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)),
+                                           with_kwargs=True)
+    joined = engine.generate(PROMPTS, PARAMS)
+    assert max(rows for rows, _ in shapes) <= 3
+    # A prefill (more than one position) after the first forward: newcomers joined a running batch.
+    assert any(length > 1 for _, length in shapes[1:])
+    lengths = {len(r.output_ids) for r in joined}
+    assert len(lengths) > 1
+    for i, prompt in enumerate(PROMPTS):
+        alone = LocalEngine(path).generate([prompt], PARAMS, index_offset=i)
+        mine = joined[2 * i : 2 * i + 2]
+        assert [(r.output_ids, r.finish_reason) for r in alone] == [(r.output_ids, r.finish_reason) for r in mine]
+        for a, b in zip(alone, mine):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def test_stream_hands_back_each_group_once_with_the_tokens_generate_gives(tiny):
+    path, _ = tiny
+    expected = LocalEngine(path).generate(PROMPTS, PARAMS)
+    engine = LocalEngine(path, max_batch_size=4)
+    assert isinstance(engine, StreamingEngine)
+    groups = []
+    feed = PromptFeed(iter(PROMPTS))
+    aborted = engine.stream(feed, PARAMS, groups.append, max_inflight=8)
+    assert aborted == [] and feed.num_taken == 4 and feed.exhausted
+    assert sorted(g[0].prompt_index for g in groups) == [0, 1, 2, 3]
+    for group in groups:
+        assert [r.sample_index for r in group] == [0, 1]
+        i = group[0].prompt_index
+        assert [r.output_ids for r in group] == [r.output_ids for r in expected[2 * i : 2 * i + 2]]
+
+
+def test_a_callback_that_aborts_stops_the_stream_at_the_same_point_every_run(tiny):
+    path, _ = tiny
+    many = [PROMPTS[i % 4] for i in range(12)]
+
+    def run_once():
+        engine = LocalEngine(path, max_batch_size=6)
+        feed = PromptFeed(iter(many))
+        groups = []
+
+        def on_group(group):
+            groups.append(group)
+            if len(groups) == 3:  # the collector's "batch full"
+                feed.close()
+                engine.abort()
+
+        aborted = engine.stream(feed, PARAMS, on_group, max_inflight=3)
+        return groups, aborted, feed.num_taken
+
+    groups, aborted, taken = run_once()
+    assert len(groups) == 3 and 3 <= taken < 12
+    incomplete = {r.prompt_index for r in aborted}
+    # Every incomplete prompt had a response cut short; its mates may have finished before.
+    assert incomplete == {r.prompt_index for r in aborted if r.finish_reason == "abort"}
+    assert {r.prompt_index for r in aborted}.isdisjoint({g[0].prompt_index for g in groups})
+    assert len(aborted) + 2 * len(groups) == 2 * taken  # every taken prompt ends as a group or aborted
+    again = run_once()
+    assert [[r.output_ids for r in g] for g in groups] == [[r.output_ids for r in g] for g in again[0]]
+    assert (taken, [r.output_ids for r in aborted]) == (again[2], [r.output_ids for r in again[1]])
+
+
+def test_max_inflight_bounds_the_rows_of_the_local_engine(tiny):
+    path, _ = tiny
+    engine = LocalEngine(path)
+    rows: list[int] = []
+    engine.model.register_forward_hook(lambda m, args, out: rows.append(out.logits.shape[0]))
+    engine.stream(PromptFeed(iter(PROMPTS * 3)), PARAMS, lambda g: None, max_inflight=2)
+    assert max(rows) <= 4  # 2 prompts x n=2
+
+
+def test_feed_limit_gate_and_close():
+    feed = PromptFeed(iter([[1], [2], [3], [4]]), limit=3)
+    assert feed.take() == (0, [1])
+    open_gate = threading.Event()
+    gated = PromptFeed(iter([[1], [2]]), gate=lambda taken: taken == 0 or open_gate.is_set())
+    assert gated.take(block=False) == (0, [1])
+    assert gated.take(block=False) is None and not gated.exhausted  # held back, not finished
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(gated.take()))
+    waiter.start()
+    time.sleep(0.05)
+    assert got == []  # blocked on the gate
+    open_gate.set()
+    gated.notify()
+    waiter.join(5)
+    assert got == [(1, [2])]
+    assert feed.take() == (1, [2]) and feed.take() == (2, [3])
+    assert feed.take() is None and feed.exhausted  # the limit
+    closing = PromptFeed(iter([[1]]), gate=lambda taken: False)
+    waiter = threading.Thread(target=lambda: got.append(closing.take()))
+    waiter.start()
+    closing.close()
+    waiter.join(5)
+    assert got[-1] is None and not waiter.is_alive()
+
+
+def test_per_prompt_streaming_gives_the_native_groups(tiny):
+    path, _ = tiny
+    native: list = []
+    LocalEngine(path).stream(PromptFeed(iter(PROMPTS)), PARAMS, native.append, max_inflight=4)
+    lock = threading.Lock()
+    served: list = []
+
+    def collect(group):
+        with lock:
+            served.append(group)
+
+    aborted = stream_per_prompt(GenerateOnly(LocalEngine(path)), PromptFeed(iter(PROMPTS)), PARAMS, collect,
+                                max_inflight=2)
+    assert aborted == []
+    by_prompt = {g[0].prompt_index: [r.output_ids for r in g] for g in native}
+    assert {g[0].prompt_index: [r.output_ids for r in g] for g in served} == by_prompt
+
+
+def test_controller_stream_aborts_the_others_and_raises_the_first_engine_error(tiny):
+    path, _ = tiny
+
+    class Dies(GenerateOnly):
+        def generate(self, prompts, params, *, index_offset=0):
+            raise EngineError("engine dies: connection refused")
+
+    healthy = LocalEngine(path, name="healthy")
+    aborts = []
+    original_abort = healthy.abort
+    healthy.abort = lambda: (aborts.append(1), original_abort())
+    controller = RolloutController([healthy, Dies(LocalEngine(path))])
+    feed = PromptFeed(iter(PROMPTS * 50))
+    with pytest.raises(EngineError, match="connection refused"):
+        controller.stream(feed, PARAMS, lambda group: None, max_inflight=2)
+    assert feed.exhausted and aborts  # nothing more handed out, the healthy engine was stopped
+    controller.shutdown()
