@@ -104,6 +104,37 @@ def te_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+FUSION_FLAGS = ("apply_rope_fusion", "gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion")
+"""The TransformerConfig kernel fusions :func:`kernel_fusions` decides."""
+
+
+def kernel_fusions(*, use_te: bool, apex_wgrad: bool, triton: bool) -> dict[str, bool]:
+    """TransformerConfig fusion flags for the layer spec in use (read in megatron-core 0.16.1).
+
+    Only the TE spec (so a GPU) gets any; the CPU and the local GPU spec keep megatron's
+    unfused defaults, the paths the CPU tests and the H100 run checked.
+
+    - apply_rope_fusion: TE's fused RoPE; TransformerConfig refuses it when rope_utils
+      could not import it from TE.
+    - gradient_accumulation_fusion: TE's linears fuse the wgrad GEMM into main_grad on their
+      own, but the output layer is megatron's ColumnParallelLinear, which raises without
+      apex's fused_weight_gradient_mlp_cuda.
+    - bias_activation_fusion (SwiGLU: bias_swiglu_impl, bias or not) and bias_dropout_fusion
+      (bias_dropout_add_fused_train): megatron's jit_fuser, torch.compile, whose CUDA
+      kernels need triton.
+
+    Args:
+        use_te: the model uses the Transformer Engine layer spec (CUDA present).
+        apex_wgrad: apex's fused_weight_gradient_mlp_cuda extension imports.
+        triton: triton imports.
+
+    Returns:
+        Every name of FUSION_FLAGS with its value.
+    """
+    return {"apply_rope_fusion": use_te, "gradient_accumulation_fusion": use_te and apex_wgrad,
+            "bias_activation_fusion": use_te and triton, "bias_dropout_fusion": use_te and triton}
+
+
 def unwrap_model(model: Any) -> GPTModel:
     """The GPTModel inside DDP / Float16Module wrappers or a one-chunk list.
 
@@ -318,11 +349,11 @@ class DecoderAdapter:
                                          sequence_parallel=sequence_parallel, cp=dims.cp, cp_comm_type=cp_comm_type)
         config.perform_initialization = init_weights
         use_te = te_available() if use_te is None else use_te
-        if use_te:
-            # TE's fused RoPE; wgrad accumulation fused into main_grad where the non-TE output
-            # layer can do it too (it needs apex's fused_weight_gradient_mlp_cuda).
-            config.apply_rope_fusion = True
-            config.gradient_accumulation_fusion = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+        fusions = kernel_fusions(use_te=use_te,
+                                 apex_wgrad=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+                                 triton=importlib.util.find_spec("triton") is not None)
+        for flag, value in fusions.items():
+            setattr(config, flag, value)
         spec: ModuleSpec = self.layer_spec(use_te)
         if config.sequence_parallel and not use_te:
             spec = _local_block_spec(spec, config, num_layers=self.hf.num_layers // dims.pp)

@@ -29,11 +29,13 @@ Launch
 Weight sync (step 7)
     ``export_hf`` is collective and hands every rank every full HF tensor, on its own GPU.
     All ranks cut the stream into the same buckets (same names, sizes and order). For each
-    bucket, each rank serializes its own copy: a CUDA IPC handle to memory on its GPU, which
-    is exactly what the engine's TP worker on that GPU opens. The engine's group (a gloo
-    group per engine, built once at launch) gathers the strings to the leader, which POSTs
-    /update_weights_from_tensor with the list in engine TP-rank order (each TP worker takes
-    its full tensors and cuts its own shard). The leader then broadcasts the outcome to its
+    bucket, each rank copies its tensors into one flat buffer per dtype (flat_bucket.py,
+    SGLang's "flattened_bucket"; per-tensor handles on sglang < 0.5.1) and serializes its own
+    copy: a CUDA IPC handle to memory on its GPU, which is exactly what the engine's TP
+    worker on that GPU opens. The engine's group (a gloo group per engine, built once at
+    launch) gathers the strings to the leader, which POSTs /update_weights_from_tensor once
+    per dtype with the list in engine TP-rank order (each TP worker takes its full tensors
+    and cuts its own shard). The leader then broadcasts the outcome to its
     group, and only then do members drop the bucket and take the next one, so a group moves
     in lockstep with its engine (torch also keeps a block shared over IPC in its "limbo"
     until the server, after syncing its stream, let go of it; ``ipc_collect`` then frees it).
@@ -44,8 +46,8 @@ Weight sync (step 7)
 
 Memory
     Each rank holds one bucket of full tensors at a time (at most the bucket budget plus
-    one tensor) and the engines read it in place through IPC: no extra copy on the trainer
-    side, no tensor bytes over the network; only handles (a few hundred bytes per tensor)
+    one tensor) and its flat copy, which the engines read in place through IPC: no tensor
+    bytes over the network; only handles (a few hundred bytes per tensor)
     cross processes, over gloo inside a node. Blocks the engine has released go back to the
     caching allocator after every bucket (``torch.cuda.ipc_collect``): the peak stays one bucket.
     Around training, ``release_memory`` (before) and ``resume_memory`` (before the sync)
@@ -58,6 +60,7 @@ Memory
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -73,6 +76,13 @@ import torch.distributed as dist
 
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EngineError, RolloutEngine
+from megatron_dapo.rollout.flat_bucket import (
+    WeightFormat,
+    WeightPayload,
+    default_weight_format,
+    encode_bucket,
+    payload_tensors,
+)
 from megatron_dapo.rollout.sglang_engine import sglang_serialize
 from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketMeter, WeightSyncStats, iter_buckets
 
@@ -93,7 +103,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-Serializer = Callable[[list[tuple[str, torch.Tensor]]], str]
+Serializer = Callable[[WeightPayload], str]
 
 
 # ------------------------------------------------------------------------ placement
@@ -280,8 +290,8 @@ class EngineInfo:
 class LeaderEngine(Protocol):
     """What a leader needs from the engine it owns (SGLangEngine; a fake in tests)."""
 
-    def update_weights_from_serialized(self, serialized: Sequence[str]) -> None:
-        """Load one bucket, one serialized entry per engine TP rank, in TP-rank order."""
+    def update_weights_from_serialized(self, serialized: Sequence[str], *, load_format: str | None = None) -> None:
+        """Load one payload, one serialized entry per engine TP rank, in TP-rank order."""
         ...
 
     def finish_weight_update(self) -> None:
@@ -309,25 +319,25 @@ StartEngine = Callable[[EngineSlot], tuple[LeaderEngine, EngineInfo]]
 MakeClient = Callable[[EngineInfo], RolloutEngine]
 
 
-def serialize_cuda_ipc(bucket: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's MultiprocessingSerializer of a bucket: CUDA IPC handles to this rank's GPU memory.
+def serialize_cuda_ipc(payload: WeightPayload) -> str:
+    """SGLang's MultiprocessingSerializer of a payload: CUDA IPC handles to this rank's GPU memory.
 
     The handles name the GPU by UUID (SGLang's torch reduction patch, also applied by its
     servers), so they open correctly even if the server saw a different CUDA_VISIBLE_DEVICES.
 
     Args:
-        bucket: (hf_name, full tensor on this rank's GPU).
+        payload: a flat buffer of a bucket, or its (hf_name, full tensor) pairs, on this rank's GPU.
 
     Returns:
         The base64 string one TP worker deserializes.
     """
-    for name, tensor in bucket:
+    for name, tensor in payload_tensors(payload):
         if tensor.device.type != "cuda":
             raise UserError(
                 f"colocated weight sync: tensor {name!r} is on {tensor.device}; CUDA IPC needs the export on "
                 "this rank's GPU (trainer.device: cuda)"
             )
-    return sglang_serialize(bucket)
+    return sglang_serialize(payload)
 
 
 class ColocatedEngines:
@@ -343,6 +353,7 @@ class ColocatedEngines:
         infos: list[EngineInfo],
         clients: list[RolloutEngine],
         serializer: Serializer,
+        weight_format: WeightFormat | None = None,
     ) -> None:
         """Use :meth:`create` (or :func:`launch_colocated_engines`); this only stores the parts."""
         self.placement = placement
@@ -353,6 +364,7 @@ class ColocatedEngines:
         self.infos = infos
         self.clients = clients
         self._serializer = serializer
+        self.weight_format: WeightFormat = weight_format or default_weight_format()
         # Barriers of the memory hand-over run on CPU: no NCCL kernel on GPUs the engines use.
         self._cpu_world = dist.new_group(backend="gloo")
 
@@ -371,6 +383,7 @@ class ColocatedEngines:
         start_engine: StartEngine,
         make_client: MakeClient,
         serializer: Serializer | None = None,
+        weight_format: WeightFormat | None = None,
     ) -> ColocatedEngines:
         """Collective: check the node layout, build the per-engine groups, start and announce engines.
 
@@ -381,8 +394,10 @@ class ColocatedEngines:
             start_engine: called on leaders only: start the slot's server, wait until healthy,
                 return the owned engine and its info.
             make_client: called on the controller: an HTTP client of another rank's engine.
-            serializer: bucket -> string for the engine's TP worker on this GPU; default
+            serializer: payload -> string for the engine's TP worker on this GPU; default
                 :func:`serialize_cuda_ipc`.
+            weight_format: how buckets travel; None = flattened where the installed sglang
+                has it (flat_bucket.default_weight_format).
 
         Returns:
             On leaders ``engine`` is set; on the controller ``clients`` holds every engine.
@@ -421,7 +436,7 @@ class ColocatedEngines:
                     placement.num_engines, placement.num_nodes, placement.engine_tp, slot.name,
                     placement.tp_rank_of(rank), " (leader)" if engine is not None else "")
         return cls(placement=placement, rank=rank, group=group, engine=engine, infos=infos, clients=clients,
-                   serializer=serializer or serialize_cuda_ipc)
+                   serializer=serializer or serialize_cuda_ipc, weight_format=weight_format)
 
     # ------------------------------------------------------------------ weight sync
 
@@ -463,11 +478,12 @@ class ColocatedEngines:
                                seconds=time.perf_counter() - start, peak_bucket_bytes=meter.peak_bytes)
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
-        """Serialize, gather to the leader, POST, share the outcome in the group; returns the failure."""
-        payload: str | None = None
+        """Flatten, serialize, gather to the leader, POST, share the outcome in the group; returns the failure."""
+        payload: list[str] | None = None
         error: str | None = None
         try:
-            payload = self._serializer(bucket)
+            requests = encode_bucket(bucket, self.weight_format)
+            payload = [self._serializer(item) for _, item in requests]
         except Exception as err:
             error = f"rank {self.rank}: {type(err).__name__}: {err}"
         if self.slot.tp_size == 1:
@@ -482,7 +498,12 @@ class ColocatedEngines:
                 status[0] = "; ".join(errors)
             else:
                 assert self.engine is not None
-                status[0] = _call(self.engine.update_weights_from_serialized, [p for p, _ in gathered])
+                # Every rank flattened the same bucket, so request k is the same dtype everywhere.
+                for k, (load_format, _) in enumerate(requests):
+                    post = functools.partial(self.engine.update_weights_from_serialized, load_format=load_format)
+                    status[0] = _call(post, [p[k] for p, _ in gathered])
+                    if status[0] is not None:
+                        break
         if self.slot.tp_size > 1:
             # Members hold their bucket until the leader's POST returned: the server reads it in place.
             dist.broadcast_object_list(status, group=self.group, group_src=0)

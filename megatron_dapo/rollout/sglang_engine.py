@@ -14,8 +14,14 @@ Endpoints used (SGLang 0.5.x):
   "output_token_logprobs": [[logprob, token_id, null], ...]}}``. Each of the n responses of
   a prompt is its own row (own rid, own seed); the radix cache shares the prompt's prefill.
 - POST /update_weights_from_tensor (colocated): ``serialized_named_tensors`` holds, per TP rank
-  of the engine, MultiprocessingSerializer (ForkingPickler + base64) of the bucket's
-  ``[(name, cuda_tensor)]``: CUDA IPC handles, the bytes stay on the GPU.
+  of the engine, MultiprocessingSerializer (ForkingPickler + base64) of one flat buffer per
+  dtype with ``load_format: "flattened_bucket"`` (flat_bucket.py; sglang >= 0.5.1), else of
+  the bucket's ``[(name, cuda_tensor)]``: CUDA IPC handles, the bytes stay on the GPU. Each
+  TP rank gets its own serialization: torch counts the consumers of a shared block per
+  serialization, and a worker that opens another rank's copy breaks that count.
+- POST /begin_weight_update before the first bucket and /end_weight_update after the last
+  (``{}``): from sglang 0.5.21 the server refuses weight updates outside such a session;
+  older servers answer 404 and are updated without one.
 - POST /init_weights_update_group + /update_weights_from_distributed (separate rollout GPUs):
   the trainer broadcasts each tensor over an NCCL group that includes the engine's ranks.
 - POST /release_memory_occupation, /resume_memory_occupation (``{"tags": null}`` = all),
@@ -53,6 +59,13 @@ from megatron_dapo.rollout.engine import (
     SamplingParams,
     check_prompts,
     response_seed,
+)
+from megatron_dapo.rollout.flat_bucket import (
+    WeightFormat,
+    WeightPayload,
+    default_weight_format,
+    encode_bucket,
+    to_sglang_wire,
 )
 from megatron_dapo.rollout.server_process import ServerProcess, poll_until_healthy, server_environment
 from megatron_dapo.rollout.sglang_server import (
@@ -182,8 +195,8 @@ def payload_text(serialized: str | bytes) -> str:
         return base64.b64encode(serialized).decode("ascii")
 
 
-def sglang_serialize(bucket: list[tuple[str, torch.Tensor]]) -> str:
-    """SGLang's MultiprocessingSerializer of a bucket (CUDA IPC handles for CUDA tensors).
+def sglang_serialize(payload: WeightPayload) -> str:
+    """SGLang's MultiprocessingSerializer of one request's payload (CUDA IPC handles for CUDA tensors).
 
     The handles name the GPU by UUID (SGLang's torch reduction patch, also applied by its
     servers), so they open correctly even if the server saw a different CUDA_VISIBLE_DEVICES.
@@ -195,7 +208,7 @@ def sglang_serialize(bucket: list[tuple[str, torch.Tensor]]) -> str:
     from sglang.srt.utils import MultiprocessingSerializer
 
     monkey_patch_torch_reductions()
-    return payload_text(MultiprocessingSerializer.serialize(bucket, output_str=True))
+    return payload_text(MultiprocessingSerializer.serialize(to_sglang_wire(payload), output_str=True))
 
 
 class SGLangEngine:
@@ -213,9 +226,10 @@ class SGLangEngine:
         request_timeout_s: float = 3600.0,
         control_timeout_s: float = 300.0,
         num_retries: int = 3,
-        serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
+        serializer: Callable[[WeightPayload], str] | None = None,
         deterministic: bool = False,
         log_location: str = "",
+        weight_format: WeightFormat | None = None,
     ) -> None:
         """Attach to a server (launched by :meth:`start`/:meth:`launch`, or already running).
 
@@ -229,11 +243,13 @@ class SGLangEngine:
             request_timeout_s: timeout of one /generate call.
             control_timeout_s: timeout of other calls (weights, memory, cache).
             num_retries: attempts of idempotent calls on connection errors.
-            serializer: bucket -> string for /update_weights_from_tensor; default SGLang's
+            serializer: payload -> string for /update_weights_from_tensor; default SGLang's
                 MultiprocessingSerializer (CUDA IPC handles).
             deterministic: the server runs --enable-deterministic-inference; seeds are sent.
             log_location: where the server's log is when another process owns the server
                 (named in errors; colocated engines on other nodes).
+            weight_format: how :meth:`update_weights` sends a bucket; None = flattened
+                where the installed sglang has it (flat_bucket.default_weight_format).
         """
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -247,6 +263,9 @@ class SGLangEngine:
         self._serializer = serializer or sglang_serialize
         self._deterministic = deterministic
         self._log_location = log_location
+        self.weight_format: WeightFormat = weight_format or default_weight_format()
+        self._sessions: bool | None = None  # whether the server has weight-update sessions (None: not asked yet)
+        self._session_open = False
 
     @classmethod
     def start(
@@ -393,23 +412,49 @@ class SGLangEngine:
                     f"SGLang engine {self.name}: tensor {name!r} is on {tensor.device}; colocated weight "
                     "updates pass CUDA IPC handles, so export the weights on the GPU"
                 )
-        # One process holds the bucket: every TP worker opens the same handles.
-        self.update_weights_from_serialized([self._serializer(list(bucket))] * self._tp_size)
+        for load_format, item in encode_bucket(bucket, self.weight_format):
+            # One process holds the payload; each TP worker still gets a serialization of its own.
+            self.update_weights_from_serialized([self._serializer(item) for _ in range(self._tp_size)],
+                                                load_format=load_format)
 
-    def update_weights_from_serialized(self, serialized: Sequence[str]) -> None:
-        """POST one bucket already serialized per TP rank (colocated.py gathers one per GPU).
+    def update_weights_from_serialized(self, serialized: Sequence[str], *, load_format: str | None = None) -> None:
+        """POST one payload already serialized per TP rank (colocated.py gathers one per GPU).
 
         Args:
-            serialized: entry r is what the server's TP worker r deserializes, a bucket of
-                full tensors (the worker cuts its own shard); len == the server's TP size.
+            serialized: entry r is what the server's TP worker r deserializes: full tensors
+                (the worker cuts its own shard); len == the server's TP size.
+            load_format: "flattened_bucket" for a flat buffer, None for (name, tensor) pairs.
         """
         if len(serialized) != self._tp_size:
             raise ValueError(
                 f"SGLang engine {self.name}: got {len(serialized)} serialized buckets for tp_size={self._tp_size}; "
                 "send one per TP rank"
             )
-        payload = {"serialized_named_tensors": list(serialized), "load_format": None, "flush_cache": False}
+        self._begin_weight_update()
+        payload = {"serialized_named_tensors": list(serialized), "load_format": load_format, "flush_cache": False}
         self._request("POST", "/update_weights_from_tensor", payload, timeout_s=self._control_timeout_s)
+
+    def _begin_weight_update(self) -> None:
+        """Open the server's weight-update session before the first bucket (sglang >= 0.5.21).
+
+        A session a failed sync left open is closed and opened again; a server without
+        sessions (404) is remembered and never asked again.
+        """
+        if self._session_open or self._sessions is False:
+            return
+        for attempt in range(2):
+            try:
+                self._request("POST", "/begin_weight_update", {}, timeout_s=self._control_timeout_s)
+            except EngineError as err:
+                if "HTTP 404" in str(err):
+                    self._sessions = False
+                    return
+                if attempt == 0 and "already open" in str(err):
+                    self._request("POST", "/end_weight_update", {}, timeout_s=self._control_timeout_s)
+                    continue
+                raise
+            break
+        self._sessions = self._session_open = True
 
     def init_weight_update_group(
         self,
@@ -465,6 +510,7 @@ class SGLangEngine:
             "flush_cache": False,
         }
         errors: list[BaseException] = []
+        self._begin_weight_update()
 
         def post() -> None:
             try:
@@ -481,7 +527,10 @@ class SGLangEngine:
             raise errors[0]
 
     def finish_weight_update(self) -> None:
-        """Flush the radix cache: prefixes computed with old weights must not be reused."""
+        """Close the weight-update session, then flush the radix cache built on the old weights."""
+        if self._session_open:
+            self._session_open = False
+            self._request("POST", "/end_weight_update", {}, timeout_s=self._control_timeout_s)
         self.flush_cache()
 
     def flush_cache(self, *, timeout_s: float = 120.0) -> None:

@@ -42,7 +42,8 @@ class WeightSyncStats:
     seconds: float
     """Wall time of the sync on this rank, export included."""
     peak_bucket_bytes: int
-    """Most tensor bytes the bucketer held at once (the sync's extra memory)."""
+    """Most tensor bytes the bucketer held at once; SGLang's flattened format (flat_bucket.py)
+    copies a bucket once more while it is sent, so that sync's extra memory is up to twice this."""
 
 
 class BucketMeter:

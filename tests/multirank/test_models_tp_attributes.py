@@ -60,6 +60,7 @@ def _worker(directory: str) -> dict:
     from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for, mapping
+    from megatron_dapo.models.adapter import FUSION_FLAGS
 
     parallel.init_distributed(os.environ["MEGATRON_DAPO_TEST_DEVICE"])
     t = _batch()
@@ -74,6 +75,8 @@ def _worker(directory: str) -> dict:
                 model = adapter.build_model(dims, dtype=torch.float32, init_weights=init_weights)
                 out["attributes"][init_weights] = {n: _tp_attributes(p) for n, p in model.named_parameters()}
             out["kinds"] = {tm.mcore_name: tm.kind for tm in adapter._maps(model)}
+            out["device"] = os.environ["MEGATRON_DAPO_TEST_DEVICE"]
+            out["fusions"] = {flag: getattr(model.config, flag) for flag in FUSION_FLAGS}
             assert set(out["kinds"]) == set(out["attributes"][False])
             assert set(mapping.KINDS) == set(_EXPECTED_DIM) | {"replicated"}
         config = make_optimizer_config(OptimConfig(**ADAM), dtype=torch.float32, use_distributed_optimizer=True)
@@ -123,3 +126,11 @@ def test_actor_grad_norm_at_tp2_equals_tp1(results: list[dict]) -> None:
         assert rank_out["steps"][2]["metrics"]["actor/grad_norm"] == norm2
     rel = max(float((tp2["weights"][n] - w).norm() / w.norm()) for n, w in tp1["weights"].items())
     assert rel < 1e-5, rel
+
+
+def test_cpu_models_keep_megatrons_unfused_kernels(results: list[dict]) -> None:
+    """The fusions need TE, apex or triton on CUDA (models/adapter.kernel_fusions); none on CPU."""
+    for rank_out in results:
+        assert len(rank_out["fusions"]) == 4
+        if rank_out["device"] == "cpu":
+            assert rank_out["fusions"] == dict.fromkeys(rank_out["fusions"], False)

@@ -47,12 +47,16 @@ def _export():
         yield name, tensor
 
 
-def _describe(bucket) -> str:
-    """Stands in for CUDA IPC serialization: who serialized which tensors."""
+def _describe(payload) -> str:
+    """Stands in for CUDA IPC serialization: who serialized which tensors (read back from a flat buffer)."""
     import torch.distributed as dist
 
-    return json.dumps({"rank": dist.get_rank(), "local_rank": int(os.environ["LOCAL_RANK"]),
-                       "tensors": [[n, float(t.double().sum()), list(t.shape)] for n, t in bucket]})
+    from megatron_dapo.rollout.flat_bucket import FlatBucket, unflatten
+
+    flat = isinstance(payload, FlatBucket)
+    pairs = unflatten(payload) if flat else payload
+    return json.dumps({"rank": dist.get_rank(), "local_rank": int(os.environ["LOCAL_RANK"]), "flat": flat,
+                       "tensors": [[n, float(t.double().sum()), list(t.shape)] for n, t in pairs]})
 
 
 class _FakeServer:
@@ -88,7 +92,8 @@ class _FakeServer:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
-def _scenario(tp: int, *, fail_update_on: int | None = None, fail_start_on: int | None = None) -> dict:
+def _scenario(tp: int, *, fail_update_on: int | None = None, fail_start_on: int | None = None,
+              weight_format: str = "tensors") -> dict:
     """One launch + sync + release/resume on this rank; returns what it saw."""
     import torch.distributed as dist
 
@@ -137,7 +142,8 @@ def _scenario(tp: int, *, fail_update_on: int | None = None, fail_start_on: int 
     out: dict[str, Any] = {}
     try:
         engines = ColocatedEngines.create(placement, rank=rank, local_rank=int(os.environ["LOCAL_RANK"]),
-                                          start_engine=start, make_client=client, serializer=_describe)
+                                          start_engine=start, make_client=client, serializer=_describe,
+                                          weight_format=weight_format)
     except EngineError as err:
         return {"start_error": str(err), "shutdowns": shutdowns}
     out["group"] = dist.get_process_group_ranks(engines.group)
@@ -174,6 +180,7 @@ def _run_all() -> dict:
     return {
         "tp2": _scenario(2),
         "tp1": _scenario(1),
+        "tp2_flat": _scenario(2, weight_format="flattened_bucket"),
         "update_fails": _scenario(2, fail_update_on=1),
         "start_fails": _scenario(2, fail_start_on=1),
     }
@@ -196,8 +203,8 @@ def test_colocated_engines_on_two_nodes() -> None:
     buckets = _expected_buckets()
     assert len(buckets) >= 3
 
-    for tp, num_engines in [(2, 2), (1, 4)]:
-        runs = [r[f"tp{tp}"] for r in results]
+    for tp, num_engines, flat in [(2, 2, False), (1, 4, False), (2, 2, True)]:
+        runs = [r[f"tp{tp}_flat" if flat else f"tp{tp}"] for r in results]
         leaders = [rank for rank in range(4) if runs[rank]["leader"]]
         assert leaders == list(range(0, 4, tp))
         for rank in range(4):
@@ -214,13 +221,15 @@ def test_colocated_engines_on_two_nodes() -> None:
             for payloads, bucket in zip(updates, buckets):
                 assert [p["rank"] for p in payloads] == list(range(rank, rank + tp))
                 assert [p["local_rank"] for p in payloads] == [(rank % 2) + i for i in range(tp)]
-                assert all(p["tensors"] == bucket for p in payloads)
+                assert all(p["tensors"] == bucket and p["flat"] is flat for p in payloads)
             bodies = [b for _, path, _, b in requests if path == "/update_weights_from_tensor"]
-            assert all(b["flush_cache"] is False and b["load_format"] is None for b in bodies)
-            # flush after the last bucket, then release (SGLang flushes first) and resume.
+            load_format = "flattened_bucket" if flat else None
+            assert all(b["flush_cache"] is False and b["load_format"] == load_format for b in bodies)
+            # One session around the buckets, flush after it, then release (SGLang flushes first) and resume.
             paths = [path for _, path, _, _ in requests]
-            assert paths[len(buckets):] == ["/flush_cache", "/flush_cache", "/release_memory_occupation",
-                                            "/resume_memory_occupation"]
+            assert paths[0] == "/begin_weight_update"
+            assert paths[1 + len(buckets):] == ["/end_weight_update", "/flush_cache", "/flush_cache",
+                                                "/release_memory_occupation", "/resume_memory_occupation"]
             assert runs[rank]["num_health_checks"] == 2
             stats = runs[rank]["stats"]
             assert (stats.num_buckets, stats.num_tensors) == (len(buckets), len(SHAPES))

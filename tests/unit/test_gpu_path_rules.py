@@ -119,3 +119,19 @@ def test_fused_path_divides_bf16_logits_by_the_temperature_in_fp32(temperature):
     fused = logprobs._fused_log_probs(te_like, logits, target, temperature, None, None)
     chunked = logprobs.log_probs_and_entropy(logits, target, temperature=temperature)[0]
     assert float((fused - chunked).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize(("use_te", "apex_wgrad", "triton", "on"), [
+    (False, True, True, set()),  # CPU, or the local spec on a GPU: megatron's unfused defaults
+    (True, False, False, {"apply_rope_fusion"}),
+    (True, True, False, {"apply_rope_fusion", "gradient_accumulation_fusion"}),
+    (True, False, True, {"apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion"}),
+    (True, True, True, {"apply_rope_fusion", "gradient_accumulation_fusion", "bias_activation_fusion",
+                        "bias_dropout_fusion"}),
+])
+def test_kernel_fusions_follow_what_each_needs(use_te, apex_wgrad, triton, on):
+    from megatron_dapo.models.adapter import FUSION_FLAGS, kernel_fusions
+
+    fusions = kernel_fusions(use_te=use_te, apex_wgrad=apex_wgrad, triton=triton)
+    assert set(fusions) == set(FUSION_FLAGS)
+    assert {flag for flag, value in fusions.items() if value} == on

@@ -137,20 +137,66 @@ def test_update_weights_from_tensor_payload_and_flush_after_the_last_bucket(fake
 
     def serializer(bucket):
         seen.append([(n, tuple(t.shape)) for n, t in bucket])
-        return "SERIALIZED"
+        return f"SERIALIZED{len(seen)}"
 
     fake.answers["/flush_cache"] = [(400, "requests running"), (200, "Cache flushed.")]
-    engine = _engine(fake, tp_size=2, serializer=serializer)
+    engine = _engine(fake, tp_size=2, serializer=serializer, weight_format="tensors")
     engine.update_weights([("model.norm.weight", torch.ones(4)), ("lm_head.weight", torch.ones(6, 4))])
     engine.finish_weight_update()
-    assert seen == [[("model.norm.weight", (4,)), ("lm_head.weight", (6, 4))]]
-    assert fake.requests[0][:2] == ("POST", "/update_weights_from_tensor")
-    assert fake.requests[0][3] == {
-        "serialized_named_tensors": ["SERIALIZED", "SERIALIZED"], "load_format": None, "flush_cache": False,
+    # Serialized once per TP rank: torch counts a shared block's consumers per serialization.
+    assert seen == [[("model.norm.weight", (4,)), ("lm_head.weight", (6, 4))]] * 2
+    assert [r[:2] for r in fake.requests[:2]] == [("POST", "/begin_weight_update"), ("POST", "/update_weights_from_tensor")]
+    assert fake.requests[1][3] == {
+        "serialized_named_tensors": ["SERIALIZED1", "SERIALIZED2"], "load_format": None, "flush_cache": False,
     }  # fmt: skip
-    assert [r[:2] for r in fake.requests[1:]] == [("GET", "/flush_cache"), ("GET", "/flush_cache")]
+    assert [r[:2] for r in fake.requests[2:]] == [("POST", "/end_weight_update"), ("GET", "/flush_cache"),
+                                                  ("GET", "/flush_cache")]
     with pytest.raises(ValueError, match=r"tensor 'x' is on cpu; colocated weight updates pass CUDA IPC handles"):
         _engine(fake).update_weights([("x", torch.ones(1))])
+
+
+def test_flattened_buckets_post_one_request_per_dtype_inside_one_session(fake):
+    """Two buckets of bf16 + fp32 tensors: four flattened requests between one begin and one end."""
+    from megatron_dapo.rollout.flat_bucket import FlatBucket, unflatten
+
+    def serializer(flat):
+        assert isinstance(flat, FlatBucket)
+        return json.dumps([[n, t.tolist()] for n, t in unflatten(flat)])
+
+    engine = _engine(fake, tp_size=2, serializer=serializer, weight_format="flattened_bucket")
+    bf16 = torch.arange(6.0).reshape(2, 3).to(torch.bfloat16)
+    engine.update_weights([("a", bf16), ("b", torch.ones(2)), ("c", bf16 * 2)])
+    engine.update_weights([("d", torch.zeros(1))])
+    engine.finish_weight_update()
+    paths = [p for _, p, _, _ in fake.requests]
+    assert paths == ["/begin_weight_update"] + ["/update_weights_from_tensor"] * 3 + ["/end_weight_update", "/flush_cache"]
+    bodies = [b for _, p, _, b in fake.requests if p == "/update_weights_from_tensor"]
+    assert all(b["load_format"] == "flattened_bucket" and b["flush_cache"] is False for b in bodies)
+    assert [[json.loads(s) for s in b["serialized_named_tensors"]] for b in bodies] == [
+        [[["a", [[0, 1, 2], [3, 4, 5]]], ["c", [[0, 2, 4], [6, 8, 10]]]]] * 2,
+        [[["b", [1, 1]]]] * 2,
+        [[["d", [0]]]] * 2,
+    ]
+
+
+def test_servers_without_sessions_are_updated_without_and_a_stale_session_is_reopened(fake):
+    fake.answers["/begin_weight_update"] = [(404, {"detail": "Not Found"})]
+    engine = _engine(fake, serializer=lambda item: "S", weight_format="tensors")
+    for _ in range(2):
+        engine.update_weights([("w", torch.ones(1))])
+        engine.finish_weight_update()
+    # sglang < 0.5.21: asked once, then never again; no end either.
+    assert [p for _, p, _, _ in fake.requests] == ["/begin_weight_update", "/update_weights_from_tensor",
+                                                   "/flush_cache", "/update_weights_from_tensor", "/flush_cache"]
+    fake.requests.clear()
+    fake.answers["/begin_weight_update"] = [
+        (400, {"success": False, "message": "a weight-update session is already open; call end_weight_update() first"}),
+        (200, {"success": True}),
+    ]
+    engine = _engine(fake, serializer=lambda item: "S", weight_format="tensors")
+    engine.update_weights([("w", torch.ones(1))])
+    assert [p for _, p, _, _ in fake.requests] == ["/begin_weight_update", "/end_weight_update",
+                                                   "/begin_weight_update", "/update_weights_from_tensor"]
 
 
 def test_memory_abort_and_health_requests(fake):
@@ -187,8 +233,10 @@ def test_update_weights_from_distributed_payload_and_broadcast(fake):
         "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 3,
         "group_name": "wu", "backend": "nccl",
     }  # fmt: skip
-    assert fake.requests[1][:2] == ("POST", "/update_weights_from_distributed")
-    assert fake.requests[1][3] == {
+    # sglang >= 0.5.21 loads weights only inside a session, broadcast ones included.
+    assert fake.requests[1][:2] == ("POST", "/begin_weight_update")
+    assert fake.requests[2][:2] == ("POST", "/update_weights_from_distributed")
+    assert fake.requests[2][3] == {
         "names": ["a.weight", "b.bias"], "dtypes": ["bfloat16", "float32"], "shapes": [[2, 3], [5]],
         "group_name": "wu", "flush_cache": False,
     }  # fmt: skip
