@@ -13,23 +13,21 @@ the same generate-and-score path without filtering.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from megatron_dapo.algo import DynamicSamplingBuffer, compute_group_advantages, soft_overlong_penalty
-from megatron_dapo.algo.dynamic_sampling import DynamicSamplingError, GroupFilterStats, filter_groups
+from megatron_dapo.algo.dynamic_sampling import GroupFilterStats
 from megatron_dapo.config import ValKwargsConfig
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
 from megatron_dapo.data.tokenizer import Tokenizer
 from megatron_dapo.rewards.pool import RewardPool, RewardStats
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
-from megatron_dapo.rollout.streaming import PromptFeed
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +50,8 @@ class Sample:
     """Soft overlong punishment added to the score (<= 0)."""
     advantage: float = 0.0
     """Group-relative advantage of the shaped reward."""
+    num_versions: int = 1
+    """Weight versions its tokens were sampled under (> 1 for a continued partial rollout)."""
 
     @property
     def reward(self) -> float:
@@ -103,6 +103,10 @@ class CollectSettings:
     this many times gen_batch_size prompts."""
     streaming: bool = False
     """Streaming collection (algorithm.filter_groups.mode=streaming) instead of rounds."""
+    partial_rollout: bool = False
+    """Carry the groups a full batch's abort left incomplete into the next step (rollout.partial_rollout)."""
+    partial_max_versions: int = 2
+    """The most weight versions a response may span (rollout.partial_rollout_max_versions)."""
     max_response_length: int
     """L_max (data.max_response_length)."""
     overlong_enable: bool
@@ -113,23 +117,6 @@ class CollectSettings:
     """Penalty at L_max (reward.overlong_buffer.penalty_factor)."""
     norm_adv_by_std: bool
     """GRPO/DAPO std normalisation (algorithm.norm_adv_by_std_in_grpo)."""
-
-
-@dataclass(kw_only=True, slots=True)
-class CollectState:
-    """What streaming collection carries from one step to the next (saved in checkpoints)."""
-
-    keep_rate: float = 0.5
-    """Share of the last step's finished groups that dynamic sampling kept: the prior of how many
-    prompts the next step puts in flight."""
-
-    def state_dict(self) -> dict[str, float]:
-        """For the checkpoint's trainer state."""
-        return {"keep_rate": self.keep_rate}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        """Restore what state_dict returned."""
-        self.keep_rate = float(state["keep_rate"])
 
 
 def generate_and_score(
@@ -151,13 +138,13 @@ def generate_and_score(
     generated_at = time.perf_counter()
     groups = [Group(prompt=p) for p in prompts]
     for r in results:
-        groups[r.prompt_index].samples.append(_sample(prompts[r.prompt_index], r))
+        groups[r.prompt_index].samples.append(make_sample(prompts[r.prompt_index], r))
     stats = score_groups(groups, rewards=rewards, tokenizer=tokenizer)
     return groups, {"reward/num_errors": float(stats.num_errors), "reward/num_timeouts": float(stats.num_timeouts),
                     "timing_s/gen": generated_at - start, "timing_s/reward": time.perf_counter() - generated_at}
 
 
-def _sample(prompt: PromptRecord, r: GenerationResult) -> Sample:
+def make_sample(prompt: PromptRecord, r: GenerationResult) -> Sample:
     return Sample(prompt_ids=prompt.prompt_ids, response_ids=r.output_ids, rollout_log_probs=r.logprobs,
                   finish_reason=r.finish_reason)
 
@@ -202,89 +189,25 @@ def round_seed(base_seed: int | None, step: int, round_index: int) -> int | None
     return (base_seed * 1_000_003 + step * 1009 + round_index) % (2**31 - 1)
 
 
-def collect_batch(
-    sampler: PromptSampler,
-    step: int,
-    *,
-    rollout: RolloutController,
-    rewards: RewardPool,
-    tokenizer: Tokenizer,
-    settings: CollectSettings,
-    state: CollectState | None = None,
-) -> tuple[list[Group], dict[str, float]]:
-    """Generate and filter until a training batch of kept groups is full (steps 1-4).
-
-    Without dynamic sampling one round of `train_batch_size` prompts is the batch. With it,
-    either rounds of `gen_batch_size` prompts (verl's recipe) or streaming (slime's): a
-    window of `gen_batch_size` prompts in flight, each group scored and filtered as soon as
-    its n responses are done, the rest aborted when the batch is full.
-
-    Args:
-        sampler: the training prompts, in resumable order.
-        step: the RL step (seeds the sampling).
-        state: streaming's carry-over between steps (updated here); None = a fresh one.
-
-    Returns:
-        Exactly `train_batch_size` groups of `n` samples with advantages, and the metrics
-        of the step (critic/*, response_length/*, train/num_gen_batches, filter counts,
-        timing_s/fill, rollout/aborted_tokens, rollout/generated_tokens_per_kept_group).
-
-    Raises:
-        DynamicSamplingError: the prompt budget (`max_num_gen_batches` rounds' worth) did
-            not fill the batch.
-    """
-    start = time.perf_counter()
-    if settings.filter_enable and settings.streaming:
-        batch, generated, aborted_tokens, counts = _collect_streaming(
-            sampler, step, rollout=rollout, rewards=rewards, tokenizer=tokenizer, settings=settings,
-            state=state if state is not None else CollectState())
-    else:
-        batch, generated, counts = _collect_rounds(
-            sampler, step, rollout=rollout, rewards=rewards, tokenizer=tokenizer, settings=settings)
-        aborted_tokens = 0
-        counts["timing_s/fill"] = time.perf_counter() - start
-    assign_advantages(batch, settings.norm_adv_by_std)
-    metrics = batch_metrics(batch, settings.max_response_length)
-    metrics.update(counts)
-    metrics["train/num_groups_generated"] = float(len(generated))
-    # Every generated token, dropped groups and aborted responses included: the compute an
-    # equal-budget ablation compares.
-    num_tokens = (sum(len(s.response_ids) for g in generated for s in g.samples) + aborted_tokens
-                  + metrics.get("train/num_generated_tokens", 0.0))
-    metrics["train/num_generated_tokens"] = float(num_tokens)
-    metrics["rollout/aborted_tokens"] = float(aborted_tokens)
-    metrics["rollout/generated_tokens_per_kept_group"] = num_tokens / len(batch)
-    # Accuracy over everything generated this step: the policy's real accuracy, before
-    # dynamic sampling removed the all-correct and all-wrong groups.
-    all_samples = [s for g in generated for s in g.samples]
-    metrics["train/acc_all_generated"] = sum(s.acc for s in all_samples) / len(all_samples)
-    accs = [sum(s.acc for s in g.samples) / len(g.samples) for g in batch]
-    metrics["train/kept_group_acc_min"] = min(accs)
-    metrics["train/kept_group_acc_max"] = max(accs)
-    metrics["train/num_groups"] = float(len(batch))
-    metrics["train/num_responses"] = float(sum(len(g.samples) for g in batch))
-    return batch, metrics
-
-
-def _new_counts() -> dict[str, float]:
+def new_counts() -> dict[str, float]:
     return {"reward/num_errors": 0.0, "reward/num_timeouts": 0.0, "timing_s/gen": 0.0, "timing_s/reward": 0.0,
             "train/num_groups_dropped_all_correct": 0.0, "train/num_groups_dropped_all_wrong": 0.0,
-            "train/num_generated_tokens": 0.0}  # tokens of groups not in `generated` (late streaming groups)
+            "train/num_generated_tokens": 0.0}
 
 
-def _count_dropped(counts: dict[str, float], stats: GroupFilterStats) -> None:
+def count_dropped(counts: dict[str, float], stats: GroupFilterStats) -> None:
     counts["train/num_groups_dropped_all_correct"] += stats.num_dropped_all_correct
     counts["train/num_groups_dropped_all_wrong"] += stats.num_dropped_all_wrong
 
 
-def _collect_rounds(
+def collect_rounds(
     sampler: PromptSampler, step: int, *, rollout: RolloutController, rewards: RewardPool, tokenizer: Tokenizer,
     settings: CollectSettings,
 ) -> tuple[list[Group], list[Group], dict[str, float]]:
     """Rounds of `gen_batch_size` prompts until the buffer is full: (batch, everything generated, counts)."""
     buffer = DynamicSamplingBuffer(settings.train_batch_size, settings.max_num_gen_batches)
     generated: list[Group] = []
-    counts = _new_counts()
+    counts = new_counts()
     num_rounds = 0
     while True:
         num_prompts = settings.gen_batch_size if settings.filter_enable else settings.train_batch_size
@@ -300,100 +223,12 @@ def _collect_rounds(
             batch = groups
             break
         stats = buffer.add_round(groups, [g.metric(settings.filter_metric) for g in groups])
-        _count_dropped(counts, stats)
+        count_dropped(counts, stats)
         if buffer.is_full:
             batch = buffer.take()
             break
     counts["train/num_gen_batches"] = float(num_rounds)
     return batch, generated, counts
-
-
-_PRIOR_GROUPS = 4.0
-
-
-def _collect_streaming(
-    sampler: PromptSampler, step: int, *, rollout: RolloutController, rewards: RewardPool, tokenizer: Tokenizer,
-    settings: CollectSettings, state: CollectState,
-) -> tuple[list[Group], list[Group], int, dict[str, float]]:
-    """Streaming dynamic sampling: (batch, every scored group, aborted tokens, counts).
-
-    Groups are scored and filtered in the order they finish; the first `train_batch_size`
-    kept ones are the batch. Prompts count as used when an engine takes them, so the
-    sampler advances by exactly the prompts taken (the same number on every run of a seeded
-    single-engine run, which is what resume reproduces).
-    """
-    start = time.perf_counter()
-    records: list[PromptRecord] = []
-
-    def prompts() -> Iterator[list[int]]:
-        while True:
-            records.append(sampler.next_batch(1)[0])
-            yield records[-1].prompt_ids
-
-    counts = _new_counts()
-    kept: list[Group] = []
-    generated: list[Group] = []
-    filled_at: list[float] = []
-
-    def worth_taking(num_taken: int) -> bool:
-        # Take a prompt while the groups in flight, kept at the step's rate so far (with the last
-        # step's rate as a prior worth 4 groups), are not expected to fill the batch even one
-        # standard deviation short of their mean; at most gen_batch_size in flight. Counts only,
-        # never time: the schedule of a seeded single-engine run is reproducible.
-        in_flight = num_taken - len(generated)
-        rate = (len(kept) + _PRIOR_GROUPS * state.keep_rate) / (len(generated) + _PRIOR_GROUPS)
-        expected = len(kept) + rate * in_flight - math.sqrt(in_flight * rate * (1 - rate))
-        return in_flight < settings.gen_batch_size and expected < settings.train_batch_size
-
-    budget = settings.max_num_gen_batches * settings.gen_batch_size or None
-    feed = PromptFeed(prompts(), limit=budget, gate=worth_taking)
-
-    def on_group(results: list[GenerationResult]) -> None:
-        if len(kept) >= settings.train_batch_size:  # another engine's group, finished after the batch filled
-            counts["train/num_generated_tokens"] += sum(len(r.output_ids) for r in results)
-            return
-        group = Group(prompt=records[results[0].prompt_index],
-                      samples=[_sample(records[r.prompt_index], r) for r in results])
-        scored_at = time.perf_counter()
-        stats = score_groups([group], rewards=rewards, tokenizer=tokenizer)
-        counts["timing_s/reward"] += time.perf_counter() - scored_at
-        counts["reward/num_errors"] += stats.num_errors
-        counts["reward/num_timeouts"] += stats.num_timeouts
-        apply_overlong_penalty([group], settings)
-        generated.append(group)
-        values = torch.tensor(group.metric(settings.filter_metric), dtype=torch.float64)
-        kept_ids, filter_stats = filter_groups(values, torch.zeros(len(values), dtype=torch.long))
-        _count_dropped(counts, filter_stats)
-        if kept_ids.numel():
-            kept.append(group)
-        if len(kept) == settings.train_batch_size:
-            filled_at.append(time.perf_counter())
-            feed.close()
-            rollout.abort()
-        else:
-            feed.notify()
-
-    params = replace(settings.sampling, seed=round_seed(settings.sampling.seed, step, 0))
-    per_engine = -(-settings.gen_batch_size // len(rollout.engines))
-    aborted = rollout.stream(feed, params, on_group, max_inflight=per_engine)
-    counts["timing_s/gen"] = time.perf_counter() - start
-    if len(kept) < settings.train_batch_size:
-        raise DynamicSamplingError(
-            f"dynamic sampling kept {len(kept)} of the {settings.train_batch_size} groups a training batch needs "
-            f"from {feed.num_taken} prompts (algorithm.filter_groups.max_num_gen_batches="
-            f"{settings.max_num_gen_batches} x data.gen_batch_size={settings.gen_batch_size}); "
-            f"{counts['train/num_groups_dropped_all_correct']:.0f} groups were all-correct and "
-            f"{counts['train/num_groups_dropped_all_wrong']:.0f} all-wrong. Fix: raise "
-            "algorithm.filter_groups.max_num_gen_batches (0 = unlimited) or data.gen_batch_size, or check the "
-            "reward and the task difficulty (mostly all-correct: too easy; mostly all-wrong: too hard or the "
-            "reward never matches)")
-    counts["timing_s/fill"] = filled_at[0] - start
-    # Clamped away from 0 and 1 so that one extreme step does not stall or flood the next.
-    state.keep_rate = min(max(len(kept) / len(generated), 0.05), 0.95)
-    # Rounds' worth of prompts taken, comparable with the round-based count.
-    counts["train/num_gen_batches"] = feed.num_taken / settings.gen_batch_size
-    counts["train/num_prompts_taken"] = float(feed.num_taken)
-    return kept, generated, sum(len(r.output_ids) for r in aborted), counts
 
 
 def batch_metrics(groups: Sequence[Group], max_response_length: int) -> dict[str, float]:

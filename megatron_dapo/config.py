@@ -225,6 +225,11 @@ class RolloutConfig:
     """Timeout of one generation request to an engine."""
     host: str | None = None
     """Address SGLang servers bind to; null = this node's address (never 0.0.0.0 unless set)."""
+    partial_rollout: bool = False
+    """Streaming only: responses cut short when a batch fills are kept (tokens and per-token engine
+    log-probs) and continued in the next step under the new weights (slime's --partial-rollout)."""
+    partial_rollout_max_versions: int = 2
+    """The most weight versions one response may span; a carried group that would exceed it is dropped."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling for evaluation."""
 
@@ -237,6 +242,8 @@ class RolloutConfig:
         _check(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in (0, 1)")
         _check(self.update_weights_bucket_megabytes > 0, "update_weights_bucket_megabytes", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        _check(self.partial_rollout_max_versions >= 2, "partial_rollout_max_versions",
+               "must be >= 2 (a continued response spans the version it started under and the next)")
         # vLLM 0.32 reports log-probs renormalised over the top-k/top-p support (logprobs mode
         # processed_logprobs), not log_softmax(logits/T): the importance ratio would be biased.
         if self.engine == "vllm":
@@ -615,6 +622,10 @@ class Config:
         if a.filter_groups.enable:
             _check(r.n >= 2, "rollout.n",
                    "must be >= 2 with algorithm.filter_groups.enable=true (a group of one has no spread)")
+        if r.partial_rollout:
+            _check(a.filter_groups.enable and a.filter_groups.mode == "streaming", "rollout.partial_rollout",
+                   "continues responses that streaming aborted; it needs algorithm.filter_groups.enable=true "
+                   "and algorithm.filter_groups.mode=streaming")
         ob = self.reward.overlong_buffer
         if ob.enable:
             _check(ob.len < d.max_response_length, "reward.overlong_buffer.len",

@@ -27,7 +27,8 @@ from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimize
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.actor.reference import ReferencePolicy
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
-from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
+from megatron_dapo.collect import CollectSettings, Group, val_sampling_params
+from megatron_dapo.collect_step import CollectState
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config_loader import to_dict
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
@@ -160,7 +161,7 @@ class Run:
     def save(self, step: int) -> None:
         """Checkpoint model, optimizer, schedule, RNG and the trainer's position (collective)."""
         state = {"step": step, "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-                 "collect": self.collect_state.state_dict()}
+                 "collect": self.collect_state.state_dict(self.sampler)}
         states: list[Any] = [None] * self.dims.world_size
         dist.all_gather_object(states, state)
         self.checkpoints.save(step, [self.actor.model], self.actor.optimizer, self.actor.scheduler,
@@ -236,7 +237,7 @@ def build_run(cfg: Config, config_source: str) -> Run:
         if run.sampler is not None and state.get("sampler") is not None:
             run.sampler.load_state_dict(state["sampler"])
         if state.get("collect") is not None:  # absent in checkpoints from before streaming
-            run.collect_state.load_state_dict(state["collect"])
+            run.collect_state.load_state_dict(state["collect"], run.sampler)
         if dims.is_controller and resume_from.resolve().parent == run.checkpoints.root.resolve():
             run.checkpoints.discard_after(run.start_step)
         logger.info("resumed from %s at step %d", resume_from, run.start_step)
@@ -331,7 +332,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         n=r.n, sampling=sampling, gen_batch_size=cfg.data.gen_batch_size, train_batch_size=cfg.data.train_batch_size,
         filter_enable=cfg.algorithm.filter_groups.enable, filter_metric=cfg.algorithm.filter_groups.metric,
         max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
-        streaming=cfg.algorithm.filter_groups.mode == "streaming",
+        streaming=cfg.algorithm.filter_groups.mode == "streaming", partial_rollout=r.partial_rollout,
+        partial_max_versions=r.partial_rollout_max_versions,
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_correction
-from megatron_dapo.collect import Group, collect_batch, evaluate
+from megatron_dapo.collect import Group, evaluate
+from megatron_dapo.collect_step import collect_batch
 from megatron_dapo.metrics import Timer
 from megatron_dapo.run import Run, Shard
 

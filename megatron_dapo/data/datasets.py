@@ -277,6 +277,17 @@ class PromptSampler:
             random.Random(f"megatron-dapo-prompts:{self.seed}:{epoch}").shuffle(order)
         return order
 
+    def position_of(self, record: PromptRecord) -> int:
+        """Where `record` (an object this sampler drew) sits in its record list (for checkpoints)."""
+        for position, candidate in enumerate(self._records):
+            if candidate is record:
+                return position
+        raise ValueError(f"prompt {record.index} of {record.data_source!r} is not one of this sampler's records")
+
+    def record_at(self, position: int) -> PromptRecord:
+        """The record at a `position_of` position."""
+        return self._records[position]
+
     @property
     def epoch(self) -> int:
         """Epochs completed so far (0 during the first pass)."""

@@ -43,7 +43,11 @@ class DecodeRow:
     seed: int
     """The response's stream seed (engine.response_seed)."""
     limit: int
-    """Most tokens to generate (max_new_tokens, or less where the context ends)."""
+    """Most tokens in the response (max_new_tokens, or less where the context ends), prefix included."""
+    prefix: tuple[int, ...] = ()
+    """Tokens already generated (a partial rollout continued): the row resumes after them."""
+    prefix_logprobs: tuple[float, ...] = ()
+    """The engine log-probs the prefix was sampled with (under older weights)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -123,11 +127,12 @@ class ContinuousDecoder:
             self._mask = mask
         if new_rows:
             new_cache = DynamicCache(config=self._model.config)
-            lens = torch.tensor([len(r.prompt) for r in new_rows], dtype=torch.long)
+            lens = torch.tensor([len(r.prompt) + len(r.prefix) for r in new_rows], dtype=torch.long)
             width = int(lens.max())
             new_mask = (torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)).long()  # left-padded
             input_ids = torch.zeros(len(new_rows), width, dtype=torch.long)
-            input_ids[new_mask.bool()] = torch.tensor([t for r in new_rows for t in r.prompt], dtype=torch.long)
+            context = [t for r in new_rows for t in (*r.prompt, *r.prefix)]
+            input_ids[new_mask.bool()] = torch.tensor(context, dtype=torch.long)
             positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
             logits.append(self._forward(input_ids, new_mask, positions, new_cache))
             self._join(new_rows, new_cache, new_mask)
@@ -157,6 +162,10 @@ class ContinuousDecoder:
         slots = torch.tensor([self._free_slots.pop() for _ in rows], dtype=torch.long)
         self._out_ids[slots] = 0
         self._out_lps[slots] = 0.0
+        for slot, row in zip(slots.tolist(), rows):
+            if row.prefix:
+                self._out_ids[slot, : len(row.prefix)] = torch.tensor(row.prefix, dtype=torch.long)
+                self._out_lps[slot, : len(row.prefix)] = torch.tensor(row.prefix_logprobs, dtype=torch.float64)
         if self._cache is None or not self._rows:
             self._cache, self._mask = cache, mask
         else:
@@ -170,7 +179,7 @@ class ContinuousDecoder:
         self._rows.extend(rows)
         self._slots = torch.cat([self._slots, slots])
         self._seeds = torch.cat([self._seeds, torch.tensor([r.seed for r in rows], dtype=torch.long)])
-        self._counts = torch.cat([self._counts, torch.zeros(len(rows), dtype=torch.long)])
+        self._counts = torch.cat([self._counts, torch.tensor([len(r.prefix) for r in rows], dtype=torch.long)])
         self._limits = torch.cat([self._limits, torch.tensor([r.limit for r in rows], dtype=torch.long)])
         self._next_ids = torch.cat([self._next_ids, torch.zeros(len(rows), dtype=torch.long)])
 

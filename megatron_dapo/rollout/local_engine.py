@@ -23,6 +23,7 @@ import secrets
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -155,23 +156,32 @@ class LocalEngine:
 
         capacity = min(self._max_batch_size, max(1, max_inflight) * params.n)
 
-        def admit(free: int) -> list[DecodeRow]:
-            free -= self._max_batch_size - capacity
-            while free - len(pending) >= min(params.n, capacity):
-                item = feed.take(block=False)  # this thread decodes: never wait for the gate here
-                if item is None:
-                    break
-                index, prompt = item
-                check_prompts([prompt], vocab_size=self._vocab_size, engine=self.name)
-                pending.extend(self._rows(index, prompt, params, base_seed))
-            return [pending.popleft() for _ in range(min(free, len(pending)))]
-
         def done(f: FinishedRow) -> None:
             group = groups.setdefault(f.row.prompt_index, [])
             group.append(f)
             if len(group) == params.n and all(g.finish_reason != "abort" for g in group):
                 del groups[f.row.prompt_index]
                 on_group(sorted((_result(g) for g in group), key=lambda r: r.sample_index))
+
+        def admit(free: int) -> list[DecodeRow]:
+            free -= self._max_batch_size - capacity
+            while free - len(pending) >= min(params.n, capacity):
+                item = feed.take(block=False)  # this thread decodes: never wait for the gate here
+                if item is None:
+                    break
+                check_prompts([item.prompt], vocab_size=self._vocab_size, engine=self.name)
+                rows = self._rows(item.index, item.prompt, params, base_seed)
+                if item.carried is not None:  # a partial rollout: finished mates are final, the rest resume
+                    for row, carried in zip(rows, item.carried, strict=True):
+                        if carried.finish_reason == "abort":
+                            pending.append(replace(row, prefix=tuple(carried.output_ids),
+                                                   prefix_logprobs=tuple(carried.logprobs)))
+                        else:
+                            done(FinishedRow(row=row, output_ids=carried.output_ids, logprobs=carried.logprobs,
+                                             finish_reason=carried.finish_reason))
+                else:
+                    pending.extend(rows)
+            return [pending.popleft() for _ in range(min(free, len(pending)))]
 
         self._decode(params, admit, done)
         # Groups the abort left incomplete: rows cut short, and their mates that had finished.
@@ -211,10 +221,11 @@ class LocalEngine:
         while not self._abort.is_set():
             joining = []
             for row in admit(decoder.num_free):
-                if row.limit > 0:
+                if row.limit > len(row.prefix):
                     joining.append(row)
-                else:  # the prompt fills the context: nothing to generate
-                    finished.append(FinishedRow(row=row, output_ids=[], logprobs=[], finish_reason="length"))
+                else:  # the prompt (and any prefix) fills the context: nothing to generate
+                    finished.append(FinishedRow(row=row, output_ids=list(row.prefix),
+                                                logprobs=list(row.prefix_logprobs), finish_reason="length"))
                     done(finished[-1])
             if not joining and decoder.num_running == 0:
                 return finished
@@ -303,5 +314,6 @@ def _result(f: FinishedRow) -> GenerationResult:
 
 
 def _aborted(row: DecodeRow) -> GenerationResult:
-    return GenerationResult(prompt_index=row.prompt_index, sample_index=row.sample_index, output_ids=[],
-                            logprobs=[], finish_reason="abort")
+    """A row that never joined: whatever it carried in, cut short."""
+    return GenerationResult(prompt_index=row.prompt_index, sample_index=row.sample_index, output_ids=list(row.prefix),
+                            logprobs=list(row.prefix_logprobs), finish_reason="abort")

@@ -18,14 +18,35 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from megatron_dapo.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
 
-__all__ = ["GroupCallback", "PromptFeed", "StreamingEngine", "stream_per_prompt"]
+__all__ = ["FeedItem", "GroupCallback", "PromptFeed", "StreamingEngine", "continuation", "stream_per_prompt"]
 
 GroupCallback = Callable[[list[GenerationResult]], None]
 """Receives one prompt's n finished responses (sample order); may close the feed and abort."""
+
+
+@dataclass(frozen=True, slots=True)
+class FeedItem:
+    """One prompt handed to an engine."""
+
+    index: int
+    """Global prompt index within the step (seeds and results use it)."""
+    prompt: Sequence[int]
+    """Prompt token ids."""
+    carried: tuple[GenerationResult, ...] | None = None
+    """A partial rollout's group from an earlier step (n results, sample order): results with
+    reason abort are continued from their tokens, the others are final as they are."""
+
+
+def continuation(prompt: Sequence[int], carried: GenerationResult, more: GenerationResult) -> GenerationResult:
+    """A carried partial response followed by what was generated after it."""
+    return GenerationResult(prompt_index=more.prompt_index, sample_index=carried.sample_index,
+                            output_ids=[*carried.output_ids, *more.output_ids],
+                            logprobs=[*carried.logprobs, *more.logprobs], finish_reason=more.finish_reason)
 
 
 class PromptFeed:
@@ -39,10 +60,12 @@ class PromptFeed:
     """
 
     def __init__(
-        self, prompts: Iterator[Sequence[int]], *, limit: int | None = None, gate: Callable[[int], bool] | None = None,
+        self, prompts: Iterator[Sequence[int] | tuple[Sequence[int], tuple[GenerationResult, ...]]], *,
+        limit: int | None = None, gate: Callable[[int], bool] | None = None,
     ) -> None:
         """Args:
-            prompts: the prompts' token ids, drawn lazily (e.g. from the PromptSampler).
+            prompts: the prompts' token ids, drawn lazily (e.g. from the PromptSampler), or
+                (token ids, carried group) pairs for partial rollouts to continue.
             limit: the most prompts to hand out (None = as many as `prompts` yields).
             gate: called with the number taken so far; False = not now (the feed is not exhausted).
         """
@@ -53,8 +76,8 @@ class PromptFeed:
         self._closed = False
         self.num_taken = 0
 
-    def take(self, *, block: bool = True) -> tuple[int, Sequence[int]] | None:
-        """The next (global prompt index, token ids).
+    def take(self, *, block: bool = True) -> FeedItem | None:
+        """The next prompt.
 
         Args:
             block: wait while the gate holds prompts back; False returns None at once then
@@ -77,7 +100,9 @@ class PromptFeed:
                 return None
             index = self.num_taken
             self.num_taken += 1
-            return index, prompt
+            if isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], tuple):
+                return FeedItem(index=index, prompt=prompt[0], carried=prompt[1])
+            return FeedItem(index=index, prompt=prompt)
 
     def notify(self) -> None:
         """Wake blocked takers: the gate's answer may have changed."""
@@ -133,8 +158,7 @@ def stream_per_prompt(
 
     def worker() -> None:
         while (item := feed.take()) is not None:
-            index, prompt = item
-            results = engine.generate([prompt], params, index_offset=index)
+            results = _generate_item(engine, item, params)
             if any(r.finish_reason == "abort" for r in results):
                 with lock:
                     aborted.extend(results)
@@ -152,3 +176,21 @@ def stream_per_prompt(
             wait(futures)
             raise failed.exception()  # type: ignore[misc]
     return aborted
+
+
+def _generate_item(engine: RolloutEngine, item: FeedItem, params: SamplingParams) -> list[GenerationResult]:
+    """The n responses of one feed item: all new, or a carried group's unfinished ones continued."""
+    if item.carried is None:
+        return engine.generate([item.prompt], params, index_offset=item.index)
+    results = []
+    for carried in item.carried:
+        if carried.finish_reason != "abort":
+            results.append(replace(carried, prompt_index=item.index))
+            continue
+        # One request per continued response, its context the prompt and the tokens so far;
+        # seeded by its own response index (the step's seed, index * n + sample).
+        more = engine.generate([[*item.prompt, *carried.output_ids]],
+                               replace(params, n=1, max_new_tokens=params.max_new_tokens - len(carried.output_ids)),
+                               index_offset=item.index * params.n + carried.sample_index)[0]
+        results.append(replace(continuation(item.prompt, carried, more), prompt_index=item.index))
+    return results

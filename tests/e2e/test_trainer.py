@@ -102,3 +102,33 @@ def test_kl_loss_against_the_frozen_reference_starts_at_zero(tmp_path, cache_dir
     assert rows[0]["actor/kl_loss"] == 0.0
     assert rows[1]["actor/kl_loss"] > 0.0
     assert all(r["timing_s/ref"] > 0 for r in rows)
+
+
+def test_partial_rollouts_are_continued_and_survive_a_resume(tmp_path, cache_dir):
+    # The trainer's wiring of partial rollouts: the carry goes into the checkpoint's trainer state,
+    # so stopping after step 2 and resuming gives step 3 exactly. (This random-init model runs
+    # every response to the length limit, so groups finish together and nothing is cut short;
+    # tests/unit/test_collect_partial.py covers carrying and continuing.)
+    config = write_config(tmp_path / "tiny.yaml", rollout={"engine": "local", "n": 4, "val_kwargs": {"n": 2},
+                                                           "partial_rollout": True})
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    common = ("trainer.test_freq=0", "trainer.val_before_train=false")
+    proc = run_trainer(config, f"trainer.output_dir={whole}", "trainer.total_training_steps=3", *common,
+                       cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_rows(whole)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["train/num_groups"] == 4 and row["train/num_responses"] == 16
+        assert 0 < row["train/kept_group_acc_min"] <= row["train/kept_group_acc_max"] < 1
+        assert row["rollout/max_versions_per_response"] <= 2 and row["rollout/aborted_tokens"] == 0
+    for steps in (2, 3):
+        proc = run_trainer(config, f"trainer.output_dir={split}", f"trainer.total_training_steps={steps}", *common,
+                           cache_dir=cache_dir)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    again = read_rows(split)
+
+    def same(row):
+        return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
+
+    assert [same(r) for r in again] == [same(r) for r in rows]

@@ -10,7 +10,7 @@ from test_rollout_local_engine import EOS, PROMPTS, make_tiny_qwen2
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import EngineError, SamplingParams
 from megatron_dapo.rollout.local_engine import LocalEngine
-from megatron_dapo.rollout.streaming import PromptFeed, StreamingEngine, stream_per_prompt
+from megatron_dapo.rollout.streaming import FeedItem, PromptFeed, StreamingEngine, stream_per_prompt
 
 # Stopping on a few frequent tokens ends responses at different steps, so rows leave and join.
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11, stop_token_ids=(10, 20, 30, 40, 50, EOS))
@@ -115,10 +115,10 @@ def test_max_inflight_bounds_the_rows_of_the_local_engine(tiny):
 
 def test_feed_limit_gate_and_close():
     feed = PromptFeed(iter([[1], [2], [3], [4]]), limit=3)
-    assert feed.take() == (0, [1])
+    assert feed.take() == FeedItem(index=0, prompt=[1])
     open_gate = threading.Event()
     gated = PromptFeed(iter([[1], [2]]), gate=lambda taken: taken == 0 or open_gate.is_set())
-    assert gated.take(block=False) == (0, [1])
+    assert gated.take(block=False) == FeedItem(index=0, prompt=[1])
     assert gated.take(block=False) is None and not gated.exhausted  # held back, not finished
     got = []
     waiter = threading.Thread(target=lambda: got.append(gated.take()))
@@ -128,8 +128,8 @@ def test_feed_limit_gate_and_close():
     open_gate.set()
     gated.notify()
     waiter.join(5)
-    assert got == [(1, [2])]
-    assert feed.take() == (1, [2]) and feed.take() == (2, [3])
+    assert got == [FeedItem(index=1, prompt=[2])]
+    assert [feed.take().index, feed.take().index] == [1, 2]
     assert feed.take() is None and feed.exhausted  # the limit
     closing = PromptFeed(iter([[1]]), gate=lambda taken: False)
     waiter = threading.Thread(target=lambda: got.append(closing.take()))

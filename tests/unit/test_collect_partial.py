@@ -1,0 +1,125 @@
+"""Streaming collection with partial rollouts: incomplete groups are carried, continued, checkpointed."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from test_rollout_local_engine import make_tiny_qwen2
+
+from megatron_dapo.collect import CollectSettings
+from megatron_dapo.collect_step import CollectState, collect_batch
+from megatron_dapo.data.datasets import PromptRecord, PromptSampler
+from megatron_dapo.rewards.pool import RewardPool
+from megatron_dapo.rollout.controller import RolloutController
+from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.rollout.local_engine import LocalEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_reward_fns: char_parity
+
+N = 4
+
+
+class DigitsTokenizer:
+    """decode() is all the collector needs: the ids as text, so char_parity varies per response."""
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def settings(**overrides) -> CollectSettings:
+    # Frequent stop tokens end responses at different steps, so a full batch cuts groups short.
+    sampling = SamplingParams(n=N, temperature=1.0, max_new_tokens=24, seed=3, stop_token_ids=tuple(range(10, 90, 6)))
+    values = dict(n=N, sampling=sampling, gen_batch_size=8, train_batch_size=3, filter_enable=True,
+                  filter_metric="acc", max_num_gen_batches=8, max_response_length=24, overlong_enable=False,
+                  overlong_len=4, overlong_penalty_factor=1.0, norm_adv_by_std=True, streaming=True,
+                  partial_rollout=True, partial_max_versions=2)
+    values.update(overrides)
+    return CollectSettings(**values)
+
+
+@pytest.fixture(scope="module")
+def pieces(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_qwen2")
+    make_tiny_qwen2(path)
+    records = [PromptRecord(prompt_ids=[5 + i % 40, 6, 7 + i % 11], messages=[], prompt_text="", ground_truth="",
+                            data_source="t", index=i) for i in range(200)]
+    rewards = RewardPool("e2e_reward_fns:char_parity", num_workers=0, timeout_s=30.0)
+    yield path, records, rewards
+    rewards.close()
+
+
+def run_steps(pieces, steps, state=None, sampler_state=None, **overrides):
+    path, records, rewards = pieces
+    sampler = PromptSampler(records, seed=0)
+    if sampler_state is not None:
+        sampler.load_state_dict(sampler_state)
+    rollout = RolloutController([LocalEngine(path)])
+    state = state if state is not None else CollectState()
+    out = []
+    for step in steps:
+        batch, metrics = collect_batch(sampler, step, rollout=rollout, rewards=rewards, tokenizer=DigitsTokenizer(),
+                                       settings=settings(**overrides), state=state)
+        out.append((batch, metrics, [list(c.results) for c in state.carried]))
+    rollout.shutdown()
+    return out, state, sampler
+
+
+def test_cut_short_groups_are_carried_and_continued_from_their_tokens(pieces):
+    out, _, _ = run_steps(pieces, range(1, 5))
+    carried_steps = [i for i, (_, m, _) in enumerate(out) if m["rollout/carried_groups"] > 0]
+    assert carried_steps, [m["rollout/carried_groups"] for _, m, _ in out]
+    for batch, metrics, _ in out:
+        assert len(batch) == 3 and all(len(g.samples) == N for g in batch)
+        assert all(0 < sum(s.acc for s in g.samples) < N for g in batch)
+        # Nothing thrown away but groups dropped at the version bound: cut short again, they are carried.
+        assert (metrics["rollout/aborted_tokens"] > 0) == (metrics["rollout/partial_dropped_groups"] > 0)
+        assert max(s.num_versions for g in batch for s in g.samples) <= 2
+    i = carried_steps[0]
+    carried = out[i][2]
+    # The next step continues them first: each response starts with its carried tokens and
+    # keeps the log-probs those tokens were sampled with.
+    cut = [r for results in carried for r in results if r.finish_reason == "abort" and r.output_ids]
+    assert cut, "a carried group has a response cut short with tokens"
+    later = [s for g in out[i + 1][0] for s in g.samples if s.num_versions == 2]
+    for s in later:
+        match = [r for r in cut if s.response_ids[: len(r.output_ids)] == r.output_ids
+                 and s.rollout_log_probs[: len(r.logprobs)] == r.logprobs]
+        assert match, "a two-version response continues a carried one"
+    assert later, "a carried group made it into the next step's batch"
+
+
+def test_the_carry_round_trips_through_the_checkpoint_state(pieces):
+    whole, _, _ = run_steps(pieces, range(1, 4))
+    _, state, sampler = run_steps(pieces, range(1, 3))
+    assert state.carried, "step 2 left groups to carry"
+    # The trainer state is JSON in the checkpoint: the carry must survive that exactly.
+    saved, sampler_saved = json.loads(json.dumps(state.state_dict(sampler))), sampler.state_dict()
+    restored = CollectState()
+    restored.load_state_dict(saved, PromptSampler(pieces[1], seed=0))
+    assert restored.state_dict(PromptSampler(pieces[1], seed=0)) == saved
+    resumed, _, _ = run_steps(pieces, [3], state=restored, sampler_state=sampler_saved)
+
+    def same(metrics):
+        return {k: v for k, v in metrics.items() if not k.startswith("timing_s/")}
+
+    assert same(resumed[0][1]) == same(whole[2][1])
+    assert [[s.response_ids for s in g.samples] for g in resumed[0][0]] == \
+        [[s.response_ids for s in g.samples] for g in whole[2][0]]
+
+
+def test_a_carried_group_past_the_version_bound_is_dropped_and_counted(pieces):
+    out, _, _ = run_steps(pieces, range(1, 6), partial_max_versions=2)
+    for _, metrics, _ in out:
+        assert metrics["rollout/max_versions_per_response"] <= 2
+        # Thrown away only when carried groups were dropped at the bound.
+        assert (metrics["rollout/aborted_tokens"] > 0) == (metrics["rollout/partial_dropped_groups"] > 0)
+    assert sum(m["rollout/partial_dropped_groups"] for _, m, _ in out) > 0  # cut short twice happens here
+    wider, _, _ = run_steps(pieces, range(1, 6), partial_max_versions=5)
+    assert max(m["rollout/max_versions_per_response"] for _, m, _ in wider) <= 5
+
+
+def test_without_partial_rollouts_cut_short_tokens_are_counted_as_aborted(pieces):
+    out, state, _ = run_steps(pieces, range(1, 3), partial_rollout=False)
+    assert state.carried == []
+    assert any(m["rollout/aborted_tokens"] > 0 for _, m, _ in out)
