@@ -75,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_DYNAMIC_SAMPLING
     except RuntimeError as e:
         text = str(e)
-        if rank == "0" or not any(marker in text for marker in PEER_GONE_MARKERS):
+        # Rank 0 too: when another rank fails mid-step, the controller is as much an echo.
+        if not any(marker in text for marker in PEER_GONE_MARKERS):
             raise
         time.sleep(PEER_GONE_GRACE_S)
         first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
