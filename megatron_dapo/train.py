@@ -50,6 +50,20 @@ def train(config_path: str, overrides: list[str]) -> dict[str, float]:
         parallel.destroy()
 
 
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err` is torch.distributed saying the other side of a collective is gone.
+
+    Only torch.distributed's own errors count (gloo raises a plain RuntimeError, NCCL a
+    DistError): an engine's or a reward's error may quote a "Connection reset by peer" of its
+    own, and that is the root cause, not an echo.
+    """
+    from torch.distributed import DistError
+
+    if type(err) is not RuntimeError and not isinstance(err, DistError):
+        return False
+    return any(marker in str(err) for marker in PEER_GONE_MARKERS)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `CONFIG [overrides]`, train, and map user errors to exit code 2."""
     args = sys.argv[1:] if argv is None else argv
@@ -74,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DYNAMIC_SAMPLING
     except RuntimeError as e:
-        text = str(e)
         # Rank 0 too: when another rank fails mid-step, the controller is as much an echo.
-        if not any(marker in text for marker in PEER_GONE_MARKERS):
+        if not lost_peer(e):
             raise
+        text = str(e)
         time.sleep(PEER_GONE_GRACE_S)
         first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
         print(f"rank {rank}: stopped: another rank exited during a collective ({first}); its error is above",
