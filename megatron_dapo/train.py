@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         # Rank 0 too: when another rank fails mid-step, the controller is as much an echo.
         if not lost_peer(e):
+            record_for_launcher(e)
             raise
         text = str(e)
         time.sleep(PEER_GONE_GRACE_S)
@@ -101,7 +102,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: interrupted; metrics.jsonl and checkpoints/ are consistent: rerun the same command "
               "to resume from the last checkpoint", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:
+        record_for_launcher(e)
+        raise
     return 0
+
+
+def record_for_launcher(err: BaseException) -> None:
+    """Leave `err` where torchrun's failure summary reads it (call it inside the `except`).
+
+    torchrun then shows this rank's own error and traceback under "Root Cause" instead of
+    "error_file: <N/A>", and dates the failure when it happened rather than when it saw the
+    process end, so a peer's echo that exits first cannot take the root cause. A no-op
+    outside torchrun (no TORCHELASTIC_ERROR_FILE).
+    """
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(err)
 
 
 if __name__ == "__main__":

@@ -67,9 +67,11 @@ def test_a_rank_failing_mid_step_ends_the_job_naming_it(tmp_path: Path, cache_di
         assert rc == 1, text[-3000:]  # torchrun's own code when a worker failed
         # The failing rank's own error, once, then torchrun naming it as the root cause.
         error = f"megatron_dapo.faults.InjectedFault: rank {rank}: {FAULT_LOGGED} {phase}"
-        assert text.count(error) == 1, text[-4000:]
-        root = text.split("Root Cause (first observed failure):")[1]
-        assert f"rank      : {rank} (local_rank: {rank})" in root.split("=====")[0], text[-3000:]
+        assert text.split("megatron_dapo.train FAILED")[0].count(error) == 1, text[-4000:]
+        root = text.split("Root Cause (first observed failure):")[1].split("=====")[0]
+        assert f"rank      : {rank} (local_rank: {rank})" in root, text[-3000:]
+        # ... with the error itself, not "error_file: <N/A>" (train.record_for_launcher).
+        assert f"InjectedFault: rank {rank}: {FAULT_LOGGED} {phase}" in root, root
         # The other rank only lost its peer: one line, no traceback of its own.
         peer = 1 - rank
         assert f"rank {peer}: stopped: another rank exited during a collective (" in text, text[-4000:]
