@@ -84,7 +84,8 @@ def test_a_rank_failing_mid_step_ends_the_job_naming_it(tmp_path: Path, cache_di
         left = run_processes(tag)
         assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
         if phase == "save":
-            # The save never completed, so no checkpoint was published; the rerun deletes the leftover.
+            # The save never completed, so no checkpoint was published (a rerun deletes the
+            # leftover .tmp-step_1 first: tests/unit/test_output_dir.py).
             assert not (tmp_path / "run" / "checkpoints" / "step_1").exists()
         print(f"{phase}:{rank}: every rank gone {elapsed:.1f} s after the fault")
     finally:
