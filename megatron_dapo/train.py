@@ -50,6 +50,20 @@ def train(config_path: str, overrides: list[str]) -> dict[str, float]:
         parallel.destroy()
 
 
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err` is torch.distributed saying the other side of a collective is gone.
+
+    Only torch.distributed's own errors count (gloo raises a plain RuntimeError, NCCL a
+    DistError): an engine's or a reward's error may quote a "Connection reset by peer" of its
+    own, and that is the root cause, not an echo.
+    """
+    from torch.distributed import DistError
+
+    if type(err) is not RuntimeError and not isinstance(err, DistError):
+        return False
+    return any(marker in str(err) for marker in PEER_GONE_MARKERS)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse `CONFIG [overrides]`, train, and map user errors to exit code 2."""
     args = sys.argv[1:] if argv is None else argv
@@ -74,9 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DYNAMIC_SAMPLING
     except RuntimeError as e:
-        text = str(e)
-        if rank == "0" or not any(marker in text for marker in PEER_GONE_MARKERS):
+        # Rank 0 too: when another rank fails mid-step, the controller is as much an echo.
+        if not lost_peer(e):
+            record_for_launcher(e)
             raise
+        text = str(e)
         time.sleep(PEER_GONE_GRACE_S)
         first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
         print(f"rank {rank}: stopped: another rank exited during a collective ({first}); its error is above",
@@ -86,7 +102,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rank {rank}: interrupted; metrics.jsonl and checkpoints/ are consistent: rerun the same command "
               "to resume from the last checkpoint", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as e:
+        record_for_launcher(e)
+        raise
     return 0
+
+
+def record_for_launcher(err: BaseException) -> None:
+    """Leave `err` where torchrun's failure summary reads it (call it inside the `except`).
+
+    torchrun then shows this rank's own error and traceback under "Root Cause" instead of
+    "error_file: <N/A>", and dates the failure when it happened rather than when it saw the
+    process end, so a peer's echo that exits first cannot take the root cause. A no-op
+    outside torchrun (no TORCHELASTIC_ERROR_FILE).
+    """
+    if "TORCHELASTIC_ERROR_FILE" not in os.environ:
+        return
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(err)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_correction
 from megatron_dapo.collect import Group, evaluate
 from megatron_dapo.collect_step import collect_batch
+from megatron_dapo.faults import fault_point
 from megatron_dapo.metrics import Timer
 from megatron_dapo.run import Run, Shard
 
@@ -83,6 +84,7 @@ def fit(run: Run) -> dict[str, float]:
         step_start = time.perf_counter()
         metrics: dict[str, float] = {}
         groups: list[Group] = []
+        fault_point("rollout", dims.rank)
         if dims.is_controller:
             with timer("collect"):  # steps 1-4; split into timing_s/gen and timing_s/reward below
                 groups, collect_metrics = collect_batch(
@@ -124,6 +126,7 @@ def update_policy(run: Run, groups: list[Group], timer: Timer) -> tuple[list[Sha
         This rank's shards and the step's actor, mismatch and sync metrics.
     """
     cfg, actor = run.cfg, run.actor
+    fault_point("dispatch", run.dims.rank)
     with timer("dispatch"):
         shards = run.dispatch(groups)  # this rank's mini-batches: list[Shard]
         run.release_rollout_memory()  # colocated engines free the GPUs for training
@@ -140,6 +143,7 @@ def update_policy(run: Run, groups: list[Group], timer: Timer) -> tuple[list[Sha
         for shard in shards:
             shard.batch.old_log_probs = shard.rollout_log_probs
     old_from_forward = source == "current"
+    fault_point("update", run.dims.rank)
     with timer("update_actor"):
         actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward)
                          for _ in range(cfg.trainer.ppo_epochs) for shard in shards]

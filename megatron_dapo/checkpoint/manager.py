@@ -56,6 +56,7 @@ from megatron_dapo.checkpoint.format import (
 )
 from megatron_dapo.checkpoint.integrity import checksum_tree, verify_checksums
 from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
+from megatron_dapo.faults import fault_point
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class CheckpointManager:
                 (tmp / DIST_DIR).mkdir(parents=True)
                 (tmp / RNG_DIR).mkdir()
             barrier()
-
+            fault_point("save", rank)
             _write_checkpoint(
                 tmp,
                 model_chunks,

@@ -82,7 +82,9 @@ class RolloutController:
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f for f in futures if f in done and f.exception() is not None), None)
         if failed is not None:
-            self._abort_all_quietly()
+            # Not the failed engine: its generate is over on our side, and one that stopped
+            # answering would hold each abort attempt for the control timeout.
+            self._abort_all_quietly(skip=self.engines[futures.index(failed)])
             wait(futures)
             raise failed.exception()
         results: list[GenerationResult] = []
@@ -132,7 +134,7 @@ class RolloutController:
         failed = next((f for f in futures if f in done and f.exception() is not None), None)
         if failed is not None:
             feed.close()
-            self._abort_all_quietly()
+            self._abort_all_quietly(skip=self.engines[futures.index(failed)])
             wait(futures)
             raise failed.exception()  # type: ignore[misc]
         return [r for f in futures for r in f.result()]
@@ -142,9 +144,11 @@ class RolloutController:
         for engine in self.engines:
             engine.abort()
 
-    def _abort_all_quietly(self) -> None:
-        """Abort every engine, logging (not raising) failures: a dead engine cannot abort."""
+    def _abort_all_quietly(self, skip: RolloutEngine | None = None) -> None:
+        """Abort every engine but `skip`, logging (not raising) failures: a dead engine cannot abort."""
         for engine in self.engines:
+            if engine is skip:
+                continue
             try:
                 engine.abort()
             except Exception as err:  # the original failure is the one to report

@@ -11,6 +11,8 @@
   is 127.0.1.1 in many containers and Debian hosts, so the address is that of the interface
   whose route reaches MASTER_ADDR (a UDP ``connect`` sends no packet), unless overridden.
 - ``ServerProcess``: a server subprocess with its log file, death detection and clean stop.
+- ``call_while_healthy``: a long request (generate) that gives up when the server stops
+  answering health checks, instead of holding every rank until the request's timeout.
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ import ipaddress
 import os
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from megatron_dapo.rollout.engine import EngineError
 
@@ -29,6 +33,7 @@ __all__ = [
     "HOST_ENV",
     "LAUNCHER_VARIABLES",
     "ServerProcess",
+    "call_while_healthy",
     "free_port",
     "node_address",
     "poll_until_healthy",
@@ -198,3 +203,54 @@ def poll_until_healthy(health: Callable[[float], bool], *, timeout_s: float, pol
         time.sleep(poll_s)
     tail = "" if process is None else f"; log {process.log_path}, last lines:\n{process.log_tail()}"
     raise EngineError(f"{what} not healthy after {timeout_s:.0f}s{tail}")
+
+
+def call_while_healthy(call: Callable[[], Any], *, health: Callable[[float], bool], interval_s: float,
+                       max_failures: int, what: str, probe: str, log_hint: str = "") -> Any:
+    """Run a long request while checking that its server still works; return its answer.
+
+    A server that dies closes its sockets and the request fails at once. One that stops
+    answering (SGLang's scheduler killed or wedged behind a live HTTP front end, its node
+    gone from the network) would hold the request until its timeout (an hour for a
+    generate), and with it every rank of the job waiting for the controller. So `health`
+    is asked every `interval_s` meanwhile (SGLang's /health_generate answers at once while
+    tokens are being produced, and 503 after 20 s when they are not), and after
+    `max_failures` failed checks in a row the request is abandoned. It stays behind in a
+    daemon thread, which cannot keep the process from exiting.
+
+    Args:
+        call: the request; runs in its own thread.
+        health: one health check with a timeout in seconds (True = healthy); it may raise
+            EngineError itself (an owned server process that exited).
+        interval_s: seconds between checks, also each check's timeout.
+        max_failures: failed checks in a row that abandon the request.
+        what: the request in the message, e.g. "SGLang engine sglang1: /generate".
+        probe: the health endpoint in the message.
+        log_hint: appended to the message (where the server's log is).
+
+    Raises:
+        EngineError: the request's own error, or the server stopped answering.
+    """
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["answer"] = call()
+        except BaseException as err:
+            outcome["error"] = err
+
+    thread = threading.Thread(target=run, name=f"request {what}", daemon=True)
+    start = time.monotonic()
+    thread.start()
+    failures = 0
+    while True:
+        thread.join(interval_s)
+        if not thread.is_alive():
+            break
+        failures = 0 if health(interval_s) else failures + 1
+        if failures >= max_failures and thread.is_alive():
+            raise EngineError(f"{what} abandoned after {time.monotonic() - start:.0f}s: {probe} failed {failures} "
+                              f"times in a row meanwhile (the server died, hangs or cannot be reached){log_hint}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["answer"]

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import http.client
 import inspect
 import json
 import threading
@@ -67,7 +68,12 @@ from megatron_dapo.rollout.flat_bucket import (
     encode_bucket,
     to_sglang_wire,
 )
-from megatron_dapo.rollout.server_process import ServerProcess, poll_until_healthy, server_environment
+from megatron_dapo.rollout.server_process import (
+    ServerProcess,
+    call_while_healthy,
+    poll_until_healthy,
+    server_environment,
+)
 from megatron_dapo.rollout.sglang_server import (
     SGLangServerConfig,
     build_launch_command,
@@ -230,6 +236,8 @@ class SGLangEngine:
         deterministic: bool = False,
         log_location: str = "",
         weight_format: WeightFormat | None = None,
+        health_check_interval_s: float = 30.0,
+        health_check_failures: int = 5,
     ) -> None:
         """Attach to a server (launched by :meth:`start`/:meth:`launch`, or already running).
 
@@ -250,7 +258,15 @@ class SGLangEngine:
                 (named in errors; colocated engines on other nodes).
             weight_format: how :meth:`update_weights` sends a bucket; None = flattened
                 where the installed sglang has it (flat_bucket.default_weight_format).
+            health_check_interval_s: while a /generate runs, /health_generate is asked this
+                often (and may take this long to answer).
+            health_check_failures: that many failed checks in a row abandon the /generate
+                with an EngineError (5 x 30 s: no sooner than SGLang's own --watchdog-timeout,
+                300 s, would kill a server stuck in one forward pass).
         """
+        if health_check_interval_s <= 0 or health_check_failures < 1:
+            raise ValueError(f"SGLang engine {name}: health_check_interval_s={health_check_interval_s} must be > 0 "
+                             f"and health_check_failures={health_check_failures} >= 1")
         self.name = name
         self.base_url = base_url.rstrip("/")
         self._api_key = api_key
@@ -266,6 +282,8 @@ class SGLangEngine:
         self.weight_format: WeightFormat = weight_format or default_weight_format()
         self._sessions: bool | None = None  # whether the server has weight-update sessions (None: not asked yet)
         self._session_open = False
+        self._health_check_interval_s = health_check_interval_s
+        self._health_check_failures = health_check_failures
 
     @classmethod
     def start(
@@ -355,7 +373,7 @@ class SGLangEngine:
                 raise EngineError(
                     f"SGLang engine {self.name}: {method} {url} failed with HTTP {err.code}: {detail}{self._log_hint()}"
                 ) from err
-            except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as err:
                 last_error = err
                 if self.process is not None:
                     self.process.check_alive()
@@ -394,7 +412,13 @@ class SGLangEngine:
             send_seed=self._deterministic,
         )
         # Not retried: a resent batch would generate twice; a dead server is reported instead.
-        response = self._request("POST", "/generate", payload, timeout_s=self._request_timeout_s)
+        # A server that stops answering must not hold the request (and every rank) for an hour.
+        response = call_while_healthy(
+            lambda: self._request("POST", "/generate", payload, timeout_s=self._request_timeout_s),
+            health=lambda timeout_s: self.health(timeout_s=timeout_s), interval_s=self._health_check_interval_s,
+            max_failures=self._health_check_failures,
+            what=f"SGLang engine {self.name}: /generate", probe=f"{self.base_url}/health_generate",
+            log_hint=self._log_hint())
         return parse_generate_response(
             response, num_prompts=len(prompts), n=params.n, index_offset=index_offset, engine=self.name
         )

@@ -21,7 +21,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
-from megatron_dapo.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
+from megatron_dapo.rollout.engine import EngineError, GenerationResult, RolloutEngine, SamplingParams
 
 __all__ = ["FeedItem", "GroupCallback", "PromptFeed", "StreamingEngine", "continuation", "stream_per_prompt"]
 
@@ -171,8 +171,11 @@ def stream_per_prompt(
         failed = next((f for f in futures if f in done and f.exception() is not None), None)
         if failed is not None:
             feed.close()
-            with contextlib.suppress(Exception):  # a dead engine cannot abort; the first error is the one to report
-                engine.abort()
+            if not isinstance(failed.exception(), EngineError):  # e.g. the collector's reward failed: stop generating
+                with contextlib.suppress(Exception):  # the first error is the one to report
+                    engine.abort()
+            # An engine that failed is not aborted: a hung server would hold every abort for its
+            # control timeout; its other requests fail on their own health checks.
             wait(futures)
             raise failed.exception()  # type: ignore[misc]
     return aborted

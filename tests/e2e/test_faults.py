@@ -18,28 +18,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from trainer_utils import REPO, read_rows, train_command, trainer_env, write_config
+from trainer_utils import REPO, read_rows, run_processes, train_command, trainer_env, write_config
 
 pytestmark = pytest.mark.e2e
-
-
-def _run_processes(tag: str) -> list[int]:
-    """Live processes whose environment carries the run's tag (children inherit it)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if f"FAULT_TEST_TAG={tag}".encode() not in f.read().split(b"\0"):
-                    continue
-            with open(f"/proc/{entry}/stat") as f:
-                if f.read().rsplit(") ", 1)[1][0] == "Z":
-                    continue
-        except OSError:
-            continue
-        found.append(int(entry))
-    return found
 
 
 def _kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
@@ -59,9 +40,9 @@ def _kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: C
         proc.wait(timeout=30)
         tag = env["FAULT_TEST_TAG"]
         deadline = time.monotonic() + 10
-        while _run_processes(tag) and time.monotonic() < deadline:
+        while run_processes(tag) and time.monotonic() < deadline:
             time.sleep(0.2)
-        left = _run_processes(tag)
+        left = run_processes(tag)
         assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
     finally:
         # A failing test must not leave its run behind: its own session holds only it.
@@ -92,7 +73,7 @@ def test_kill_9_before_and_during_the_first_save_then_rerun(tmp_path: Path) -> N
     from megatron_dapo.data.tokenizer import SentencePieceTokenizer, load_tokenizer
 
     assert isinstance(load_tokenizer(out / "checkpoints" / "step_2" / "hf"), SentencePieceTokenizer)
-    assert _run_processes(env["FAULT_TEST_TAG"]) == []
+    assert run_processes(env["FAULT_TEST_TAG"]) == []
 
 
 _TRAINER = {"total_training_steps": 2, "ppo_mini_batch_size": 2, "test_freq": 2, "device": "cpu",

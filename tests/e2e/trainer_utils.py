@@ -61,3 +61,22 @@ def run_trainer(config: Path, *overrides: str, cache_dir: Path, nproc: int = 1, 
 def read_rows(output_dir: Path) -> list[dict]:
     with (output_dir / "metrics.jsonl").open() as f:
         return [json.loads(line) for line in f]
+
+
+def run_processes(tag: str) -> list[int]:
+    """Live processes whose environment holds FAULT_TEST_TAG=tag (a run's children inherit it)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if f"FAULT_TEST_TAG={tag}".encode() not in f.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{entry}/stat") as f:
+                if f.read().rsplit(") ", 1)[1][0] == "Z":
+                    continue
+        except OSError:
+            continue
+        found.append(int(entry))
+    return found

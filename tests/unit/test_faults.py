@@ -1,0 +1,37 @@
+"""The fault-injection hook (faults.py) and which errors a rank treats as an echo of a peer's exit."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from megatron_dapo.errors import UserError
+from megatron_dapo.faults import FAULT_ENV, InjectedFault, fault_point, parse_fault
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.train import lost_peer
+
+
+def test_the_fault_fires_only_on_its_phase_and_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAULT_ENV, "update:1")
+    fault_point("update", 0)
+    fault_point("save", 1)
+    with pytest.raises(InjectedFault, match=r"^rank 1: injected fault at the start of update \(MEGATRON_DAPO_FAULT=update:1\)$"):
+        fault_point("update", 1)
+    monkeypatch.delenv(FAULT_ENV)
+    fault_point("update", 1)
+
+
+@pytest.mark.parametrize("value", ["update", "train:1", "update:-1", "update:one", ":1"])
+def test_a_malformed_fault_is_one_user_error_line(value: str) -> None:
+    with pytest.raises(UserError, match=f"^{FAULT_ENV}='{value}' is not <phase>:<rank> with phase in rollout, "
+                                        "dispatch, update, save"):
+        parse_fault(value)
+
+
+def test_only_torch_distributed_errors_are_a_lost_peer() -> None:
+    gloo = "[third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:12193."
+    assert lost_peer(RuntimeError(gloo))
+    assert lost_peer(dist.DistBackendError("NCCL error: remote process exited or there was a network error"))
+    # The controller's own failure quoting a reset connection is the root cause, not an echo.
+    assert not lost_peer(EngineError("SGLang engine sglang1: POST /generate failed: [Errno 104] Connection reset by peer"))
+    assert not lost_peer(RuntimeError("CUDA out of memory"))
