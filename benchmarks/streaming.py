@@ -12,7 +12,9 @@ batch (timing_s/fill: from the first request until train_batch_size kept groups 
 the round-based path's whole collection), the median CPU seconds of the process over the
 collection (robust to load from other processes), generated tokens per kept group (aborted
 and dropped tokens included) and prompts used, then the ratio streaming / rounds.
-Both modes keep exactly train_batch_size groups with 0 < acc < 1; the script asserts it.
+A third mode, streaming with partial rollouts, carries what its abort cut short into its
+own next step (off-policy tokens: opt-in). Every mode keeps exactly train_batch_size groups
+with 0 < acc < 1; the script asserts it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from megatron_dapo.metrics import Timer
 from megatron_dapo.run import build_run
 from megatron_dapo.trainer import update_policy
 
-MODES = ("rounds", "streaming")
+MODES = ("rounds", "streaming", "partial")
+"""partial = streaming with rollout.partial_rollout (its carry kept from its own previous step)."""
 
 
 def main() -> None:
@@ -50,16 +53,18 @@ def main() -> None:
         engine_model = getattr(run.rollout.engines[0], "model", None)
         if engine_model is not None:  # the local engine: count its forwards and their rows
             engine_model.register_forward_hook(lambda module, args, out: forwards.append(out.logits.shape[0]))
+        partial_carry: list = []
         for step in range(1, args.steps + 1):
             start_state = run.sampler.state_dict()
             order = MODES if step % 2 else MODES[::-1]
             batches, end_states = {}, {}
             for mode in order:
                 run.sampler.load_state_dict(start_state)
-                settings = replace(run.collect_settings, streaming=mode == "streaming")
+                settings = replace(run.collect_settings, streaming=mode != "rounds", partial_rollout=mode == "partial")
                 forwards.clear()
                 cpu = time.process_time()
-                state = replace(run.collect_state)  # both modes start from the same carry-over
+                # Every mode starts from the streaming run's keep rate; partial also from its own carry.
+                state = replace(run.collect_state, carried=partial_carry if mode == "partial" else [])
                 groups, metrics = collect_batch(run.sampler, step, rollout=run.rollout, rewards=run.rewards,
                                                 tokenizer=run.tokenizer, settings=settings, state=state)
                 cpu = time.process_time() - cpu
@@ -73,6 +78,8 @@ def main() -> None:
                     "forwards": len(forwards), "rows": sum(forwards),
                 })
                 batches[mode], end_states[mode] = groups, (run.sampler.state_dict(), state)
+                if mode == "partial":
+                    partial_carry = state.carried
             run.sampler.load_state_dict(end_states["streaming"][0])
             run.collect_state = end_states["streaming"][1]
             update_policy(run, batches["streaming"], Timer())
@@ -85,15 +92,15 @@ def main() -> None:
             ("tokens_per_group", "generated tokens per kept group"), ("prompts", "prompts used per batch"),
             ("aborted", "aborted tokens per batch"), ("forwards", "engine forwards per batch (local engine)"),
             ("rows", "engine rows computed per batch (local engine)")]
-    print("| median | rounds | streaming | streaming / rounds |\n|---|---|---|---|")
+    print("| median | rounds | streaming | streaming + partial | streaming / rounds | partial / rounds |")
+    print("|---|---|---|---|---|---|")
     for key, label in keys:
-        r = statistics.median(x[key] for x in results["rounds"])
-        s = statistics.median(x[key] for x in results["streaming"])
-        ratio = f"{s / r:.2f}" if r else "-"
-        print(f"| {label} | {r:.3f} | {s:.3f} | {ratio} |")
-    mean_r = statistics.mean(x["fill_s"] for x in results["rounds"])
-    mean_s = statistics.mean(x["fill_s"] for x in results["streaming"])
-    print(f"mean time to fill: rounds {mean_r:.3f} s, streaming {mean_s:.3f} s, ratio {mean_s / mean_r:.2f}")
+        r, s, p = (statistics.median(x[key] for x in results[mode]) for mode in MODES)
+        ratios = " | ".join(f"{v / r:.2f}" if r else "-" for v in (s, p))
+        print(f"| {label} | {r:.3f} | {s:.3f} | {p:.3f} | {ratios} |")
+    mean_r, mean_s, mean_p = (statistics.mean(x["fill_s"] for x in results[mode]) for mode in MODES)
+    print(f"mean time to fill: rounds {mean_r:.3f} s, streaming {mean_s:.3f} s ({mean_s / mean_r:.2f}), "
+          f"streaming + partial {mean_p:.3f} s ({mean_p / mean_r:.2f})")
 
 
 if __name__ == "__main__":
