@@ -28,7 +28,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RUNS = {"dapo": ("DAPO", "examples/tiny_cpu.yaml"), "grpo": ("GRPO (naive)", "examples/grpo_tiny_cpu.yaml")}
-DEFAULT_DAPO_STEPS = 60
+
+
+def default_dapo_steps() -> int:
+    """The default run's own step count (examples/tiny_cpu.yaml trainer.total_training_steps)."""
+    import yaml
+
+    return int(yaml.safe_load((REPO / RUNS["dapo"][1]).read_text())["trainer"]["total_training_steps"])
 
 
 def run_one(config: str, out_dir: Path, seed: int, steps: int, overrides: list[str]) -> float:
@@ -133,11 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42],
                         help="comma-separated trainer.seed values, e.g. 1,2,3")
     parser.add_argument("--runs", default="dapo,grpo", help="which runs per seed: dapo, grpo or dapo,grpo")
-    parser.add_argument("--steps", type=int, default=DEFAULT_DAPO_STEPS, help="RL steps of the DAPO run")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="RL steps of the DAPO run (default: the default run's trainer.total_training_steps)")
     parser.add_argument("--grpo-steps-factor", type=float, default=3.0,
                         help="GRPO runs this many times the DAPO steps, then is cut at DAPO's token budget")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = default_dapo_steps()
     kinds = args.runs.split(",")
     if any(k not in RUNS for k in kinds):
         parser.error(f"--runs {args.runs}: choose from {','.join(RUNS)}")
