@@ -83,7 +83,7 @@ from megatron_dapo.rollout.flat_bucket import (
     encode_bucket,
     payload_tensors,
 )
-from megatron_dapo.rollout.sglang_engine import sglang_serialize
+from megatron_dapo.rollout.sglang_protocol import sglang_serialize
 from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketMeter, WeightSyncStats, iter_buckets
 
 if TYPE_CHECKING:
