@@ -349,10 +349,7 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
     a = assumptions or Assumptions()
     world = nodes * gpus_per_node
     dp = cfg.check_world_size(world, f"--nodes {nodes} x --gpus-per-node {gpus_per_node}")
-    try:
-        cfg.check_model_shape(dims.num_attention_heads, dims.num_key_value_heads, dims.num_layers, dims.source)
-    except ValueError as e:  # config's internal field error: the dotted key plus "=value problem"
-        raise ConfigError(f"{getattr(e, 'key', '')}{getattr(e, 'message', e)}") from None
+    cfg.check_model_shape(dims.num_attention_heads, dims.num_key_value_heads, dims.num_layers, dims.source)
     p, r, d, t = cfg.parallel, cfg.rollout, cfg.data, cfg.trainer
     tp, pp, cp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size
     rtp = r.tensor_model_parallel_size
