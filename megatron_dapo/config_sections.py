@@ -12,7 +12,7 @@ config.py and config_loader.py can both import it without a cycle.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from megatron_dapo.errors import UserError
 
@@ -251,7 +251,9 @@ class RolloutConfig:
 
 # ----------------------------------------------------------------------- algorithm
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+"""algorithm.loss_agg_mode; the same modes as megatron_dapo.algo.LOSS_AGG_MODES, which the actor checks."""
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -324,8 +326,7 @@ class AlgorithmConfig:
     """epsilon_high of Clip-Higher (0.2 = symmetric PPO clip)."""
     clip_ratio_c: float | None = 10.0
     """Dual-clip bound for negative advantages (> 1), null = off."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                           "seq-mean-token-sum-norm"] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     """Loss aggregation: token-mean (DAPO, global over the mini-batch) or the GRPO-style modes."""
     loss_scale_factor: float | None = None
     """Constant divisor of seq-mean-token-sum-norm (Dr.GRPO's MAX_TOKENS); null = data.max_response_length."""
