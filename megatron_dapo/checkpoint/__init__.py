@@ -27,7 +27,9 @@ left as seeded, with a warning. Megatron pads the vocab to a multiple of 128 * t
 the loading model with convert.adapter_for_checkpoint so its padded vocab matches.
 
 Modules: files (names, durable writes, HF file copy), format (validation, architecture
-check, lookup of latest/resume), rng (per-rank RNG states), manager (save/load).
+check, lookup of latest/resume), rng (per-rank RNG states), integrity (checksums),
+dist_state (one directory's contents through dist_checkpointing), manager (save/load:
+the directories' lifetime).
 
 Nothing untrusted is unpickled: per-rank files load with ``torch.load(weights_only=True)``,
 dist_checkpointing's common state also loads weights-only (torch >= 2.6 default), and the
@@ -35,6 +37,7 @@ pickled torch.distributed.checkpoint ``.metadata`` is first read by a restricted
 that admits only checkpoint metadata classes (and checks every shard file's length).
 """
 
+from megatron_dapo.checkpoint.dist_state import build_manifest
 from megatron_dapo.checkpoint.files import (
     CONFIG_YAML,
     DIST_DIR,
@@ -62,7 +65,7 @@ from megatron_dapo.checkpoint.format import (
     step_of,
     unwrap,
 )
-from megatron_dapo.checkpoint.manager import CheckpointManager, build_manifest, save_model_checkpoint
+from megatron_dapo.checkpoint.manager import CheckpointManager, save_model_checkpoint
 from megatron_dapo.checkpoint.rng import capture_rng_state, restore_rng_state
 
 __all__ = [

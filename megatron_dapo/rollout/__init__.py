@@ -4,6 +4,7 @@ engine.py      the RolloutEngine protocol, SamplingParams, GenerationResult
 sampling.py    temperature / top-k / top-p sampling in float64 (local engine)
 local_engine.py  pure-torch HF engine on CPU (tests, tiny runs, debugging)
 sglang_engine.py SGLang servers over HTTP (GPU runs); sglang is imported lazily
+sglang_protocol.py what goes over the wire to SGLang: /generate bodies, weight payloads
 controller.py  spreads prompts over engines, reassembles results in prompt order
 weight_sync.py streams the trainer's HF-named tensors to the engines in bounded buckets
 """

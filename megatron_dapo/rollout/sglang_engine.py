@@ -8,37 +8,14 @@ standard library only; sglang itself is imported lazily, and only to serialize C
 handles. Every failure message names the engine and its log, with the log's last lines
 when the server process died.
 
-Endpoints used (SGLang 0.5.x):
-- POST /generate: ``{"input_ids": [[...]], "sampling_params": [{...}], "return_logprob": true,
-  "rid": [...]}``; answers a list of ``{"output_ids", "meta_info": {"finish_reason": {"type"},
-  "output_token_logprobs": [[logprob, token_id, null], ...]}}``. Each of the n responses of
-  a prompt is its own row (own rid, own seed); the radix cache shares the prompt's prefill.
-- POST /update_weights_from_tensor (colocated): ``serialized_named_tensors`` holds, per TP rank
-  of the engine, MultiprocessingSerializer (ForkingPickler + base64) of one flat buffer per
-  dtype with ``load_format: "flattened_bucket"`` (flat_bucket.py; sglang >= 0.5.1), else of
-  the bucket's ``[(name, cuda_tensor)]``: CUDA IPC handles, the bytes stay on the GPU. Each
-  TP rank gets its own serialization: torch counts the consumers of a shared block per
-  serialization, and a worker that opens another rank's copy breaks that count.
-- POST /begin_weight_update before the first bucket and /end_weight_update after the last
-  (``{}``): from sglang 0.5.21 the server refuses weight updates outside such a session;
-  older servers answer 404 and are updated without one.
-- POST /init_weights_update_group + /update_weights_from_distributed (separate rollout GPUs):
-  the trainer broadcasts each tensor over an NCCL group that includes the engine's ranks.
-- POST /release_memory_occupation, /resume_memory_occupation (``{"tags": null}`` = all),
-  GET /flush_cache (400 while requests run; retried), POST /abort_request ``{"abort_all": true}``,
-  GET /health_generate (generates one token).
-
-Log-probs: SGLang's default (SGLANG_RETURN_ORIGINAL_LOGPROB unset) is log(softmax(logits/T))
-before top-k/top-p, the quantity engine.py specifies; the launcher pins that variable to
-"false" so an inherited environment cannot change it.
+What goes over the wire (the endpoints, request bodies, answers, log-prob semantics and
+the weight-update group's rendezvous) is sglang_protocol.py; this module re-exports its
+public names.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import http.client
-import inspect
 import json
 import threading
 import time
@@ -46,33 +23,31 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.rollout.engine import (
-    FINISH_REASONS,
-    EngineError,
-    GenerationResult,
-    SamplingParams,
-    check_prompts,
-    response_seed,
-)
+from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams, check_prompts
 from megatron_dapo.rollout.flat_bucket import (
     WeightFormat,
     WeightPayload,
     default_weight_format,
     encode_bucket,
-    to_sglang_wire,
 )
 from megatron_dapo.rollout.server_process import (
     ServerProcess,
     call_while_healthy,
     poll_until_healthy,
     server_environment,
+)
+from megatron_dapo.rollout.sglang_protocol import (
+    SGLANG_VERSION_READ,
+    build_generate_payload,
+    create_weight_update_group,
+    parse_generate_response,
+    sglang_serialize,
 )
 from megatron_dapo.rollout.sglang_server import (
     SGLangServerConfig,
@@ -91,130 +66,6 @@ __all__ = [
     "launch_node_engines",
     "parse_generate_response",
 ]
-
-SGLANG_VERSION_READ = "0.5.x (0.5.3-0.5.5)"
-"""The SGLang versions whose HTTP API this module was written against."""
-
-
-def build_generate_payload(
-    prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int, rid_prefix: str,
-    send_seed: bool = False,
-) -> dict[str, Any]:
-    """The /generate body: one row per response, each with its own rid and sampling params.
-
-    Args:
-        prompts: token ids per prompt.
-        params: sampling settings.
-        index_offset: global index of prompts[0] (seeds use global response indices).
-        rid_prefix: unique prefix of this call's request ids.
-        send_seed: add a per-response ``sampling_seed`` when params.seed is set. Only servers
-            started with --enable-deterministic-inference use it (SGLang >= 0.5.3), so it is
-            sent only to those; seeded SGLang rollouts are otherwise not reproducible.
-
-    Returns:
-        JSON-serialisable dict for POST /generate.
-    """
-    sampling: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "n": 1,
-        # The trainer's token ids are final; SGLang must not drop the stop token from output.
-        "no_stop_trim": True,
-    }
-    if params.stop_token_ids:
-        sampling["stop_token_ids"] = list(params.stop_token_ids)
-    input_ids, rids, per_row = [], [], []
-    for i, prompt in enumerate(prompts):
-        for j in range(params.n):
-            input_ids.append(list(prompt))
-            rids.append(f"{rid_prefix}-{index_offset + i}-{j}")
-            row = dict(sampling)
-            if send_seed and params.seed is not None:
-                row["sampling_seed"] = response_seed(params.seed, (index_offset + i) * params.n + j)
-            per_row.append(row)
-    return {"input_ids": input_ids, "sampling_params": per_row, "return_logprob": True, "rid": rids}
-
-
-def parse_generate_response(
-    response: list[dict[str, Any]], *, num_prompts: int, n: int, index_offset: int, engine: str
-) -> list[GenerationResult]:
-    """Turn /generate's answer into GenerationResults (prompt-major, global indices).
-
-    Token ids and log-probs both come from ``meta_info.output_token_logprobs``, the record
-    of what was sampled, so the two lists always have equal length.
-
-    Args:
-        response: the decoded JSON list, one entry per row of the request.
-        num_prompts: prompts in the request.
-        n: responses per prompt.
-        index_offset: global index of the first prompt.
-        engine: engine name for messages.
-
-    Returns:
-        ``num_prompts * n`` results.
-    """
-    if not isinstance(response, list) or len(response) != num_prompts * n:
-        got = len(response) if isinstance(response, list) else type(response).__name__
-        raise EngineError(f"SGLang engine {engine}: /generate returned {got} rows, expected {num_prompts * n}")
-    results = []
-    for row, item in enumerate(response):
-        meta = item["meta_info"]
-        reason = (meta.get("finish_reason") or {}).get("type", "abort")
-        if reason not in FINISH_REASONS:
-            raise EngineError(f"SGLang engine {engine}: unknown finish reason {reason!r} in row {row}")
-        pairs = meta.get("output_token_logprobs") or []
-        output_ids = [int(tok) for _, tok, *_ in pairs]
-        if "output_ids" in item and list(item["output_ids"]) != output_ids:
-            raise EngineError(
-                f"SGLang engine {engine}: row {row} output_ids disagree with output_token_logprobs; "
-                "the server must run with --skip-tokenizer-init and no_stop_trim"
-            )
-        results.append(
-            GenerationResult(
-                prompt_index=index_offset + row // n,
-                sample_index=row % n,
-                output_ids=output_ids,
-                logprobs=[float(lp) for lp, *_ in pairs],
-                finish_reason=reason,
-            )
-        )
-    return results
-
-
-def payload_text(serialized: str | bytes) -> str:
-    """The JSON-safe string SGLang's deserializer takes, from what its serializer returned.
-
-    ``MultiprocessingSerializer.serialize(obj, output_str=True)`` returns base64 text, except
-    in sglang 0.5.4, where it returns the base64 as bytes (json.dumps then fails on the
-    payload). The server's ``deserialize`` base64-decodes a str and unpickles bytes as they
-    are, so bytes are passed on as text: decoded when they are base64 already, encoded when
-    they are the raw pickle.
-    """
-    if isinstance(serialized, str):
-        return serialized
-    try:
-        base64.b64decode(serialized, validate=True)
-        return serialized.decode("ascii")
-    except (binascii.Error, UnicodeDecodeError):
-        return base64.b64encode(serialized).decode("ascii")
-
-
-def sglang_serialize(payload: WeightPayload) -> str:
-    """SGLang's MultiprocessingSerializer of one request's payload (CUDA IPC handles for CUDA tensors).
-
-    The handles name the GPU by UUID (SGLang's torch reduction patch, also applied by its
-    servers), so they open correctly even if the server saw a different CUDA_VISIBLE_DEVICES.
-    """
-    try:  # GPU-only dependency; the module moved in SGLang 0.5
-        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    except ImportError:
-        from sglang.srt.patch_torch import monkey_patch_torch_reductions
-    from sglang.srt.utils import MultiprocessingSerializer
-
-    monkey_patch_torch_reductions()
-    return payload_text(MultiprocessingSerializer.serialize(to_sglang_wire(payload), output_str=True))
 
 
 class SGLangEngine:
@@ -667,41 +518,3 @@ def launch_node_engines(
             engine.shutdown()
         raise
     return engines
-
-
-def create_weight_update_group(
-    *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl",
-    timeout_s: float = 600.0,
-) -> dist.ProcessGroup:
-    """The trainer's side (rank 0) of the broadcast group SGLang servers join.
-
-    SGLang's ``init_custom_process_group`` (the recipe verl, slime and OpenRLHF share)
-    rendezvouses on ``tcp://master:port``, wraps the store in ``PrefixStore(group_name)`` and
-    builds the group with torch's ``_new_process_group_helper``, outside the default group.
-    Rank 0 must build its side the same way for the stores' keys to meet, so this hosts the
-    TCP store and repeats those two steps; the helper is private torch API, which is why
-    its options argument is looked up by name (``backend_options`` in torch >= 2.6,
-    ``pg_options`` before).
-
-    Args:
-        master_address: address the engines can reach (this node's).
-        master_port: free port for the store.
-        world_size: 1 + the TP sizes of all engines.
-        group_name: the name passed to the engines' init_weight_update_group.
-        backend: "nccl" (GPUs) or "gloo".
-        timeout_s: rendezvous and collective timeout.
-
-    Returns:
-        The process group (this process is rank 0); use ``group.broadcast``.
-    """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
-
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
-    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
-        else "pg_options"
-    group, _ = _new_process_group_helper(
-        world_size, 0, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
-        timeout=timeout, **{options: None},
-    )  # fmt: skip
-    return group

@@ -30,7 +30,7 @@ def _child_save(root: Path, kill_point: str) -> None:
     import torch
     from test_checkpoint_layouts import _build, _train_step
 
-    from megatron_dapo.checkpoint import manager
+    from megatron_dapo.checkpoint import dist_state, manager
 
     _, ddp, opt, sched = _build(tp=1, pp=1)
     mgr = manager.CheckpointManager(root / "ckpt", keep_last=2)
@@ -49,7 +49,7 @@ def _child_save(root: Path, kill_point: str) -> None:
         return wrapper
 
     if kill_point == "shards_written":
-        manager.fsync_tree = hold(manager.fsync_tree)
+        dist_state.fsync_tree = hold(dist_state.fsync_tree)
     elif kill_point == "before_publish":
         manager.CheckpointManager._publish = hold(manager.CheckpointManager._publish)
     else:

@@ -106,6 +106,16 @@ def test_at_least_twenty_bad_configs():
     assert len(BAD_CONFIGS) >= 20
 
 
+def test_loss_agg_modes_of_config_and_actor_agree():
+    # The config accepts exactly the modes the actor's aggregation implements, in the same order.
+    from megatron_dapo.algo import LOSS_AGG_MODES as ALGO_MODES
+    from megatron_dapo.config import LOSS_AGG_MODES
+
+    assert LOSS_AGG_MODES == ALGO_MODES
+    for mode in ALGO_MODES:
+        assert load_config(None, [f"algorithm.loss_agg_mode={mode}"]).algorithm.loss_agg_mode == mode
+
+
 def test_missing_file(tmp_path, capsys):
     assert cli.run(["config", "show", str(tmp_path / "nope.yaml")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path / 'nope.yaml'}: no such config file; pick one of examples/*.yaml\n"

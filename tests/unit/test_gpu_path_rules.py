@@ -16,7 +16,7 @@ import torch
 from megatron_dapo.actor import logprobs
 from megatron_dapo.device import distributed_backend
 from megatron_dapo.rollout.server_process import HOST_ENV, node_address, server_environment
-from megatron_dapo.rollout.sglang_engine import payload_text
+from megatron_dapo.rollout.sglang_protocol import payload_text
 
 
 def test_cuda_groups_carry_a_cpu_backend_for_control_tensors():
