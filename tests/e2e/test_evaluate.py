@@ -30,10 +30,11 @@ def test_eval_of_the_last_checkpoint_equals_the_trainers_last_validation(tmp_pat
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(run_dir)
     last = rows[-1]
-    for row in rows[1:]:  # every generated token counts, the dropped groups' too
+    for row in rows[1:]:  # every generated token counts: dropped groups' and aborted responses' too
         kept_tokens = row["train/num_responses"] * row["response_length/mean"]
-        assert kept_tokens - 1e-6 <= row["train/num_generated_tokens"] <= row["train/num_groups_generated"] * 4 * 8
-        if row["train/num_groups_generated"] == row["train/num_groups"]:
+        taken = row["train/num_prompts_taken"]  # streaming: every prompt an engine took
+        assert kept_tokens - 1e-6 <= row["train/num_generated_tokens"] <= taken * 4 * 8
+        if taken == row["train/num_groups"]:
             assert row["train/num_generated_tokens"] == pytest.approx(kept_tokens)
     (val_file,) = cache_dir.glob("arithmetic-*/val.jsonl")
     out = tmp_path / "eval" / "responses.jsonl"
