@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from megatron_dapo.algo.dynamic_sampling import DynamicSamplingError, filter_groups
+from megatron_dapo.algo.dynamic_sampling import EXHAUSTED_FIX, DynamicSamplingError, filter_groups
 from megatron_dapo.collect import (
     CollectSettings,
     Group,
@@ -39,7 +39,7 @@ from megatron_dapo.data.tokenizer import Tokenizer
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import GenerationResult
-from megatron_dapo.rollout.streaming import PromptFeed
+from megatron_dapo.rollout.streaming import CarriedPrompt, PromptFeed
 
 __all__ = ["CarriedGroup", "CollectState", "collect_batch"]
 
@@ -160,18 +160,17 @@ def _collect_streaming(
     """
     start = time.perf_counter()
     counts = new_counts()
-    counts["rollout/aborted_tokens"] = 0.0
     records: list[PromptRecord] = []
     carried_in: dict[int, CarriedGroup] = {}  # feed index -> the carried group it continues
     to_continue, dropped = _within_version_bound(state.carried, settings.partial_max_versions)
     state.carried = []
     counts["rollout/partial_dropped_groups"] = float(len(dropped))
 
-    def prompts() -> Iterator[Sequence[int] | tuple[Sequence[int], tuple[GenerationResult, ...]]]:
+    def prompts() -> Iterator[Sequence[int] | CarriedPrompt]:
         for c in to_continue:  # partial rollouts first, then new prompts
             carried_in[len(records)] = c
             records.append(c.record)
-            yield c.record.prompt_ids, tuple(c.results)
+            yield CarriedPrompt(prompt=c.record.prompt_ids, results=tuple(c.results))
         while True:
             records.append(sampler.next_batch(1)[0])
             yield records[-1].prompt_ids
@@ -230,10 +229,7 @@ def _collect_streaming(
             f"from {feed.num_taken} prompts (algorithm.filter_groups.max_num_gen_batches="
             f"{settings.max_num_gen_batches} x data.gen_batch_size={settings.gen_batch_size}); "
             f"{counts['train/num_groups_dropped_all_correct']:.0f} groups were all-correct and "
-            f"{counts['train/num_groups_dropped_all_wrong']:.0f} all-wrong. Fix: raise "
-            "algorithm.filter_groups.max_num_gen_batches (0 = unlimited) or data.gen_batch_size, or check the "
-            "reward and the task difficulty (mostly all-correct: too easy; mostly all-wrong: too hard or the "
-            "reward never matches)")
+            f"{counts['train/num_groups_dropped_all_wrong']:.0f} all-wrong. {EXHAUSTED_FIX}")
     new_tokens = sum(_new_tokens(carried_in.get(r.prompt_index), r) for r in incomplete)
     counts["train/num_generated_tokens"] += new_tokens
     carry = _carry(incomplete, records, carried_in, settings.n) if settings.partial_rollout else []

@@ -24,6 +24,13 @@ import torch
 
 _STATE_VERSION = 1
 
+EXHAUSTED_FIX = (
+    "Fix: raise algorithm.filter_groups.max_num_gen_batches (0 = unlimited) or data.gen_batch_size, or check "
+    "the reward and the task difficulty (mostly all-correct: too easy; mostly all-wrong: too hard or the "
+    "reward never matches)"
+)
+"""The fix named when dynamic sampling cannot fill a batch (rounds or streaming)."""
+
 
 class DynamicSamplingError(RuntimeError):
     """Too few groups with reward spread after the allowed number of generation rounds."""
@@ -212,10 +219,7 @@ class DynamicSamplingBuffer:
             f"(algorithm.filter_groups.max_num_gen_batches={self.max_num_gen_batches}); "
             f"{sum(dropped.values())} groups were dropped for having the same metric in every response: "
             f"{dropped['all_correct']} all-correct, {dropped['all_wrong']} all-wrong, "
-            f"{dropped['other']} constant at another value. Fix: raise "
-            "algorithm.filter_groups.max_num_gen_batches (0 = unlimited) or data.gen_batch_size, or check "
-            "the reward and the task difficulty (mostly all-correct: too easy; mostly all-wrong: too hard "
-            "or the reward never matches)"
+            f"{dropped['other']} constant at another value. {EXHAUSTED_FIX}"
         )
 
     def take(self) -> list[Any]:

@@ -23,10 +23,20 @@ from typing import Protocol, runtime_checkable
 
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, RolloutEngine, SamplingParams
 
-__all__ = ["FeedItem", "GroupCallback", "PromptFeed", "StreamingEngine", "continuation", "stream_per_prompt"]
+__all__ = ["CarriedPrompt", "FeedItem", "GroupCallback", "PromptFeed", "StreamingEngine", "continuation", "stream_per_prompt"]
 
 GroupCallback = Callable[[list[GenerationResult]], None]
 """Receives one prompt's n finished responses (sample order); may close the feed and abort."""
+
+
+@dataclass(frozen=True, slots=True)
+class CarriedPrompt:
+    """A prompt whose group a full batch cut short, to continue (a PromptFeed input)."""
+
+    prompt: Sequence[int]
+    """Prompt token ids."""
+    results: tuple[GenerationResult, ...]
+    """Its n responses so far (sample order); reason abort = continue from its tokens."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +52,7 @@ class FeedItem:
     reason abort are continued from their tokens, the others are final as they are."""
 
 
-def continuation(prompt: Sequence[int], carried: GenerationResult, more: GenerationResult) -> GenerationResult:
+def continuation(carried: GenerationResult, more: GenerationResult) -> GenerationResult:
     """A carried partial response followed by what was generated after it."""
     return GenerationResult(prompt_index=more.prompt_index, sample_index=carried.sample_index,
                             output_ids=[*carried.output_ids, *more.output_ids],
@@ -60,12 +70,12 @@ class PromptFeed:
     """
 
     def __init__(
-        self, prompts: Iterator[Sequence[int] | tuple[Sequence[int], tuple[GenerationResult, ...]]], *,
+        self, prompts: Iterator[Sequence[int] | CarriedPrompt], *,
         limit: int | None = None, gate: Callable[[int], bool] | None = None,
     ) -> None:
         """Args:
             prompts: the prompts' token ids, drawn lazily (e.g. from the PromptSampler), or
-                (token ids, carried group) pairs for partial rollouts to continue.
+                CarriedPrompts for partial rollouts to continue.
             limit: the most prompts to hand out (None = as many as `prompts` yields).
             gate: called with the number taken so far; False = not now (the feed is not exhausted).
         """
@@ -100,8 +110,8 @@ class PromptFeed:
                 return None
             index = self.num_taken
             self.num_taken += 1
-            if isinstance(prompt, tuple) and len(prompt) == 2 and isinstance(prompt[1], tuple):
-                return FeedItem(index=index, prompt=prompt[0], carried=prompt[1])
+            if isinstance(prompt, CarriedPrompt):
+                return FeedItem(index=index, prompt=prompt.prompt, carried=prompt.results)
             return FeedItem(index=index, prompt=prompt)
 
     def notify(self) -> None:
@@ -195,5 +205,5 @@ def _generate_item(engine: RolloutEngine, item: FeedItem, params: SamplingParams
         more = engine.generate([[*item.prompt, *carried.output_ids]],
                                replace(params, n=1, max_new_tokens=params.max_new_tokens - len(carried.output_ids)),
                                index_offset=item.index * params.n + carried.sample_index)[0]
-        results.append(replace(continuation(item.prompt, carried, more), prompt_index=item.index))
+        results.append(replace(continuation(carried, more), prompt_index=item.index))
     return results

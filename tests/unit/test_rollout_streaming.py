@@ -8,9 +8,15 @@ import torch
 from test_rollout_local_engine import EOS, PROMPTS, make_tiny_qwen2
 
 from megatron_dapo.rollout.controller import RolloutController
-from megatron_dapo.rollout.engine import EngineError, SamplingParams
+from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams
 from megatron_dapo.rollout.local_engine import LocalEngine
-from megatron_dapo.rollout.streaming import FeedItem, PromptFeed, StreamingEngine, stream_per_prompt
+from megatron_dapo.rollout.streaming import (
+    CarriedPrompt,
+    FeedItem,
+    PromptFeed,
+    StreamingEngine,
+    stream_per_prompt,
+)
 
 # Stopping on a few frequent tokens ends responses at different steps, so rows leave and join.
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=11, stop_token_ids=(10, 20, 30, 40, 50, EOS))
@@ -174,3 +180,21 @@ def test_controller_stream_aborts_the_others_and_raises_the_first_engine_error(t
         controller.stream(feed, PARAMS, lambda group: None, max_inflight=2)
     assert feed.exhausted and aborts  # nothing more handed out, the healthy engine was stopped
     controller.shutdown()
+
+
+def test_per_prompt_streaming_continues_a_carried_group_from_its_tokens(tiny):
+    path, _ = tiny
+    first = LocalEngine(path).generate([PROMPTS[2]], PARAMS)
+    cut = GenerationResult(prompt_index=0, sample_index=1, output_ids=first[1].output_ids[:1],
+                           logprobs=first[1].logprobs[:1], finish_reason="abort")
+    carried = CarriedPrompt(prompt=PROMPTS[2], results=(first[0], cut))
+    groups: list = []
+    aborted = stream_per_prompt(GenerateOnly(LocalEngine(path)), PromptFeed(iter([carried])), PARAMS,
+                                groups.append, max_inflight=1)
+    assert aborted == [] and len(groups) == 1
+    done, resumed = groups[0]
+    assert (done.output_ids, done.logprobs, done.finish_reason) == (first[0].output_ids, first[0].logprobs,
+                                                                   first[0].finish_reason)
+    # The cut response keeps its token and the log-prob it was sampled with, then goes on.
+    assert resumed.output_ids[:1] == cut.output_ids and resumed.logprobs[:1] == cut.logprobs
+    assert resumed.finish_reason != "abort" and len(resumed.output_ids) <= PARAMS.max_new_tokens
