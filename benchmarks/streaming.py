@@ -82,7 +82,7 @@ def main() -> None:
                     partial_carry = state.carried
             run.sampler.load_state_dict(end_states["streaming"][0])
             run.collect_state = end_states["streaming"][1]
-            update_policy(run, batches["streaming"], Timer())
+            update_policy(run, batches["streaming"], Timer(), version=step)
     finally:
         run.close()
         parallel.destroy()

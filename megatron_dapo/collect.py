@@ -52,6 +52,9 @@ class Sample:
     """Group-relative advantage of the shaped reward."""
     num_versions: int = 1
     """Weight versions its tokens were sampled under (> 1 for a continued partial rollout)."""
+    weight_versions: tuple[int, ...] = ()
+    """Which versions, oldest first, where the engine reports them (the asynchronous loop's
+    staleness is the age of the first)."""
 
     @property
     def reward(self) -> float:
@@ -146,7 +149,7 @@ def generate_and_score(
 
 def make_sample(prompt: PromptRecord, r: GenerationResult) -> Sample:
     return Sample(prompt_ids=prompt.prompt_ids, response_ids=r.output_ids, rollout_log_probs=r.logprobs,
-                  finish_reason=r.finish_reason)
+                  finish_reason=r.finish_reason, weight_versions=r.weight_versions)
 
 
 def score_groups(groups: Sequence[Group], *, rewards: RewardPool, tokenizer: Tokenizer) -> RewardStats:

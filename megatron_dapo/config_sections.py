@@ -226,6 +226,12 @@ class RolloutConfig:
     log-probs) and continued in the next step under the new weights (slime's --partial-rollout)."""
     partial_rollout_max_versions: int = 2
     """The most weight versions one response may span; a carried group that would exceed it is dropped."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated = engines share the actor's devices and take turns with it; disaggregated = engines
+    on devices of their own (on CPU: the local engine in its own process) that keep generating
+    while the actor trains (trainer.max_staleness bounds how far ahead)."""
+    engine_threads: int = 1
+    """Disaggregated on CPU: torch threads of the engine's process (the actor keeps its own)."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling for evaluation."""
 
@@ -238,6 +244,10 @@ class RolloutConfig:
         _check(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in (0, 1)")
         _check(self.update_weights_bucket_megabytes > 0, "update_weights_bucket_megabytes", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        _check(self.engine_threads >= 1, "engine_threads", "must be >= 1")
+        _check(self.placement == "colocated" or self.engine == "local", "placement",
+               f"disaggregated runs the local engine in its own process; with engine {self.engine} it is not "
+               "built yet (SGLang/vLLM on GPUs of their own): use rollout.engine=local or placement=colocated")
         _check(self.partial_rollout_max_versions >= 2, "partial_rollout_max_versions",
                "must be >= 2 (a continued response spans the version it started under and the next)")
         # vLLM 0.32 reports log-probs renormalised over the top-k/top-p support (logprobs mode

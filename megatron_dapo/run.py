@@ -108,8 +108,12 @@ class Run:
         # CPU/gloo, long timeout: the other ranks have waited here for the whole rollout.
         return [_to_shard(rows) for rows in parallel.scatter_to_replicas(per_dp, self.control)]
 
-    def sync_weights(self) -> WeightSyncStats:
-        """Step 7: stream the actor's weights, as HF tensors, to every engine."""
+    def sync_weights(self, version: int) -> WeightSyncStats:
+        """Step 7: stream the actor's weights, as HF tensors, to every engine.
+
+        Args:
+            version: the step whose update made these weights (the start or resume step at first).
+        """
         export = self.adapter.export_hf(self.actor.model, self.dims)
         bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
         if self.colocated is not None:
@@ -119,7 +123,8 @@ class Run:
             release_cached_memory(self.dims.device)
             return stats
         engines = self.rollout.engines if self.rollout is not None else []
-        return sync_weights(export, engines, is_controller=self.dims.is_controller, bucket_bytes=bucket_bytes)
+        return sync_weights(export, engines, is_controller=self.dims.is_controller, bucket_bytes=bucket_bytes,
+                            version=version)
 
     def release_rollout_memory(self) -> None:
         """Colocated engines hand their GPU memory (weights, KV cache) to training (collective)."""
@@ -158,10 +163,19 @@ class Run:
         interval = self.cfg.trainer.save_interval
         return step == self.cfg.trainer.total_training_steps or (interval > 0 and step % interval == 0)
 
-    def save(self, step: int) -> None:
-        """Checkpoint model, optimizer, schedule, RNG and the trainer's position (collective)."""
-        state = {"step": step, "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-                 "collect": self.collect_state.state_dict(self.sampler)}
+    def data_position(self) -> dict[str, Any]:
+        """The sampler's and collection's state now (what resumes the next step's collection)."""
+        return {"sampler": self.sampler.state_dict() if self.sampler is not None else None,
+                "collect": self.collect_state.state_dict(self.sampler)}
+
+    def save(self, step: int, position: dict[str, Any] | None = None) -> None:
+        """Checkpoint model, optimizer, schedule, RNG and the trainer's position (collective).
+
+        Args:
+            position: data_position() from before the next step's prompts were drawn (the
+                asynchronous loop's producer has drawn ahead); None = now.
+        """
+        state = {"step": step, **(position or self.data_position())}
         states: list[Any] = [None] * self.dims.world_size
         dist.all_gather_object(states, state)
         self.checkpoints.save(step, [self.actor.model], self.actor.optimizer, self.actor.scheduler,
@@ -245,7 +259,7 @@ def build_run(cfg: Config, config_source: str) -> Run:
         # Lines after the resume point (all of them when starting at step 0) are redone now.
         run.metrics.truncate_after(run.start_step if resume_from is not None else -1)
     # The engines start from the HF checkpoint; after a resume (or SFT) they need the actor's weights.
-    run.sync_weights()
+    run.sync_weights(version=run.start_step)
     return run
 
 
@@ -350,6 +364,11 @@ def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None,
                   output_dir: Path) -> list[Any]:
     """The controller's engines: one local engine on the controller's device, one vLLM server, or a
     client of every colocated SGLang engine."""
+    if cfg.rollout.engine == "local" and cfg.rollout.placement == "disaggregated":
+        from megatron_dapo.rollout.engine_process import ProcessEngine
+
+        return [ProcessEngine(hf_dir, name="local0", num_threads=cfg.rollout.engine_threads,
+                              call_timeout_s=cfg.rollout.request_timeout_s)]
     if cfg.rollout.engine == "local":
         from megatron_dapo.rollout.local_engine import LocalEngine
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_correction
+from megatron_dapo.async_rollout import RolloutProducer, check_staleness, staleness_metrics
 from megatron_dapo.collect import Group, evaluate
 from megatron_dapo.collect_step import collect_batch
 from megatron_dapo.faults import fault_point
@@ -78,25 +79,49 @@ def fit(run: Run) -> dict[str, float]:
                        "trainer.total_training_steps, or start afresh with trainer.resume=disable or a new "
                        "trainer.output_dir", run.output_dir, run.start_step, cfg.trainer.total_training_steps)
         return last
+    producer = start_producer(run) if cfg.rollout.placement == "disaggregated" and dims.is_controller else None
+    try:
+        return _train(run, producer, preemption, timer)
+    finally:
+        if producer is not None:
+            producer.stop()
+            run.rollout.abort()  # a collection running ahead ends at its next decode step
+            producer.join(timeout_s=60)
+
+
+def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFlag, timer: Timer) -> dict[str, float]:
+    cfg, dims = run.cfg, run.dims
+    last: dict[str, float] = {}
     if run.start_step == 0 and cfg.trainer.val_before_train and cfg.trainer.test_freq > 0:
-        last = run.log(0, validate(run))
+        last = run.log(0, producer.validation(0) if producer is not None else validate(run))
     for step in range(run.start_step + 1, cfg.trainer.total_training_steps + 1):
         step_start = time.perf_counter()
         metrics: dict[str, float] = {}
         groups: list[Group] = []
         fault_point("rollout", dims.rank)
-        if dims.is_controller:
+        if producer is not None:
+            with timer("actor_idle"):  # the batch was generated while the actor trained
+                produced = producer.batch_for(step)
+            check_staleness(produced.groups, step, cfg.trainer.max_staleness)
+            groups = produced.groups
+            metrics.update(produced.metrics)
+            metrics.update(staleness_metrics(groups, step, cfg.trainer.max_staleness))
+        elif dims.is_controller:
             with timer("collect"):  # steps 1-4; split into timing_s/gen and timing_s/reward below
                 groups, collect_metrics = collect_batch(
                     run.sampler, step, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
                     settings=run.collect_settings, state=run.collect_state)
             metrics.update(collect_metrics)
+            metrics.update(staleness_metrics(groups, step, 0))
+        if dims.is_controller:
             metrics.update(run.rollout_throughput())
-        shards, update_metrics = update_policy(run, groups, timer)
+        shards, update_metrics = update_policy(run, groups, timer, version=step)
         metrics.update(update_metrics)
+        if producer is not None:
+            producer.weights_synced(step)
         if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_training_steps):
             with timer("testing"):
-                metrics.update(validate(run))
+                metrics.update(producer.validation(step) if producer is not None else validate(run))
         metrics.update(timer.pop())
         metrics["timing_s/step"] = time.perf_counter() - step_start
         num_tokens = sum(int(shard.batch.seq_lens.sum()) for shard in shards)
@@ -108,19 +133,42 @@ def fit(run: Run) -> dict[str, float]:
         last = run.log(step, metrics)
         stop = preemption.agreed(run.control.world)
         if stop or run.should_save(step):
-            run.save(step)
+            run.save(step, producer.resume_state_after(step) if producer is not None else None)
         if stop and step < cfg.trainer.total_training_steps:
             run.mark_preempted(step)
             break
     return last
 
 
-def update_policy(run: Run, groups: list[Group], timer: Timer) -> tuple[list[Shard], dict[str, float]]:
+def start_producer(run: Run) -> RolloutProducer:
+    """The controller's rollout thread of the asynchronous loop (async_rollout.py)."""
+    t = run.cfg.trainer
+    versions = {v for v in range(run.start_step + 1, t.total_training_steps + 1)
+                if t.test_freq > 0 and (v % t.test_freq == 0 or v == t.total_training_steps)}
+    if run.start_step == 0 and t.val_before_train and t.test_freq > 0:
+        versions.add(0)
+
+    def collect(step: int) -> tuple[list[Group], dict[str, float]]:
+        started = time.perf_counter()
+        groups, metrics = collect_batch(run.sampler, step, rollout=run.rollout, rewards=run.rewards,
+                                        tokenizer=run.tokenizer, settings=run.collect_settings,
+                                        state=run.collect_state)
+        metrics["timing_s/collect"] = time.perf_counter() - started
+        return groups, metrics
+
+    return RolloutProducer(first_step=run.start_step + 1, last_step=t.total_training_steps,
+                           max_staleness=t.max_staleness, start_version=run.start_step, collect=collect,
+                           snapshot=run.data_position, validate=lambda: validate(run),
+                           validate_versions=frozenset(versions)).start()
+
+
+def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) -> tuple[list[Shard], dict[str, float]]:
     """Steps 5-7 on every rank: dispatch the batch, (old/ref) log-probs, the actor update, weight sync.
 
     Args:
         groups: the controller's training batch ([] on other ranks).
         timer: collects timing_s/dispatch, ref, old_log_prob, update_actor and sync.
+        version: the step, which names the new weights on the engines.
 
     Returns:
         This rank's shards and the step's actor, mismatch and sync metrics.
@@ -151,7 +199,7 @@ def update_policy(run: Run, groups: list[Group], timer: Timer) -> tuple[list[Sha
         drift = rollout_mismatch(run, shards, correct=False)
     with timer("sync"):
         run.resume_rollout_memory()
-        sync_stats = run.sync_weights()
+        sync_stats = run.sync_weights(version=version)
     metrics = mean_metrics(actor_metrics)
     metrics.update(drift)
     metrics["sync/num_bytes"] = float(sync_stats.num_bytes)

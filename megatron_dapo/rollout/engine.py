@@ -101,6 +101,9 @@ class GenerationResult:
     """log_softmax(logits / temperature)[token] of each output token; len == len(output_ids)."""
     finish_reason: FinishReason
     """stop (a stop/eos token), length (max_new_tokens or context limit) or abort."""
+    weight_versions: tuple[int, ...] = ()
+    """The weight versions its tokens were sampled under, oldest first (more than one when a
+    weight update landed while it was generated); () = the engine does not report them."""
 
     def __post_init__(self) -> None:
         assert len(self.output_ids) == len(self.logprobs), (len(self.output_ids), len(self.logprobs))

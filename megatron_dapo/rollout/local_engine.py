@@ -98,6 +98,18 @@ class LocalEngine:
         self._weights_ready = load_weights
         self._released = False
         self._abort = threading.Event()
+        self.weight_version = 0
+        """The weights' version (the trainer's step that made them; 0 = as loaded); every result
+        lists the versions its tokens were sampled under."""
+        self.between_steps: Callable[[], None] | None = None
+        """Called before every decode step: an engine process applies weight updates and aborts
+        that arrived meanwhile here (rollout/engine_process.py), so a swap pauses decoding only
+        for the copy, and rows in flight go on under the new weights."""
+        self._running_versions: dict[tuple[int, int], list[int]] = {}
+        self._finished_versions: dict[tuple[int, int], list[int]] = {}
+
+    reports_weight_versions = True
+    """finish_weight_update takes the new version (rollout/weight_sync.py)."""
 
     @property
     def model(self) -> PreTrainedModel:
@@ -130,7 +142,7 @@ class LocalEngine:
                                 lambda row: None)
         finished.extend(_aborted(row) for row in pending)  # abort() came before these joined
         by_row = {(f.row.prompt_index, f.row.sample_index): f for f in finished}
-        return [_result(by_row[(index_offset + i, j)]) for i in range(len(prompts)) for j in range(params.n)]
+        return [self._result(by_row[(index_offset + i, j)]) for i in range(len(prompts)) for j in range(params.n)]
 
     @torch.no_grad()
     def stream(
@@ -161,7 +173,7 @@ class LocalEngine:
             group.append(f)
             if len(group) == params.n and all(g.finish_reason != "abort" for g in group):
                 del groups[f.row.prompt_index]
-                on_group(sorted((_result(g) for g in group), key=lambda r: r.sample_index))
+                on_group(sorted((self._result(g) for g in group), key=lambda r: r.sample_index))
 
         def admit(free: int) -> list[DecodeRow]:
             free -= self._max_batch_size - capacity
@@ -185,7 +197,13 @@ class LocalEngine:
 
         self._decode(params, admit, done)
         # Groups the abort left incomplete: rows cut short, and their mates that had finished.
-        return [_result(f) for group in groups.values() for f in group] + [_aborted(r) for r in pending]
+        return [self._result(f) for group in groups.values() for f in group] + [_aborted(r) for r in pending]
+
+    def _result(self, f: FinishedRow) -> GenerationResult:
+        versions = self._finished_versions.pop((f.row.prompt_index, f.row.sample_index), [self.weight_version])
+        return GenerationResult(prompt_index=f.row.prompt_index, sample_index=f.row.sample_index,
+                                output_ids=f.output_ids, logprobs=f.logprobs, finish_reason=f.finish_reason,
+                                weight_versions=tuple(versions))
 
     def _check_ready(self) -> None:
         if self._released:
@@ -218,23 +236,41 @@ class LocalEngine:
         decoder = ContinuousDecoder(self._model, params=params, stop_ids=self._eos_ids | set(params.stop_token_ids),
                                     max_rows=self._max_batch_size, device=self._device)
         finished: list[FinishedRow] = []
-        while not self._abort.is_set():
+        running = self._running_versions  # (prompt, sample) -> versions its tokens came from so far
+        running.clear()
+        self._finished_versions.clear()
+
+        version = self.weight_version
+
+        def leave(f: FinishedRow) -> None:
+            key = (f.row.prompt_index, f.row.sample_index)
+            self._finished_versions[key] = running.pop(key, [version])
+            finished.append(f)
+            done(f)
+
+        while True:
+            if self.between_steps is not None:
+                self.between_steps()
+            if self._abort.is_set():
+                break
+            if self.weight_version != version:  # a swap between steps: rows in flight go on under it
+                version = self.weight_version
+                for versions in running.values():
+                    versions.append(version)
             joining = []
             for row in admit(decoder.num_free):
+                running[(row.prompt_index, row.sample_index)] = [version]
                 if row.limit > len(row.prefix):
                     joining.append(row)
                 else:  # the prompt (and any prefix) fills the context: nothing to generate
-                    finished.append(FinishedRow(row=row, output_ids=list(row.prefix),
-                                                logprobs=list(row.prefix_logprobs), finish_reason="length"))
-                    done(finished[-1])
+                    leave(FinishedRow(row=row, output_ids=list(row.prefix), logprobs=list(row.prefix_logprobs),
+                                      finish_reason="length"))
             if not joining and decoder.num_running == 0:
                 return finished
             for f in decoder.step(joining):
-                finished.append(f)
-                done(f)
+                leave(f)
         for f in decoder.abort():
-            finished.append(f)
-            done(f)
+            leave(f)
         return finished
 
     # ------------------------------------------------------------------ weights
@@ -264,8 +300,11 @@ class LocalEngine:
             target.copy_(tensor.to(device=target.device))
             self._received.add(name)
 
-    def finish_weight_update(self) -> None:
+    def finish_weight_update(self, version: int | None = None) -> None:
         """End a weight update; the first one must have covered every parameter.
+
+        Args:
+            version: the new weights' version (the trainer's step); None = the last one + 1.
 
         Raises:
             ValueError: on the first full sync, parameters that no bucket delivered.
@@ -280,6 +319,7 @@ class LocalEngine:
             )
         self._weights_ready = True
         self._received.clear()
+        self.weight_version = self.weight_version + 1 if version is None else version
 
     def _alias_received(self, name: str) -> bool:
         storage = self._tensors[name].data_ptr()
@@ -308,9 +348,6 @@ class LocalEngine:
         self._abort.set()
 
 
-def _result(f: FinishedRow) -> GenerationResult:
-    return GenerationResult(prompt_index=f.row.prompt_index, sample_index=f.row.sample_index,
-                            output_ids=f.output_ids, logprobs=f.logprobs, finish_reason=f.finish_reason)
 
 
 def _aborted(row: DecodeRow) -> GenerationResult:

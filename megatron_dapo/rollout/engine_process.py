@@ -1,0 +1,374 @@
+"""A local engine in its own process: the CPU form of `rollout.placement: disaggregated`.
+
+Colocated, the engine shares the actor's device and the two take turns. Disaggregated, the
+engine runs on devices of its own and keeps generating while the actor trains (the
+asynchronous loop of trainer.py, bounded by `trainer.max_staleness`). On CPU its "device"
+is a process with its own threads: `ProcessEngine` is the controller's client, `serve`
+runs in the child around a LocalEngine.
+
+The two talk over one duplex pipe. Calls (generate, stream, weight buckets, health) carry a
+request id and get one reply. A stream also runs the other way: the child asks the parent
+for the next prompt of the controller's PromptFeed and hands each finished group to the
+parent's callback, waiting for its acknowledgement before the next decode step, exactly
+where the in-process engine calls them; an abort sent from the callback arrives before that
+acknowledgement, so the stop point depends on token counts only, as in-process.
+
+Weights travel as one flat tensor per dtype per bucket (flat_bucket.py) in shared memory
+(torch's tensor pickling), and the child applies what arrives between two decode steps:
+generation pauses only for the copy, and the rows in flight go on under the new weights,
+each result listing the weight versions its tokens were sampled under (PipelineRL's
+in-flight update; the KV cache of earlier tokens is kept). The child exits when the pipe
+closes, so a controller killed with -9 leaves no engine behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing as mp
+import signal
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing  # registers shared-memory pickling of tensors
+
+from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams
+from megatron_dapo.rollout.flat_bucket import FlatBucket, flatten_by_dtype, unflatten
+from megatron_dapo.rollout.streaming import FeedItem, GroupCallback, PromptFeed
+
+__all__ = ["ProcessEngine", "serve"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """The parent's side of one stream call: the feed the child takes from, the group callback."""
+
+    feed: PromptFeed
+    on_group: GroupCallback
+    error: BaseException | None = None
+
+
+class ProcessEngine:
+    """A LocalEngine in a child process; implements RolloutEngine and StreamingEngine."""
+
+    reports_weight_versions = True
+    """finish_weight_update takes the new version (rollout/weight_sync.py)."""
+
+    def __init__(
+        self, model_path: str | Path, *, name: str = "local0", num_threads: int = 1, max_batch_size: int = 256,
+        start_timeout_s: float = 300.0, call_timeout_s: float = 3600.0,
+    ) -> None:
+        """Start the child and wait until its model is loaded.
+
+        Args:
+            model_path: HF directory the child loads (weights included).
+            name: engine name in messages and metrics.
+            num_threads: torch threads of the child (its share of the CPU cores).
+            max_batch_size: responses the child decodes together.
+            start_timeout_s: how long loading may take.
+            call_timeout_s: how long any call may take (a generation included).
+
+        Raises:
+            EngineError: the child failed to start or to load the model.
+        """
+        self.name = name
+        self._call_timeout_s = call_timeout_s
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._process = ctx.Process(target=serve, args=(child_conn, str(model_path), name, num_threads, max_batch_size),
+                                    name=f"megatron-dapo-engine-{name}", daemon=True)
+        self._process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._state = threading.Lock()
+        self._ids = itertools.count()
+        self._pending: dict[int, Future[Any]] = {}
+        self._streams: dict[int, _Stream] = {}
+        self._dead: str | None = None
+        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
+        self._reader.start()
+        self._call("health", timeout_s=start_timeout_s)
+
+    # ------------------------------------------------------------------ RolloutEngine
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int = 0
+    ) -> list[GenerationResult]:
+        """Sample ``params.n`` responses per prompt in the child (see RolloutEngine.generate)."""
+        return self._call("generate", [list(p) for p in prompts], params, index_offset=index_offset)
+
+    def stream(
+        self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
+    ) -> list[GenerationResult]:
+        """Stream groups for prompts taken from `feed` (see StreamingEngine.stream).
+
+        `on_group` runs on this client's reader thread; an error it raises aborts the child's
+        stream and is raised here once the child has stopped.
+        """
+        rid = next(self._ids)
+        session = _Stream(feed=feed, on_group=on_group)
+        with self._state:
+            self._streams[rid] = session
+        try:
+            incomplete = self._call("stream", params, max_inflight, rid=rid)
+        finally:
+            with self._state:
+                self._streams.pop(rid, None)
+        if session.error is not None:
+            raise session.error
+        return incomplete
+
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Send one bucket, one flat shared-memory tensor per dtype; the child loads it between steps."""
+        flats = flatten_by_dtype([(name, t.detach().to("cpu")) for name, t in bucket])
+        self._call("update_weights", flats)
+
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """End the update; from the next decode step the child samples under `version`."""
+        self._call("finish_weight_update", version=version)
+
+    def release_memory(self) -> None:
+        """Nothing to release: the child's memory is its own."""
+
+    def resume_memory(self) -> None:
+        """Nothing to take back (see release_memory)."""
+
+    def abort(self) -> None:
+        """Stop the child's running generation after its current decode step (no reply awaited)."""
+        if self._dead is None:
+            self._send(("abort",))
+
+    def health(self) -> bool:
+        """Whether the child is alive and answers."""
+        if self._dead is not None or not self._process.is_alive():
+            return False
+        try:
+            return bool(self._call("health", timeout_s=30.0))
+        except EngineError:
+            return False
+
+    def shutdown(self) -> None:
+        """Stop the child (it finishes its current decode step first)."""
+        if self._process.is_alive():
+            with contextlib.suppress(OSError, EngineError):
+                self._send(("shutdown",))
+            self._process.join(timeout=30)
+            if self._process.is_alive():
+                self._process.kill()
+                self._process.join(timeout=10)
+        self._conn.close()
+
+    # ------------------------------------------------------------------ the pipe
+
+    def _send(self, message: tuple[Any, ...]) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, ValueError) as err:  # ValueError: the pipe was closed
+            raise EngineError(f"engine {self.name}: {self._dead or f'cannot reach its process ({err})'}") from err
+
+    def _call(self, method: str, *args: Any, rid: int | None = None, timeout_s: float | None = None,
+              **kwargs: Any) -> Any:
+        rid = next(self._ids) if rid is None else rid
+        future: Future[Any] = Future()
+        with self._state:
+            if self._dead is not None:
+                raise EngineError(f"engine {self.name}: {self._dead}")
+            self._pending[rid] = future
+        self._send(("call", rid, method, args, kwargs))
+        try:
+            return future.result(timeout=self._call_timeout_s if timeout_s is None else timeout_s)
+        except FutureTimeout:
+            raise EngineError(f"engine {self.name}: {method} got no answer in "
+                              f"{self._call_timeout_s if timeout_s is None else timeout_s:.0f} s") from None
+        finally:
+            with self._state:
+                self._pending.pop(rid, None)
+
+    def _read(self) -> None:
+        """The reader thread: replies to calls, and the child's requests of a running stream."""
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._process.join(timeout=5)
+                self._fail_all(f"its process (pid {self._process.pid}) exited with code {self._process.exitcode}")
+                return
+            try:
+                self._dispatch(message)
+            except Exception as err:  # a broken pipe while answering: nothing more can arrive
+                self._fail_all(f"its client failed: {type(err).__name__}: {err}")
+                return
+
+    def _dispatch(self, message: tuple[Any, ...]) -> None:
+        kind, rid = message[0], message[1]
+        if kind in ("reply", "error"):
+            with self._state:
+                future = self._pending.get(rid)
+            if future is None:  # a call that timed out
+                return
+            if kind == "reply":
+                future.set_result(message[2])
+            else:
+                future.set_exception(EngineError(f"engine {self.name}: {message[2]}"))
+            return
+        with self._state:
+            session = self._streams[rid]
+        if kind == "take":
+            self._send(("fed", rid, self._take(session)))
+        elif kind == "group":
+            self._send(("ack", rid, self._hand_over(session, message[2])))
+
+    @staticmethod
+    def _take(session: _Stream) -> FeedItem | None:
+        if session.error is not None:
+            return None
+        return session.feed.take(block=False)
+
+    @staticmethod
+    def _hand_over(session: _Stream, group: list[GenerationResult]) -> bool:
+        """Give a finished group to the callback; True = the child must abort (the callback failed)."""
+        if session.error is not None:
+            return True
+        try:
+            session.on_group(group)
+        except BaseException as err:  # raised by stream() once the child stopped
+            session.error = err
+            session.feed.close()
+            return True
+        return False
+
+    def _fail_all(self, why: str) -> None:
+        with self._state:
+            self._dead = why
+            pending = list(self._pending.values())
+        for future in pending:
+            if not future.done():
+                future.set_exception(EngineError(f"engine {self.name}: {why}"))
+
+
+# ---------------------------------------------------------------------- the child
+
+
+class _Shutdown(Exception):
+    """The parent asked the child to stop (or went away)."""
+
+
+class _Server:
+    """The child's loop: one thread that decodes and, between decode steps, serves the pipe."""
+
+    def __init__(self, conn: Connection, engine: Any) -> None:
+        self.conn = conn
+        self.engine = engine
+        self.busy = False
+        engine.between_steps = self.poll
+
+    def run(self) -> None:
+        try:
+            while True:
+                self.handle(self.recv())
+        except _Shutdown:
+            return
+
+    def recv(self) -> tuple[Any, ...]:
+        try:
+            message = self.conn.recv()
+        except (EOFError, OSError):
+            raise _Shutdown from None
+        if message[0] == "shutdown":
+            raise _Shutdown
+        return message
+
+    def handle(self, message: tuple[Any, ...]) -> None:
+        if message[0] == "abort":
+            self.engine.abort()
+            return
+        _, rid, method, args, kwargs = message
+        try:
+            if method in ("generate", "stream") and self.busy:
+                raise RuntimeError(f"{method} while another generation runs; one at a time")
+            value = getattr(self, f"do_{method}")(rid, *args, **kwargs)
+        except _Shutdown:
+            raise
+        except Exception as err:
+            self.conn.send(("error", rid, f"{type(err).__name__}: {err}"))
+            return
+        self.conn.send(("reply", rid, value))
+
+    def poll(self) -> None:
+        """Between decode steps: serve what arrived (weight buckets, aborts, health)."""
+        while self.conn.poll():
+            self.handle(self.recv())
+
+    def wait_for(self, kind: str, rid: int) -> tuple[Any, ...]:
+        """The parent's answer to the child's request, serving other messages meanwhile."""
+        while True:
+            message = self.recv()
+            if message[0] == kind and message[1] == rid:
+                return message
+            self.handle(message)
+
+    def do_health(self, _rid: int) -> bool:
+        return self.engine.health()
+
+    def do_generate(self, _rid: int, prompts: list[list[int]], params: SamplingParams, *,
+                    index_offset: int) -> list[GenerationResult]:
+        self.busy = True
+        try:
+            return self.engine.generate(prompts, params, index_offset=index_offset)
+        finally:
+            self.busy = False
+
+    def do_stream(self, rid: int, params: SamplingParams, max_inflight: int) -> list[GenerationResult]:
+        server = self
+
+        class Feed:  # what LocalEngine.stream asks of a PromptFeed
+            @staticmethod
+            def take(*, block: bool = True) -> FeedItem | None:
+                server.conn.send(("take", rid))
+                return server.wait_for("fed", rid)[2]
+
+        def on_group(group: list[GenerationResult]) -> None:
+            self.conn.send(("group", rid, group))
+            if self.wait_for("ack", rid)[2]:
+                self.engine.abort()
+
+        self.busy = True
+        try:
+            return self.engine.stream(Feed(), params, on_group, max_inflight=max_inflight)  # type: ignore[arg-type]
+        finally:
+            self.busy = False
+
+    def do_update_weights(self, _rid: int, flats: list[FlatBucket]) -> None:
+        for flat in flats:
+            self.engine.update_weights(unflatten(flat))
+
+    def do_finish_weight_update(self, _rid: int, *, version: int | None) -> None:
+        self.engine.finish_weight_update(version=version)
+
+
+def serve(conn: Connection, model_path: str, name: str, num_threads: int, max_batch_size: int) -> None:
+    """The child process: load the model, then serve the pipe until it closes or shutdown comes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
+    torch.set_num_threads(num_threads)
+    from megatron_dapo.rollout.local_engine import LocalEngine
+
+    try:
+        engine = LocalEngine(model_path, name=name, max_batch_size=max_batch_size)
+    except Exception as err:
+        # Answer the parent's first call (its start-up health check) with the reason, then leave.
+        with contextlib.suppress(EOFError, OSError):
+            message = conn.recv()
+            conn.send(("error", message[1], f"loading {model_path} failed: {type(err).__name__}: {err}"))
+        return
+    _Server(conn, engine).run()
