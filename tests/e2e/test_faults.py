@@ -8,46 +8,24 @@ finished run's metrics.jsonl holds each step once (megatron_dapo/output_dir.py).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from trainer_utils import REPO, read_rows, run_processes, train_command, trainer_env, write_config
+from trainer_utils import (
+    REPO,
+    kill_main_when,
+    read_rows,
+    run_processes,
+    train_command,
+    trainer_env,
+    write_config,
+)
 
 pytestmark = pytest.mark.e2e
-
-
-def _kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
-                    timeout_s: float = 600) -> None:
-    """Start the run, SIGKILL its main process (only it, as the OOM killer does) once `ready()`."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    try:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before the kill point:\n" + \
-                log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-        tag = env["FAULT_TEST_TAG"]
-        deadline = time.monotonic() + 10
-        while run_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = run_processes(tag)
-        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
-    finally:
-        # A failing test must not leave its run behind: its own session holds only it.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_kill_9_before_and_during_the_first_save_then_rerun(tmp_path: Path) -> None:
@@ -61,10 +39,10 @@ def test_kill_9_before_and_during_the_first_save_then_rerun(tmp_path: Path) -> N
     def logged_step_1() -> bool:
         return metrics.is_file() and '"step": 1,' in metrics.read_text()
 
-    _kill_main_when(command, env, tmp_path / "a.log", logged_step_1)
+    kill_main_when(command, env, tmp_path / "a.log", logged_step_1)
     assert not (out / "checkpoints").exists() or not any((out / "checkpoints").glob("step_*"))
     # Before: the rerun appended to the crashed attempt's lines (0, 1, 0, 1, 2).
-    _kill_main_when(command, env, tmp_path / "b.log", lambda: (out / "checkpoints" / ".tmp-step_2").exists())
+    kill_main_when(command, env, tmp_path / "b.log", lambda: (out / "checkpoints" / ".tmp-step_2").exists())
     proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert [r["step"] for r in read_rows(out)] == [0, 1, 2]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -80,3 +84,30 @@ def run_processes(tag: str) -> list[int]:
             continue
         found.append(int(entry))
     return found
+
+
+def kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
+                    timeout_s: float = 600) -> None:
+    """Start the run, SIGKILL its main process (only it, as the OOM killer does) once `ready()`."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before the kill point:\n" + \
+                log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        tag = env["FAULT_TEST_TAG"]
+        deadline = time.monotonic() + 10
+        while run_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = run_processes(tag)
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+    finally:
+        # A failing test must not leave its run behind: its own session holds only it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
