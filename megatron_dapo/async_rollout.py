@@ -22,9 +22,10 @@ at any point, -9 included, resumes at step t+1 and regenerates that batch from t
 prompts under version t. Rollouts in flight or queued at the kill are lost work, never a
 lost or repeated step or prompt.
 
-Evaluation of version t (trainer.test_freq) runs on this thread too, before the batch of
-step t+2 (t+1 with max_staleness 0) starts, once version t has reached the engines, so the
-held-out numbers measure exactly the weights of step t, as in the synchronous loop.
+Evaluation of version t (trainer.test_freq) runs on this thread too, once version t has
+reached the engines and before the batch of step t+2 starts (t+1 with max_staleness 0);
+the trainer waits for the result before it moves the weights on, so the held-out numbers
+measure exactly the weights of step t, as in the synchronous loop.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class RolloutProducer:
         self.max_staleness = max_staleness
         self._first, self._last = first_step, last_step
         self._collect, self._snapshot, self._validate = collect, snapshot, validate
-        self._validate_versions = validate_versions if validate is not None else frozenset()
+        self._pending_validations = set(validate_versions) if validate is not None else set()
         self._changed = threading.Condition()
         self._version = start_version
         self._batches: dict[int, ProducedBatch] = {}
@@ -144,10 +145,14 @@ class RolloutProducer:
     def _run(self) -> None:
         try:
             for step in range(self._first, self._last + 1):
-                idle = self._validate_if_due(step - 1)
-                idle += self._wait_for_version(step - 1 - self.max_staleness)
-                if idle < 0:
+                # Evaluations first: the trainer waits for them before it moves the weights on.
+                # With a bound, the batch of step v+1 is generated before version v is
+                # evaluated, while the actor trains; without one, before the batch of v+1.
+                idle = self._validate_due(step - 1 - min(self.max_staleness, 1))
+                waited = self._wait_for_version(step - 1 - self.max_staleness)
+                if idle < 0 or waited < 0:
                     return
+                idle += waited
                 with self._changed:
                     self._started[step] = self._snapshot()
                     for passed in [s for s in self._started if s <= self._version]:  # trained already
@@ -159,25 +164,29 @@ class RolloutProducer:
                     self._batches[step] = ProducedBatch(step=step, groups=groups, metrics=metrics,
                                                         start_version=start_version)
                     self._changed.notify_all()
-            self._validate_if_due(self._last)
+            self._validate_due(self._last)
         except BaseException as err:
             with self._changed:
                 if not self._stopping:
                     self._error = err
                 self._changed.notify_all()
 
-    def _validate_if_due(self, version: int) -> float:
-        """Evaluate `version` once it reached the engines, if wanted; the seconds waited (-1 = stopping)."""
-        if version not in self._validate_versions:
-            return 0.0
-        waited = self._wait_for_version(version)
-        if waited < 0:
-            return waited
-        assert self._validate is not None
-        result = self._validate()
-        with self._changed:
-            self._validations[version] = result
-            self._changed.notify_all()
+    def _validate_due(self, up_to: int) -> float:
+        """Evaluate every wanted version <= `up_to` not evaluated yet, each once it reached the
+        engines (the trainer holds the weights there until it has the result); the seconds
+        waited (-1 = stopping)."""
+        waited = 0.0
+        for version in sorted(v for v in self._pending_validations if v <= up_to):
+            wait = self._wait_for_version(version)
+            if wait < 0:
+                return wait
+            waited += wait
+            assert self._validate is not None
+            result = self._validate()
+            with self._changed:
+                self._pending_validations.discard(version)
+                self._validations[version] = result
+                self._changed.notify_all()
         return waited
 
     def _wait_for_version(self, version: int) -> float:

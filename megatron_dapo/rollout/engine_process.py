@@ -14,8 +14,10 @@ where the in-process engine calls them; an abort sent from the callback arrives 
 acknowledgement, so the stop point depends on token counts only, as in-process.
 
 Weights travel as one flat tensor per dtype per bucket (flat_bucket.py) in shared memory
-(torch's tensor pickling), and the child applies what arrives between two decode steps:
-generation pauses only for the copy, and the rows in flight go on under the new weights,
+(torch's tensor pickling). The child holds the buckets of an update until its end and then
+copies them all in between two decode steps (one extra copy of the weights in memory, so
+no decode step runs on half-updated weights): generation pauses only for the copy, and
+the rows in flight go on under the new weights,
 each result listing the weight versions its tokens were sampled under (PipelineRL's
 in-flight update; the KV cache of earlier tokens is kept). The child exits when the pipe
 closes, so a controller killed with -9 leaves no engine behind.
@@ -271,6 +273,7 @@ class _Server:
         self.conn = conn
         self.engine = engine
         self.busy = False
+        self.staged: list[FlatBucket] = []
         engine.between_steps = self.poll
 
     def run(self) -> None:
@@ -350,10 +353,12 @@ class _Server:
             self.busy = False
 
     def do_update_weights(self, _rid: int, flats: list[FlatBucket]) -> None:
-        for flat in flats:
-            self.engine.update_weights(unflatten(flat))
+        self.staged.extend(flats)  # held until the update ends: a decode step never sees half of it
 
     def do_finish_weight_update(self, _rid: int, *, version: int | None) -> None:
+        staged, self.staged = self.staged, []
+        for flat in staged:
+            self.engine.update_weights(unflatten(flat))
         self.engine.finish_weight_update(version=version)
 
 
