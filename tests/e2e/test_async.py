@@ -34,12 +34,15 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.parametrize("max_staleness", [1, 2])
-def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, max_staleness):
+@pytest.mark.parametrize(("max_staleness", "nproc", "overrides"),
+                         [(1, 1, ()), (2, 1, ()), (1, 2, ("parallel.tensor_model_parallel_size=2",))],
+                         ids=["k1", "k2", "k1-tp2"])
+def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, max_staleness, nproc, overrides):
     out = tmp_path / "run"
     config = write_config(tmp_path / "tiny.yaml")
     proc = run_trainer(config, f"trainer.output_dir={out}", "trainer.total_training_steps=5", *ASYNC,
-                       f"trainer.max_staleness={max_staleness}", cache_dir=cache_dir)
+                       f"trainer.max_staleness={max_staleness}", "algorithm.rollout_correction.rollout_is=token",
+                       *overrides, cache_dir=cache_dir, nproc=nproc)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
