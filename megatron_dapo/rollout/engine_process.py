@@ -364,7 +364,10 @@ class _Server:
 
 def serve(conn: Connection, model_path: str, name: str, num_threads: int, max_batch_size: int) -> None:
     """The child process: load the model, then serve the pipe until it closes or shutdown comes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle; it stops us
+    # Ctrl-C, SLURM's pre-timeout USR1 and preemption's TERM reach the whole process group: they
+    # are the trainer's to handle (it saves, then stops us); we go when its pipe closes.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
     from megatron_dapo.rollout.local_engine import LocalEngine
 

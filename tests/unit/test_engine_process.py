@@ -142,3 +142,14 @@ def test_a_bad_checkpoint_fails_the_start_with_the_reason(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(EngineError, match=r"engine bad: loading .* failed"):
         ProcessEngine(tmp_path, name="bad", num_threads=1, start_timeout_s=120)
+
+
+def test_the_launchers_signals_are_left_to_the_trainer(tiny):
+    # SLURM's USR1 and preemption's TERM reach every process of the job; the trainer saves on
+    # them and still needs its engine for nothing but a clean stop, so the child must not die.
+    engine = ProcessEngine(tiny, name="sig", num_threads=1)
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
+        os.kill(engine._process.pid, sig)
+    assert engine.health() is True
+    engine.shutdown()
+    assert engine._process.exitcode == 0
