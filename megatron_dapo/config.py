@@ -366,21 +366,29 @@ class Config:
         """Where the importance ratio's old log-probs come from; trainer and planner both read this.
 
         "rollout": algorithm.rollout_correction.bypass_mode, the engine's own log-probs.
-        "recompute": a forward-only pass over the batch before the first update (step 5),
-        needed as soon as one RL step makes several optimizer steps (later mini-batches and
-        epochs see weights that already moved), and when a rollout correction (IS weights,
-        rejection) must weigh the batch before the update.
-        "current": exactly one update per RL step (ppo_mini_batch_size == train_batch_size,
-        ppo_epochs 1) and no correction. The weights of that update are the weights that
-        generated the batch, so the old log-probs are the detached log-probs of the update's
-        own forward pass (ratio exactly 1) and the extra pass would be pure cost.
+        "recompute": a forward-only pass over the whole batch before the first update (step
+        5), needed when a rollout correction (IS weights, rejection) must weigh the batch
+        before the update.
+        "current": no correction. The first mini-batch's update runs on the weights that are
+        the old policy, so its old log-probs are the detached log-probs of its own forward
+        (ratio exactly 1; later epochs reuse them); only the later mini-batches, trained
+        after the weights moved, get a forward-only pass before the first update
+        (`old_log_prob_pass_fraction`). With one update per step there is no extra pass.
         """
         rc = self.algorithm.rollout_correction
         if rc.bypass_mode:
             return "rollout"
-        one_update = self.trainer.ppo_mini_batch_size == self.data.train_batch_size and self.trainer.ppo_epochs == 1
         correcting = rc.rollout_is is not None or rc.rollout_rs is not None
-        return "current" if one_update and not correcting else "recompute"
+        return "recompute" if correcting else "current"
+
+    @property
+    def old_log_prob_pass_fraction(self) -> float:
+        """The share of the batch the forward-only old-log-prob pass covers (planner and docs)."""
+        source = self.old_log_probs_source
+        if source != "current":
+            return 1.0 if source == "recompute" else 0.0
+        mini_batches = self.data.train_batch_size // self.trainer.ppo_mini_batch_size
+        return (mini_batches - 1) / mini_batches
 
     def _model_shape(self) -> tuple[int, int, int, str]:
         """(num_attention_heads, num_key_value_heads, num_layers, where) of the configured model."""

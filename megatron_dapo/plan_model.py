@@ -447,11 +447,11 @@ def _timing(cfg: Config, plan: Plan) -> list[Line]:
                               f"({'HBM' if mem_s >= compute_s else 'compute'} bound) + prefill {prefill_s:.0f} s"))
 
     train_tokens = d.train_batch_size * r.n * seq
-    # The same decision the trainer takes: one update per step reuses its own forward.
-    fwd_passes = (1 if cfg.old_log_probs_source == "recompute" else 0) + (1 if cfg.algorithm.use_kl_loss else 0)
+    # The same decision the trainer takes: the first mini-batch reuses its own forward.
+    fwd_passes = cfg.old_log_prob_pass_fraction + (1 if cfg.algorithm.use_kl_loss else 0)
     logprob_s = fwd_passes * 2 * n_params * train_tokens / flops_per_s
     lines.append(Line(label="old/ref log-probs", value=logprob_s, unit="s",
-                      formula=f"{fwd_passes} x 2 x N x {train_tokens:,} tokens / (GPUs x peak x MFU)"))
+                      formula=f"{fwd_passes:g} x 2 x N x {train_tokens:,} tokens / (GPUs x peak x MFU)"))
 
     mb_per_rank = max(1, math.ceil(t.ppo_mini_batch_size * r.n * seq / plan.dp / plan.microbatch_tokens))
     bubble = (plan.pp - 1) / (mb_per_rank + plan.pp - 1)

@@ -2,9 +2,10 @@
 
     1-4. controller: generate, score, filter until the batch is full, advantages
     4.   the batch is split over data-parallel ranks by token count
-    5.   all ranks: old log-probs with Megatron (forward only), unless the RL step makes
-         a single update: then its own forward pass supplies them (Config.old_log_probs_source);
-         with the KL loss, the frozen reference's log-probs too
+    5.   all ranks: old log-probs with Megatron (forward only) for every mini-batch but the
+         first, whose own training forward supplies them (Config.old_log_probs_source);
+         for all of them when a rollout correction must weigh the batch first; with the KL
+         loss, the frozen reference's log-probs too
     6.   all ranks: one optimizer step per mini-batch, global token-mean loss
     7.   all ranks: weights Megatron -> rollout engines
     8.   controller: metrics; everyone: evaluation and checkpoints
@@ -195,11 +196,16 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
         for shard in shards:
             shard.batch.old_log_probs = shard.rollout_log_probs
     old_from_forward = source == "current"
+    if old_from_forward and len(shards) > 1:
+        # The first mini-batch is trained on the weights that are the old policy, so its own
+        # forward supplies its old log-probs; the later ones need theirs before that update.
+        with timer("old_log_prob"):
+            compute_old_log_probs(run, shards[1:])
     fault_point("update", run.dims.rank)
     with timer("update_actor"):
-        actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward)
-                         for _ in range(cfg.trainer.ppo_epochs) for shard in shards]
-    if old_from_forward:  # the update filled old_log_probs from its own forward
+        actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward and epoch == i == 0)
+                         for epoch in range(cfg.trainer.ppo_epochs) for i, shard in enumerate(shards)]
+    if old_from_forward:  # every mini-batch has its old log-probs now (the first from its forward)
         drift = rollout_mismatch(run, shards, correct=False)
     with timer("sync"):
         run.resume_rollout_memory()

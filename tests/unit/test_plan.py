@@ -103,7 +103,8 @@ def test_step_time_uses_6n_train_2n_logprob_flops() -> None:
     timing = {line.label: line.value for line in plan.timing}
     tokens = 512 * 16 * (2048 // 8 + 20480 // 4)  # default mean prompt and response lengths
     flops_per_s = 128 * 989e12 * 0.35
-    assert timing["old/ref log-probs"] == pytest.approx(2 * 32_763_876_352 * tokens / flops_per_s)
+    # 16 mini-batches per step: the first one's forward supplies its own old log-probs.
+    assert timing["old/ref log-probs"] == pytest.approx(15 / 16 * 2 * 32_763_876_352 * tokens / flops_per_s)
     # Recompute adds a forward (8N); 14 micro-batches per update at PP 2: bubble 1/15.
     assert timing["training"] == pytest.approx(8 * 32_763_876_352 * tokens / flops_per_s / (1 - 1 / 15))
     assert timing["step (sum)"] == pytest.approx(sum(v for k, v in timing.items() if k != "step (sum)"))
@@ -345,10 +346,16 @@ def test_activations_follow_sequence_and_context_parallel_settings() -> None:
     assert format_plan(cp2) != format_plan(on)
 
 
-def test_step_time_has_no_old_log_prob_pass_with_one_update_per_step() -> None:
-    # The trainer's own rule (Config.old_log_probs_source): one update reuses its forward.
-    one = {line.label: line.value for line in _plan(["trainer.ppo_mini_batch_size=512"]).timing}
-    assert one["old/ref log-probs"] == 0.0
-    two_epochs = _plan(["trainer.ppo_mini_batch_size=512", "trainer.ppo_epochs=2"])
-    assert {line.label: line.value for line in two_epochs.timing}["old/ref log-probs"] > 0
+def test_step_time_has_no_old_log_prob_pass_for_the_first_mini_batch() -> None:
+    # The trainer's own rule (Config.old_log_probs_source): the first update reuses its forward.
+    def pass_s(*overrides: str) -> float:
+        return {line.label: line.value for line in _plan(list(overrides)).timing}["old/ref log-probs"]
+
+    assert pass_s("trainer.ppo_mini_batch_size=512") == 0.0
+    assert pass_s("trainer.ppo_mini_batch_size=512", "trainer.ppo_epochs=2") == 0.0  # epoch 2 reuses epoch 1's
+    half = pass_s("trainer.ppo_mini_batch_size=256")
+    assert half > 0
+    assert pass_s("trainer.ppo_mini_batch_size=128") == pytest.approx(half * 3 / 2)
+    assert pass_s("trainer.ppo_mini_batch_size=256", "algorithm.rollout_correction.rollout_is=token") == \
+        pytest.approx(half * 2)
 
