@@ -12,8 +12,9 @@ them alike:
     disagg-k0  the engine in its own process, max_staleness 0: still synchronous, the
                process boundary and the weight transfer are the only difference
     async-k1   the engine in its own process, max_staleness 1: the batch of step t+1 is
-               generated while the actor trains step t
-    async-k2   max_staleness 2
+               generated while the actor trains step t; token TIS on, as recommended
+               (it needs the full old-log-prob pass that the synchronous run halves)
+    async-k2   max_staleness 2, token TIS
 
 Prints per variant the median step time (timing_s/step over the steps after the first),
 the actor's and the engine's median idle time per step, the median weight-transfer time
@@ -34,11 +35,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+TIS = ["algorithm.rollout_correction.rollout_is=token"]
+"""The correction the asynchronous loop needs (DESIGN.md); it brings back the full old-log-prob pass."""
+
 VARIANTS: dict[str, list[str]] = {
     "sync": [],
     "disagg-k0": ["rollout.placement=disaggregated", "trainer.max_staleness=0"],
-    "async-k1": ["rollout.placement=disaggregated", "trainer.max_staleness=1"],
-    "async-k2": ["rollout.placement=disaggregated", "trainer.max_staleness=2"],
+    "async-k1": ["rollout.placement=disaggregated", "trainer.max_staleness=1", *TIS],
+    "async-k2": ["rollout.placement=disaggregated", "trainer.max_staleness=2", *TIS],
 }
 
 
