@@ -66,17 +66,21 @@ OVERRIDES = [
 
 def prepare(cache_dir: Path, ours_python: str, ours_path: Path, workdir: Path) -> dict[str, Any]:
     """Model, tokenizer and prompts both sides use; trains the cached SFT warm start if missing."""
+    from types import SimpleNamespace
+
     from megatron_dapo.config_loader import load_config
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.data.tokenizer import load_tokenizer
-    from megatron_dapo.embedded import scratch_checkpoint, task_for
+    from megatron_dapo.embedded import task_for
+    from megatron_dapo.run import prepare_sources
     from megatron_dapo.warm_start import sft_cache_dir
 
     cfg = load_config(str(CONFIG), OVERRIDES)
     task = task_for(cfg.data.embedded, cache_dir)
     tokenizer = load_tokenizer(task.tokenizer_path)
-    scratch = scratch_checkpoint(cfg.model.scratch, tokenizer.vocab_size, cfg.trainer.seed, cache_dir)
-    sft_dir = sft_cache_dir(cfg, scratch, str(task.sft_path), cache_dir)
+    sources = prepare_sources(cfg, cache_dir)  # the trainer's own paths, so the cache keys match
+    single_process = SimpleNamespace(tp=1, pp=1, dp=1)  # the layout our side trains the warm start at
+    sft_dir = sft_cache_dir(cfg, Path(sources["hf_dir"]), sources, single_process, cache_dir)
     if not (sft_dir / "config.json").is_file():
         print(f"training the SFT warm start into {sft_dir} (once)", flush=True)
         run_ours(ours_python, ours_path, cache_dir, workdir / "prep", steps=1, threads=2)

@@ -211,7 +211,7 @@ def build_run(cfg: Config, config_source: str) -> Run:
         # Leftovers of a crashed save go first: after a full disk nothing else could write.
         prepare_output_dir(output_dir, cfg.trainer.resume)
         (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-        return _prepare_sources(cfg, cache_dir)
+        return prepare_sources(cfg, cache_dir)
 
     sources = _on_controller(prepare)
     hf_dir = Path(sources["hf_dir"])
@@ -307,7 +307,7 @@ def _with_tokenizer(hf_dir: Path, spm_model: Path) -> None:
     os.replace(tmp, target)
 
 
-def _prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
+def prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
     """Controller: make the embedded task and scratch checkpoint if needed; return paths."""
     if cfg.model.hf_checkpoint is not None:
         # Here, once, rather than as a traceback on every rank while the actor loads.
