@@ -20,6 +20,7 @@ Equivalent: the weights (the SFT-warm-started scratch model of examples/tiny_cpu
 read from its HF export in the cache), the tokenizer (our sentencepiece model behind an HF
 tokenizer class; the benchmark checks that both give the same prompt ids), the prompt
 set, the reward (megatron_dapo.rewards.math_dapo.compute_score, no overlong shaping), the
+micro-batching (one forward/backward of an optimizer step's 64 responses on each side), the
 loss (TRL's "bnpo" is the token-mean over one optimizer step's tokens when
 gradient_accumulation_steps=1; its "dapo" divides by half the generation batch's tokens
 instead), AdamW (lr 3e-4 after 4 warm-up steps, weight decay 0.1, clip 1.0), fp32, the
@@ -58,6 +59,9 @@ OVERRIDES = [
     "algorithm.filter_groups.enable=false", "data.gen_batch_size=16", "data.train_batch_size=16",
     "trainer.ppo_mini_batch_size=8", "reward.overlong_buffer.enable=false", "trainer.test_freq=0",
     "trainer.val_before_train=false", "trainer.save_interval=0",
+    # One forward/backward of the 64 responses per optimizer step, as TRL's
+    # per_device_train_batch_size=64 does (the tiny run's 4096-token budget makes two).
+    "trainer.max_tokens_per_microbatch=8192",
 ]
 
 
