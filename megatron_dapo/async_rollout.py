@@ -140,6 +140,9 @@ class RolloutProducer:
     def join(self, timeout_s: float | None = None) -> None:
         self._thread.join(timeout_s)
 
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
     # ------------------------------------------------------------------ the producer's thread
 
     def _run(self) -> None:
@@ -199,8 +202,9 @@ class RolloutProducer:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise RuntimeError(f"the rollout thread failed: {type(self._error).__name__}: {self._error}") \
-                from self._error
+            # The error itself (train.py maps DynamicSamplingError, EngineError, ... to exit codes).
+            self._error.add_note("(raised on the rollout thread, collecting ahead of the trainer)")
+            raise self._error
         if not self._thread.is_alive() and not self._stopping:
             raise RuntimeError("the rollout thread ended without producing the batch asked for")
 

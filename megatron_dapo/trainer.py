@@ -17,6 +17,7 @@ Setup (what exists before step 1) lives in run.py; this module is the loop.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -85,9 +86,7 @@ def fit(run: Run) -> dict[str, float]:
         return _train(run, producer, preemption, timer)
     finally:
         if producer is not None:
-            producer.stop()
-            run.rollout.abort()  # a collection running ahead ends at its next decode step
-            producer.join(timeout_s=60)
+            stop_producer(run, producer)
 
 
 def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFlag, timer: Timer) -> dict[str, float]:
@@ -113,7 +112,6 @@ def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFla
                     run.sampler, step, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
                     settings=run.collect_settings, state=run.collect_state)
             metrics.update(collect_metrics)
-            metrics.update(staleness_metrics(groups, step, 0))
         if dims.is_controller:
             metrics.update(run.rollout_throughput())
         shards, update_metrics = update_policy(run, groups, timer, version=step)
@@ -139,6 +137,22 @@ def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFla
             run.mark_preempted(step)
             break
     return last
+
+
+def stop_producer(run: Run, producer: RolloutProducer, timeout_s: float = 60.0) -> None:
+    """End the rollout thread: it stops at its next check, and its engine call is aborted.
+
+    An engine clears its abort flag when a call starts, so one abort sent between two calls
+    (rounds, an evaluation) would be lost: abort again until the thread is gone.
+    """
+    producer.stop()
+    deadline = time.monotonic() + timeout_s
+    while producer.is_alive() and time.monotonic() < deadline:
+        with contextlib.suppress(Exception):  # an engine that died cannot abort; the error that
+            run.rollout.abort()               # ended the run is the one to report
+        producer.join(timeout_s=0.5)
+    if producer.is_alive():
+        logger.warning("the rollout thread did not stop within %.0f s; exiting without it", timeout_s)
 
 
 def start_producer(run: Run) -> RolloutProducer:

@@ -123,6 +123,10 @@ class ProcessEngine:
             self._streams[rid] = session
         try:
             incomplete = self._call("stream", params, max_inflight, rid=rid)
+        except EngineError as err:
+            if session.error is not None:  # the callback's failure came first
+                raise session.error from err
+            raise
         finally:
             with self._state:
                 self._streams.pop(rid, None)
@@ -225,7 +229,10 @@ class ProcessEngine:
                 future.set_exception(EngineError(f"engine {self.name}: {message[2]}"))
             return
         with self._state:
-            session = self._streams[rid]
+            session = self._streams.get(rid)
+        if session is None:  # a stream this side gave up on (its call timed out): stop the child's
+            self._send(("fed", rid, None) if kind == "take" else ("ack", rid, True))
+            return
         if kind == "take":
             self._send(("fed", rid, self._take(session)))
         elif kind == "group":
@@ -235,7 +242,11 @@ class ProcessEngine:
     def _take(session: _Stream) -> FeedItem | None:
         if session.error is not None:
             return None
-        return session.feed.take(block=False)
+        try:
+            return session.feed.take(block=False)
+        except BaseException as err:  # e.g. the sampler failed: raised by stream() once the child stopped
+            session.error = err
+            return None
 
     @staticmethod
     def _hand_over(session: _Stream, group: list[GenerationResult]) -> bool:

@@ -140,9 +140,9 @@ class LocalEngine:
                         for row in self._rows(index_offset + i, prompt, params, base_seed))
         finished = self._decode(params, lambda free: [pending.popleft() for _ in range(min(free, len(pending)))],
                                 lambda row: None)
-        finished.extend(_aborted(row) for row in pending)  # abort() came before these joined
-        by_row = {(f.row.prompt_index, f.row.sample_index): f for f in finished}
-        return [self._result(by_row[(index_offset + i, j)]) for i in range(len(prompts)) for j in range(params.n)]
+        by_row = {(f.row.prompt_index, f.row.sample_index): self._result(f) for f in finished}
+        by_row.update(((r.prompt_index, r.sample_index), _aborted(r)) for r in pending)  # abort() came first
+        return [by_row[(index_offset + i, j)] for i in range(len(prompts)) for j in range(params.n)]
 
     @torch.no_grad()
     def stream(
@@ -253,12 +253,13 @@ class LocalEngine:
                 self.between_steps()
             if self._abort.is_set():
                 break
+            admitted = admit(decoder.num_free)  # an engine process serves its pipe here too
             if self.weight_version != version:  # a swap between steps: rows in flight go on under it
                 version = self.weight_version
                 for versions in running.values():
                     versions.append(version)
             joining = []
-            for row in admit(decoder.num_free):
+            for row in admitted:
                 running[(row.prompt_index, row.sample_index)] = [version]
                 if row.limit > len(row.prefix):
                     joining.append(row)

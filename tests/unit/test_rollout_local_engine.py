@@ -185,3 +185,35 @@ def test_finished_rows_leave_the_batch_without_changing_any_response(tiny):
         # fp32 matmuls of other batch shapes round differently, far below a sampling decision.
         for a, b in zip(alone, mates):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def test_abort_before_rows_join_returns_every_response_aborted(tiny):
+    # More rows than the batch holds: an abort before the first step leaves all of them pending.
+    path, _ = tiny
+    engine = LocalEngine(path, max_batch_size=2)
+    engine.between_steps = engine.abort
+    results = engine.generate([[1, 2], [3], [4, 5, 6]], SamplingParams(n=2, max_new_tokens=4, seed=0))
+    assert [(r.prompt_index, r.sample_index, r.finish_reason, r.output_ids) for r in results] == [
+        (i, j, "abort", []) for i in range(3) for j in range(2)]
+
+
+def test_a_weight_swap_while_rows_are_admitted_tags_them_with_the_new_version(tiny):
+    # An engine process serves its pipe inside admit (the feed's take): a swap that lands there
+    # must not tag the joining rows with the version before it.
+    from megatron_dapo.rollout.streaming import FeedItem
+
+    path, _ = tiny
+    engine = LocalEngine(path, max_batch_size=8)
+
+    class SwappingFeed:
+        def __init__(self):
+            self.items = [FeedItem(index=i, prompt=[1 + i, 2]) for i in range(2)]
+
+        def take(self, *, block=True):
+            if len(self.items) == 1:  # between the two prompts, as the pipe could deliver it
+                engine.finish_weight_update(version=9)
+            return self.items.pop(0) if self.items else None
+
+    groups = []
+    engine.stream(SwappingFeed(), SamplingParams(n=2, max_new_tokens=3, seed=0), groups.append, max_inflight=2)
+    assert {r.weight_versions for g in groups for r in g} == {(9,)}
