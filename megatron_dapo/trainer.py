@@ -108,9 +108,7 @@ def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFla
             metrics.update(staleness_metrics(groups, step, cfg.trainer.max_staleness))
         elif dims.is_controller:
             with timer("collect"):  # steps 1-4; split into timing_s/gen and timing_s/reward below
-                groups, collect_metrics = collect_batch(
-                    run.sampler, step, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
-                    settings=run.collect_settings, state=run.collect_state)
+                groups, collect_metrics = collect(run, step)
             metrics.update(collect_metrics)
         if dims.is_controller:
             metrics.update(run.rollout_throughput())
@@ -137,6 +135,12 @@ def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFla
             run.mark_preempted(step)
             break
     return last
+
+
+def collect(run: Run, step: int) -> tuple[list[Group], dict[str, float]]:
+    """Steps 1-4 on the controller: the step's training batch and its metrics."""
+    return collect_batch(run.sampler, step, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
+                         settings=run.collect_settings, state=run.collect_state)
 
 
 def stop_producer(run: Run, producer: RolloutProducer, timeout_s: float = 60.0) -> None:
@@ -167,16 +171,14 @@ def start_producer(run: Run) -> RolloutProducer:
     if run.start_step == 0 and t.val_before_train and t.test_freq > 0:
         versions.add(0)
 
-    def collect(step: int) -> tuple[list[Group], dict[str, float]]:
+    def timed_collect(step: int) -> tuple[list[Group], dict[str, float]]:
         started = time.perf_counter()
-        groups, metrics = collect_batch(run.sampler, step, rollout=run.rollout, rewards=run.rewards,
-                                        tokenizer=run.tokenizer, settings=run.collect_settings,
-                                        state=run.collect_state)
+        groups, metrics = collect(run, step)
         metrics["timing_s/collect"] = time.perf_counter() - started
         return groups, metrics
 
     return RolloutProducer(first_step=run.start_step + 1, last_step=t.total_training_steps,
-                           max_staleness=t.max_staleness, start_version=run.start_step, collect=collect,
+                           max_staleness=t.max_staleness, start_version=run.start_step, collect=timed_collect,
                            snapshot=run.data_position, validate=lambda: validate(run),
                            validate_versions=frozenset(versions)).start()
 

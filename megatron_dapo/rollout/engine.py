@@ -135,8 +135,13 @@ class RolloutEngine(Protocol):
         """Load one bucket of full (unsharded) tensors named as in the HF checkpoint."""
         ...
 
-    def finish_weight_update(self) -> None:
-        """Called once after the last bucket: caches built on old weights are dropped."""
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """Called once after the last bucket: caches built on old weights are dropped.
+
+        Args:
+            version: the new weights' version (the trainer step that made them). Engines that
+                tag results with `weight_versions` use it; the servers ignore it for now.
+        """
         ...
 
     def release_memory(self) -> None:

@@ -63,9 +63,6 @@ class _Stream:
 class ProcessEngine:
     """A LocalEngine in a child process; implements RolloutEngine and StreamingEngine."""
 
-    reports_weight_versions = True
-    """finish_weight_update takes the new version (rollout/weight_sync.py)."""
-
     def __init__(
         self, model_path: str | Path, *, name: str = "local0", num_threads: int = 1, max_batch_size: int = 256,
         start_timeout_s: float = 300.0, call_timeout_s: float = 3600.0,

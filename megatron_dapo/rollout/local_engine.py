@@ -105,11 +105,8 @@ class LocalEngine:
         """Called before every decode step: an engine process applies weight updates and aborts
         that arrived meanwhile here (rollout/engine_process.py), so a swap pauses decoding only
         for the copy, and rows in flight go on under the new weights."""
-        self._running_versions: dict[tuple[int, int], list[int]] = {}
         self._finished_versions: dict[tuple[int, int], list[int]] = {}
-
-    reports_weight_versions = True
-    """finish_weight_update takes the new version (rollout/weight_sync.py)."""
+        """(prompt, sample) -> weight versions of a row that left the batch, until its result is made."""
 
     @property
     def model(self) -> PreTrainedModel:
@@ -236,8 +233,7 @@ class LocalEngine:
         decoder = ContinuousDecoder(self._model, params=params, stop_ids=self._eos_ids | set(params.stop_token_ids),
                                     max_rows=self._max_batch_size, device=self._device)
         finished: list[FinishedRow] = []
-        running = self._running_versions  # (prompt, sample) -> versions its tokens came from so far
-        running.clear()
+        running: dict[tuple[int, int], list[int]] = {}  # (prompt, sample) -> versions of its tokens so far
         self._finished_versions.clear()
 
         version = self.weight_version
@@ -347,8 +343,6 @@ class LocalEngine:
     def shutdown(self) -> None:
         """Nothing to stop: the model is freed with the engine object."""
         self._abort.set()
-
-
 
 
 def _aborted(row: DecodeRow) -> GenerationResult:

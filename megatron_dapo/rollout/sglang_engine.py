@@ -401,8 +401,11 @@ class SGLangEngine:
         if errors:
             raise errors[0]
 
-    def finish_weight_update(self) -> None:
-        """Close the weight-update session, then flush the radix cache built on the old weights."""
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """Close the weight-update session, then flush the radix cache built on the old weights.
+
+        `version` is not sent yet (colocated engines never run ahead of the trainer).
+        """
         if self._session_open:
             self._session_open = False
             self._request("POST", "/end_weight_update", {}, timeout_s=self._control_timeout_s)

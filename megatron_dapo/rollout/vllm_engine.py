@@ -340,8 +340,11 @@ class VLLMEngine:
         finally:
             path.unlink(missing_ok=True)
 
-    def finish_weight_update(self) -> None:
-        """End vLLM's weight update and drop the prefix cache computed with the old weights."""
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """End vLLM's weight update and drop the prefix cache computed with the old weights.
+
+        `version` is not sent (the vLLM engine is synchronous: it never runs ahead of the trainer).
+        """
         if self._updating:
             self._updating = False
             self._post("/finish_weight_update")

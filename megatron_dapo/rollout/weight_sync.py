@@ -107,7 +107,7 @@ def sync_weights(
         is_controller: True on global rank 0, the only rank that sends.
         bucket_bytes: budget per bucket in bytes (default 512 MiB).
         version: the weights' version (the trainer step that made them), for engines that tag
-            their results with it (`reports_weight_versions`).
+            their results with it.
 
     Returns:
         Bytes, tensors and buckets sent per engine, seconds, and the bucketer's peak bytes.
@@ -131,10 +131,7 @@ def sync_weights(
             num_buckets += 1
             num_tensors += len(bucket)
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-        finishes = [pool.submit(engine.finish_weight_update, version=version)
-                    if getattr(engine, "reports_weight_versions", False) else pool.submit(engine.finish_weight_update)
-                    for engine in engines]
-        for future in finishes:
+        for future in [pool.submit(engine.finish_weight_update, version=version) for engine in engines]:
             future.result()
     return WeightSyncStats(
         num_bytes=num_bytes,

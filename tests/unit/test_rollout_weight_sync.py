@@ -27,7 +27,7 @@ class RecordingEngine:
     def update_weights(self, bucket):
         self.buckets.append([n for n, _ in bucket])
 
-    def finish_weight_update(self):
+    def finish_weight_update(self, version=None):
         self.finished += 1
 
 
