@@ -264,8 +264,11 @@ def build_run(cfg: Config, config_source: str) -> Run:
 
 
 def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parallel.ParallelDims,
-                optim: OptimConfig | None = None) -> MegatronActor:
-    """The Megatron actor of this rank, loaded from an HF checkpoint, with the run's optimizer."""
+                optim: OptimConfig | None = None, *, shared_prompts: bool | None = None) -> MegatronActor:
+    """The Megatron actor of this rank, loaded from an HF checkpoint, with the run's optimizer.
+
+    shared_prompts: None = trainer.shared_prompts.
+    """
     dtype = torch.float32
     if cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and dims.device.type == "cuda"):
         dtype = torch.bfloat16
@@ -278,7 +281,8 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
         recompute="full" if cfg.model.recompute_activations else "none",
         max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
         logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,
-        cp_comm_type=cfg.parallel.cp_comm_type)
+        cp_comm_type=cfg.parallel.cp_comm_type,
+        shared_prompts=cfg.trainer.shared_prompts if shared_prompts is None else shared_prompts)
 
 
 def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],
@@ -291,7 +295,8 @@ def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: d
     s = cfg.model.sft_warm_start
     sft_optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=cfg.optim.clip_grad,
                             lr_warmup_steps=min(10, s.num_steps))
-    actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim)
+    # SFT rows are distinct prompts, nothing to share; padded rows keep cached warm starts valid.
+    actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim, shared_prompts=False)
     warm_start(cfg, actor, control, adapter, init_dir, sources, out)
     return out
 

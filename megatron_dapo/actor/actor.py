@@ -57,9 +57,11 @@ from megatron_dapo.actor.logprobs import (
     triton_log_probs_fn,
 )
 from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_microbatch, pack_microbatches
+from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups
 from megatron_dapo.algo import LOSS_AGG_MODES, agg_loss, compute_policy_loss, kl_penalty
 from megatron_dapo.config import AlgorithmConfig, OptimConfig
 from megatron_dapo.models import ModelAdapter, te_available
+from megatron_dapo.models.shared_prompts import token_positions
 from megatron_dapo.parallel import ParallelDims
 
 __all__ = ["LossSettings", "MegatronActor", "WarmupConstantLR", "make_optimizer_config"]
@@ -183,6 +185,9 @@ class MegatronActor:
         logprob_chunk_size: tokens per chunk of the log-prob/entropy computation.
         packed: thd-packed micro-batches without padding (needs TE attention on CUDA);
             None = packed exactly when TE is usable.
+        shared_prompts: where micro-batches are not TE-packed and CP is 1 (the local
+            attention spec), use the shared-prompt layout (actor/shared_layout.py): each
+            prompt goes through the model once per micro-batch for all its responses.
         overlap_grad_reduce: reduce-scatter each gradient bucket while the backward of the
             last micro-batch goes on; None = on CUDA with DP > 1 (gloo on CPU gains nothing).
         sequence_parallel: Megatron sequence parallelism (dims.tp > 1); micro-batches are
@@ -202,6 +207,7 @@ class MegatronActor:
         max_tokens_per_microbatch: int = 16384,
         logprob_chunk_size: int = 1024,
         packed: bool | None = None,
+        shared_prompts: bool = True,
         overlap_grad_reduce: bool | None = None,
         sequence_parallel: bool = False,
         cp_comm_type: str = "p2p",
@@ -227,6 +233,8 @@ class MegatronActor:
         self.adapter = adapter
         self.dims = dims
         self.packed = packed
+        # The shared-prompt layout's attention is the local spec's (models/shared_prompts.py).
+        self.shared_prompts = shared_prompts and not packed and not use_te and dims.cp == 1
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_size = logprob_chunk_size
         self.vocab_size = adapter.hf.vocab_size
@@ -272,13 +280,16 @@ class MegatronActor:
     def _microbatches(self, batch: RolloutBatch) -> list[MicroBatch]:
         """Token-budget micro-batches, as many on this rank as on the busiest DP rank."""
         lengths = batch.seq_lens.tolist()
-        local = pack_microbatches(lengths, self.max_tokens_per_microbatch, padded=not self.packed)
+        shared = self.shared_prompts
+        layout = {"padded": not (self.packed or shared), "prompts": prompt_groups(batch) if shared else None}
+        local = pack_microbatches(lengths, self.max_tokens_per_microbatch, **layout)
         count = torch.tensor([len(local)], device=self.dims.device)
         if self.dims.dp > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
-        plan = pack_microbatches(lengths, self.max_tokens_per_microbatch, padded=not self.packed,
-                                 num_microbatches=int(count))
+        plan = pack_microbatches(lengths, self.max_tokens_per_microbatch, num_microbatches=int(count), **layout)
         on_device = _to_device(batch, self.dims.device)
+        if shared:
+            return [build_shared_microbatch(on_device, idx, pad_to_multiple=self.seq_multiple) for idx in plan]
         return [build_microbatch(on_device, idx, packed=self.packed, pad_to_multiple=self.seq_multiple)
                 for idx in plan]
 
@@ -295,7 +306,8 @@ class MegatronActor:
             if self.dims.cp > 1:  # this rank's load-balanced chunks; RoPE slices the same ones
                 held = cp_positions(input_ids.shape[1], self.dims.cp, self.dims.cp_rank)
                 input_ids, position_ids = split_sequence(input_ids, held), split_sequence(position_ids, held)
-            output = model(input_ids, position_ids, None, packed_seq_params=mb.packed_seq_params())
+            with token_positions(model, position_ids[0] if mb.shared is not None else None):
+                output = model(input_ids, position_ids, None, packed_seq_params=mb.packed_seq_params())
             return output, partial(loss_func, mb)
 
         first = microbatches[0].input_ids
@@ -321,6 +333,14 @@ class MegatronActor:
             targets = split_sequence(targets, cp_positions(targets.shape[1], cp, self.dims.cp_rank))
         local_shape = targets.shape
         targets = targets.reshape(-1)
+        if mb.source_index is not None:  # shared prompts: gather each row position's model output
+            wanted = (mb.loss_mask if response_only else mb.valid).reshape(-1)
+            keep = torch.nonzero(wanted).squeeze(-1)
+            source = mb.source_index.reshape(-1).index_select(0, keep)
+            log_prob, entropy = self._stats(logits.index_select(0, source), targets[keep], temperature, entropy_grad)
+            rows = targets.numel()
+            return (log_prob.new_zeros(rows).index_copy(0, keep, log_prob).view(local_shape),
+                    entropy.new_zeros(rows).index_copy(0, keep, entropy).view(local_shape))
         if mb.flat_index is not None:
             targets = targets[mb.flat_index]
             logits = logits[: targets.numel()]  # the packed padding after the real tokens predicts nothing

@@ -48,6 +48,8 @@ import torch
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    from megatron_dapo.models.shared_prompts import SharedPromptParams
+
 __all__ = [
     "MicroBatch",
     "RolloutBatch",
@@ -135,12 +137,21 @@ def balance_across_dp(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
     return [sorted(s) for s in shards]
 
 
-def _cost(lengths: Sequence[int], members: list[int], padded: bool) -> int:
+def _cost(lengths: Sequence[int], members: list[int], padded: bool,
+          prompts: Sequence[tuple[int, int]] | None = None) -> int:
     if not members:
         return 0
     if padded:
         return max(lengths[i] for i in members) * len(members)
-    return sum(lengths[i] for i in members)
+    total = sum(lengths[i] for i in members)
+    if prompts is not None:  # a prompt held by k rows goes through the model once, not k times
+        seen: dict[int, int] = {}
+        for i in members:
+            key, plen = prompts[i]
+            if key in seen:
+                total -= plen
+            seen[key] = plen
+    return total
 
 
 def pack_microbatches(
@@ -149,17 +160,23 @@ def pack_microbatches(
     *,
     padded: bool = True,
     num_microbatches: int | None = None,
+    prompts: Sequence[tuple[int, int]] | None = None,
 ) -> list[list[int]]:
     """Group sequences into micro-batches of at most `max_tokens` tokens (first-fit decreasing).
 
     Sequences are placed longest first (ties by index) into the first micro-batch where
     they fit. A sequence longer than the budget on its own gets a micro-batch of its own
     (the budget bounds grouping, it never truncates); its memory is the sequence's.
+    With `prompts` (the shared-prompt layout) the rows of one prompt are placed one after
+    another, largest group first, so that they meet in one micro-batch where the budget
+    allows, and a prompt counts once per micro-batch.
 
     Args:
         lengths: tokens (prompt + response) of each sequence.
         max_tokens: the budget; counts padded tokens (n x longest) when `padded`, else real tokens.
         padded: the padded `[n, S]` layout (True) or the packed thd layout (False).
+        prompts: per sequence (prompt id, prompt length), rows with the same id sharing the
+            prompt; the shared-prompt layout's cost (packed, each prompt once). None: no sharing.
         num_microbatches: if given, return exactly this many micro-batches (>= the natural
             count, e.g. the maximum over data-parallel ranks): the costliest micro-batches
             with two or more sequences are split in two, then empty ones appended.
@@ -173,10 +190,21 @@ def pack_microbatches(
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens={max_tokens} must be >= 1 (trainer.max_tokens_per_microbatch)")
+    if prompts is not None and padded:
+        raise ValueError("prompts= describes the shared-prompt layout, which is packed; pass padded=False")
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    if prompts is not None:
+        group_cost: dict[int, int] = {}
+        first: dict[int, int] = {}
+        for i, (key, plen) in enumerate(prompts):
+            group_cost[key] = group_cost.get(key, plen) + lengths[i] - plen
+            first.setdefault(key, i)
+        order = sorted(range(len(lengths)), key=lambda i: (-group_cost[prompts[i][0]], first[prompts[i][0]],
+                                                           -lengths[i], i))
     bins: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+    for i in order:
         for members in bins:
-            if _cost(lengths, [*members, i], padded) <= max_tokens:
+            if _cost(lengths, [*members, i], padded, prompts) <= max_tokens:
                 members.append(i)
                 break
         else:
@@ -191,9 +219,13 @@ def pack_microbatches(
         if not splittable:
             bins.extend([] for _ in range(num_microbatches - len(bins)))
             break
-        b = max(splittable, key=lambda b: (_cost(lengths, bins[b], padded), -b))
-        # Alternate members (they are in decreasing length) so both halves cost about the same.
-        bins[b], extra = bins[b][0::2], bins[b][1::2]
+        b = max(splittable, key=lambda b: (_cost(lengths, bins[b], padded, prompts), -b))
+        if prompts is None:
+            # Alternate members (they are in decreasing length) so both halves cost about the same.
+            bins[b], extra = bins[b][0::2], bins[b][1::2]
+        else:  # members are grouped by prompt: cut in the middle, splitting at most one group
+            half = len(bins[b]) // 2
+            bins[b], extra = bins[b][:half], bins[b][half:]
         bins.insert(b + 1, extra)
     return bins
 
@@ -229,6 +261,11 @@ class MicroBatch:
     """Packed only: [sum L] position of each packed token in the flattened [n, S] rows."""
     cu_seqlens: torch.Tensor | None
     """Packed only: [n + 1] int32 cumulative sequence lengths."""
+    source_index: torch.Tensor | None = None
+    """Shared-prompt only: [n, S] int64 the model position whose output predicts row position
+    (r, t), several rows pointing at the same position of their shared prompt (0 where invalid)."""
+    shared: SharedPromptParams | None = None
+    """Shared-prompt only: the segment structure the attention needs (actor/shared_layout.py)."""
 
     @property
     def packed(self) -> bool:
@@ -243,6 +280,9 @@ class MicroBatch:
         Returns:
             [n, S] values; positions without a token (padding) hold 0.
         """
+        if self.source_index is not None:
+            rows = values.index_select(0, self.source_index.reshape(-1)).view(self.targets.shape)
+            return torch.where(self.valid, rows, 0.0)
         if self.flat_index is None:
             return values.view(self.targets.shape)
         rows = values.new_zeros(self.targets.numel())
@@ -250,6 +290,8 @@ class MicroBatch:
 
     def packed_seq_params(self) -> PackedSeqParams | None:
         """PackedSeqParams (thd) for GPTModel.forward; None in the padded layout."""
+        if self.shared is not None:
+            return self.shared
         if self.cu_seqlens is None:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams

@@ -26,6 +26,7 @@ from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint
 from megatron_dapo.models.sdpa_attention import SdpaDotProductAttention
+from megatron_dapo.models.shared_prompts import enable_token_positions
 from megatron_dapo.parallel import ParallelDims
 
 RECOMPUTE_MODES = ("none", "full", "selective")
@@ -369,6 +370,8 @@ class DecoderAdapter:
             rotary_base=self.hf.rope_theta,
         )
         _mark_tensor_parallel_weights(model)
+        if not use_te:  # the local spec's attention runs shared-prompt micro-batches
+            enable_token_positions(model)
         # Every parameter in the model dtype, as Megatron-LM's Float16Module makes it: torch's
         # RMSNorm (the fallback without apex/TE) creates fp32 weights in a bf16 model, and the
         # distributed optimizer orders a param group's fp32 and bf16 shards differently from

@@ -11,7 +11,9 @@ actor's forward and backward after the matmuls.
 Only the configurations the padded CPU layout uses take the fused path: causal masking
 without an explicit mask (right padding never affects a real token under a causal mask),
 no attention dropout while training, no sliding window, no softmax offset, no packing.
-Anything else falls back to DotProductAttention unchanged.
+Anything else falls back to DotProductAttention unchanged, except a shared-prompt
+micro-batch (models/shared_prompts.py), which only this attention can run: it needs the
+same conditions as the fused path and fails with a clear error without them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_dapo.models.shared_prompts import SharedPromptParams, shared_prompt_attention
 
 __all__ = ["SdpaDotProductAttention"]
 
@@ -58,6 +62,12 @@ class SdpaDotProductAttention(DotProductAttention):
         Returns:
             context: [sq, b, np * hn].
         """
+        if isinstance(packed_seq_params, SharedPromptParams):
+            if not self._fused_ok(attention_mask, attn_mask_type, attention_bias, None):
+                raise ValueError("shared-prompt micro-batches need causal attention without an explicit mask, "
+                                 "bias, dropout, sliding window or softmax offset; build the actor with "
+                                 "shared_prompts=False (trainer.shared_prompts=false) for this model")
+            return shared_prompt_attention(query, key, value, packed_seq_params, self.softmax_scale)
         if not self._fused_ok(attention_mask, attn_mask_type, attention_bias, packed_seq_params):
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias,
                                    packed_seq_params)

@@ -5,6 +5,8 @@ admitted, the prefill of the newcomers. Both halves keep their own KV cache unti
 step's end, when the two caches are left-padded to a common length and concatenated along
 the batch; the attention mask hides the padding and position ids count only a row's real
 tokens, so a row computes what it would compute alone, whoever its batch mates are.
+The n rows of a prompt are prefilled once and share that
+prefill's cache and logits (copied per row, as each row then decodes on its own).
 Finished rows leave the batch (and the cache) at once, and cache columns that no row uses
 any more (the left padding of rows that left) are trimmed, so the cache never grows past
 the longest running row.
@@ -126,15 +128,23 @@ class ContinuousDecoder:
             logits.append(self._forward(self._next_ids.unsqueeze(-1), mask, positions, self._cache))
             self._mask = mask
         if new_rows:
+            # A prompt's n rows share one context: prefill each distinct context once, then
+            # give every row its context's cache and logits.
+            contexts: dict[tuple[int, ...], int] = {}
+            inverse = torch.tensor([contexts.setdefault((*r.prompt, *r.prefix), len(contexts)) for r in new_rows],
+                                   dtype=torch.long)
             new_cache = DynamicCache(config=self._model.config)
-            lens = torch.tensor([len(r.prompt) + len(r.prefix) for r in new_rows], dtype=torch.long)
+            lens = torch.tensor([len(c) for c in contexts], dtype=torch.long)
             width = int(lens.max())
             new_mask = (torch.arange(width).unsqueeze(0) >= (width - lens).unsqueeze(1)).long()  # left-padded
-            input_ids = torch.zeros(len(new_rows), width, dtype=torch.long)
-            context = [t for r in new_rows for t in (*r.prompt, *r.prefix)]
-            input_ids[new_mask.bool()] = torch.tensor(context, dtype=torch.long)
+            input_ids = torch.zeros(len(contexts), width, dtype=torch.long)
+            input_ids[new_mask.bool()] = torch.tensor([t for c in contexts for t in c], dtype=torch.long)
             positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
-            logits.append(self._forward(input_ids, new_mask, positions, new_cache))
+            prefill = self._forward(input_ids, new_mask, positions, new_cache)
+            if len(contexts) < len(new_rows):
+                prefill, new_mask = prefill[inverse], new_mask[inverse]
+                new_cache.batch_select_indices(inverse.to(self._device))
+            logits.append(prefill)
             self._join(new_rows, new_cache, new_mask)
         if not self._rows:
             return []

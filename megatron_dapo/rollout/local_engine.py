@@ -36,6 +36,7 @@ from megatron_dapo.rollout.engine import (
     check_prompts,
     response_seed,
 )
+from megatron_dapo.rollout.hf_attention import register_attention
 from megatron_dapo.rollout.local_decoder import ContinuousDecoder, DecodeRow, FinishedRow
 from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed
 
@@ -78,10 +79,12 @@ class LocalEngine:
                 "(the tiny-checkpoint maker or `save_pretrained` writes one)"
             )
         config = AutoConfig.from_pretrained(path, local_files_only=True)
+        attention = register_attention()  # SDPA without copying grouped KV heads (rollout/hf_attention.py)
         if load_weights:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                         attn_implementation=attention)
         else:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
         self._device = torch.device(device)
         self._model: PreTrainedModel = model.to(self._device).eval()
         self._vocab_size = int(config.vocab_size)

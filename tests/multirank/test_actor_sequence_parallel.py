@@ -20,7 +20,7 @@ from model_utils import make_tiny_checkpoint
 pytestmark = pytest.mark.multirank
 
 LENGTHS = [21, 17, 15, 12, 9]
-PROMPT_LENGTHS = [5, 4, 6, 3, 4]
+PROMPT_LENGTHS = [5, 4, 4, 3, 4]  # rows 1 and 2 share their prompt (the shared-prompt layout)
 TEMPERATURE = 0.9
 SGD_LR = 1e4
 
@@ -31,6 +31,7 @@ def _batch() -> dict[str, torch.Tensor]:
     pos = torch.arange(width)
     lens = torch.tensor(LENGTHS)
     ids = torch.where(pos < lens.unsqueeze(1), torch.randint(0, 100, (len(LENGTHS), width), generator=gen), 0)
+    ids[2, :4] = ids[1, :4]
     response = (pos >= torch.tensor(PROMPT_LENGTHS).unsqueeze(1)) & (pos < lens.unsqueeze(1))
     adv = torch.randn(len(LENGTHS), generator=gen).unsqueeze(1).expand(-1, width).contiguous()
     old = 0.2 * torch.randn(len(LENGTHS), width, generator=gen)
@@ -59,9 +60,10 @@ def _worker(tp: int, pp: int, directory: str) -> dict:
     out: dict = {}
     for sp in (False, True):
         for name, config in (("adam", adam), ("sgd", sgd)):
-            # Budget 40: micro-batches of odd widths 21, 17, 15 + 12 + 9 ... padded to even under SP.
+            # Budget 29: packed micro-batches of 28 (rows 1 + 2 sharing 4 prompt tokens), 21 and
+            # 12 + 9 tokens; the odd ones are padded to even under SP.
             actor = MegatronActor(adapter=adapter, dims=dims, optimizer_config=config, hf_checkpoint=directory,
-                                  max_tokens_per_microbatch=40, logprob_chunk_size=7, sequence_parallel=sp)
+                                  max_tokens_per_microbatch=29, logprob_chunk_size=7, sequence_parallel=sp)
             batch = RolloutBatch(**t)
             log_probs, entropy = actor.compute_log_probs(batch, TEMPERATURE)
             batch.old_log_probs = log_probs + noise

@@ -1,8 +1,11 @@
 """The actor's DAPO step is layout-independent and equals the whole-batch loss's gradient.
 
 One tiny random Qwen2 checkpoint (tied embeddings, so PP=2 exercises the shared
-embedding's gradient sync), one batch of 6 sequences of different lengths, one loss with
-every term on (Clip-Higher, dual clip, entropy bonus, KL). For each layout
+embedding's gradient sync), one batch of 6 sequences of different lengths whose prompts
+are shared as in a GRPO batch (rows 0-2 one prompt, rows 3-4 another, row 5 its own), one
+loss with every term on (Clip-Higher, dual clip, entropy bonus, KL). The actor's default
+shared-prompt layout (actor/shared_layout.py) runs every layout; the single process also
+runs padded rows (trainer.shared_prompts=false). For each layout
 (TP, PP, DP) in (1,1,1), (2,1,1), (1,2,1), (1,1,2), (2,2,1) and each micro-batch budget
 that cuts the batch 1, 2 and 5 ways (DP ranks then run equalised counts):
 - compute_log_probs equals a float64 log_softmax of transformers' logits (< 1e-4);
@@ -28,8 +31,11 @@ from model_utils import make_tiny_checkpoint
 pytestmark = pytest.mark.multirank
 
 LENGTHS = [20, 17, 15, 12, 9, 6]
-PROMPT_LENGTHS = [5, 4, 6, 3, 4, 2]
-BUDGETS = {1: 120, 2: 60, 5: 25}  # micro-batches of the whole batch on one rank -> token budget
+PROMPT_LENGTHS = [5, 5, 5, 3, 3, 2]
+PROMPT_OF = [0, 0, 0, 3, 3, 5]  # the row whose prompt tokens each row shares
+# Micro-batches of the whole batch on one rank -> token budget, each prompt counted once
+# per micro-batch (66 tokens in all; 20 cuts it 5 ways and gives DP rank 1 three).
+BUDGETS = {1: 120, 2: 60, 5: 20}
 TEMPERATURE = 0.9
 LOSS = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "entropy_coeff": 0.01,
         "use_kl_loss": True, "kl_loss_coef": 0.05, "kl_loss_type": "low_var_kl", "temperature": TEMPERATURE}
@@ -51,6 +57,8 @@ def _batch_tensors() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     width = max(LENGTHS)
     ids = torch.randint(0, 100, (len(LENGTHS), width), generator=gen)
+    for row, (source, plen) in enumerate(zip(PROMPT_OF, PROMPT_LENGTHS, strict=True)):
+        ids[row, :plen] = ids[source, :plen]
     pos = torch.arange(width)
     lens = torch.tensor(LENGTHS)
     response = (pos >= torch.tensor(PROMPT_LENGTHS).unsqueeze(1)) & (pos < lens.unsqueeze(1))
@@ -97,7 +105,8 @@ def _hf_reference(directory: Path) -> dict[str, object]:
     return out
 
 
-def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Tensor, ref: torch.Tensor) -> dict:
+def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Tensor, ref: torch.Tensor,
+                   shared_prompts: bool = True) -> dict:
     """For each (tp, pp) layout (dp = world / tp / pp): log-probs, AdamW steps per budget, one SGD step."""
     from megatron.core.optimizer import OptimizerConfig
 
@@ -120,7 +129,8 @@ def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Te
 
         def actor(config: OptimizerConfig, budget: int, dims=dims, adapter=adapter) -> MegatronActor:
             return MegatronActor(adapter=adapter, dims=dims, optimizer_config=config, hf_checkpoint=directory,
-                                 max_tokens_per_microbatch=budget, logprob_chunk_size=7)
+                                 max_tokens_per_microbatch=budget, logprob_chunk_size=7,
+                                 shared_prompts=shared_prompts)
 
         def export(a: MegatronActor, dims=dims, adapter=adapter) -> dict[str, torch.Tensor] | None:
             weights = dict(adapter.export_hf(a.model, dims))
@@ -155,7 +165,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict:
                                      tie_word_embeddings=True, seed=4)
     reference = _hf_reference(directory)
     (single,) = run_distributed(_layout_worker, 1, [(1, 1)], str(directory), reference["old"], reference["ref"])
-    return {"dir": str(directory), "hf": reference, "single": single[(1, 1)]}
+    (padded,) = run_distributed(_layout_worker, 1, [(1, 1)], str(directory), reference["old"], reference["ref"],
+                                False)
+    return {"dir": str(directory), "hf": reference, "single": single[(1, 1)], "padded": padded[(1, 1)]}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -211,6 +223,8 @@ def test_single_process_matches_transformers(setup: dict) -> None:
     hf, single = setup["hf"], setup["single"]
     errors = _check_layout([{(1, 1): single}], (1, 1), setup)
     assert single["num_microbatches"] == 5
+    # Padded rows (trainer.shared_prompts=false) meet the same float64 reference.
+    print("padded-rows errors:", _check_layout([{(1, 1): setup["padded"]}], (1, 1), setup))
     metrics = single["steps"][1]["metrics"]
     assert abs(metrics["actor/pg_loss"] - hf["pg_loss"]) < 1e-5
     assert abs(metrics["actor/pg_clipfrac"] - hf["pg_clipfrac"]) < 1e-6

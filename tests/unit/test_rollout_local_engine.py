@@ -176,8 +176,9 @@ def test_finished_rows_leave_the_batch_without_changing_any_response(tiny):
     together = engine.generate(PROMPTS, params)
     lengths = sorted(len(r.output_ids) for r in together)
     assert lengths[0] < lengths[-1]
-    # One forward per decode step of the longest response; each has exactly the unfinished rows.
-    assert batch_rows == [sum(n > step for n in lengths) for step in range(lengths[-1])]
+    # One forward per decode step of the longest response; each has exactly the unfinished
+    # rows, except the first (the prefill), which runs each prompt once for its n rows.
+    assert batch_rows == [len(PROMPTS)] + [sum(n > step for n in lengths) for step in range(1, lengths[-1])]
     for i in range(len(PROMPTS)):
         alone = LocalEngine(path).generate([PROMPTS[i]], params, index_offset=i)
         mates = together[4 * i : 4 * i + 4]
@@ -217,3 +218,31 @@ def test_a_weight_swap_while_rows_are_admitted_tags_them_with_the_new_version(ti
     groups = []
     engine.stream(SwappingFeed(), SamplingParams(n=2, max_new_tokens=3, seed=0), groups.append, max_inflight=2)
     assert {r.weight_versions for g in groups for r in g} == {(9,)}
+
+
+def test_engine_attention_reads_grouped_kv_heads_in_place_with_the_same_results(tiny):
+    """rollout/hf_attention.py against transformers' eager attention (which repeats the KV heads)."""
+    from transformers import DynamicCache
+
+    from megatron_dapo.rollout.hf_attention import ATTENTION
+
+    path, _ = tiny
+    engine = LocalEngine(path)
+    assert engine.model.config._attn_implementation == ATTENTION
+    eager = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    assert eager.config.num_key_value_heads < eager.config.num_attention_heads  # grouped heads exercised
+    # A left-padded prefill (a mask: transformers' sdpa would copy the KV heads), then one decode step.
+    ids = torch.tensor([[0, 0, 5, 6, 7], [9, 10, 11, 12, 13]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    outs = []
+    with torch.no_grad():
+        for model in (engine.model, eager):
+            cache = DynamicCache(config=model.config)
+            first = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+            step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+            second = model(input_ids=torch.tensor([[14], [15]]), attention_mask=step_mask,
+                           position_ids=positions[:, -1:] + 1, past_key_values=cache).logits
+            outs.append((first[mask.bool()], second))
+    for ours, reference in zip(outs[0], outs[1], strict=True):
+        assert float((ours - reference).abs().max()) < 1e-5

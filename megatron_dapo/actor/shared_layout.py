@@ -1,0 +1,156 @@
+"""The shared-prompt micro-batch layout: each prompt once, then each of its responses.
+
+A micro-batch's rows are grouped by prompt (the tokens before the row's first response
+token). A prompt held by two or more rows becomes one prefix segment followed by one
+suffix segment per row (its response tokens); a row whose prompt is its own becomes a
+single prefix segment. The segments are concatenated into `[1, T]` tokens without padding
+(megatron's thd format), and models/shared_prompts.py gives every token the attention and
+the RoPE position it has in its own padded row. What the layout saves is the (n - 1)
+copies of every prompt in the linear layers, norms and activations, forward and backward;
+on the tiny CPU run that is most of the actor's work.
+
+Loss-side tensors stay `[n, S]` rows as in the other layouts (microbatch.MicroBatch):
+`source_index[r, t]` is the packed position whose output predicts the row's token t + 1,
+so the last prompt position of a shared prompt serves the first response token of every
+row that shares it, each with its own target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, _round_up, _shift, build_microbatch
+from megatron_dapo.models.shared_prompts import SharedPromptParams
+
+__all__ = ["build_shared_microbatch", "prompt_groups"]
+
+
+def _prompt_lengths(batch: RolloutBatch) -> list[int]:
+    """Tokens before each row's first response token (the whole row when it has none)."""
+    mask = batch.response_mask.bool()
+    width = mask.shape[1]
+    first = torch.where(mask.any(dim=1), mask.int().argmax(dim=1), torch.full_like(batch.seq_lens, width))
+    return torch.minimum(first, batch.seq_lens).tolist()
+
+
+def prompt_groups(batch: RolloutBatch) -> list[tuple[int, int]]:
+    """Per row (prompt id, prompt length): rows with equal prompt tokens get the same id.
+
+    The id is the index of the first row with that prompt, so it is deterministic; a row
+    whose response starts at its first token shares nothing.
+    """
+    lengths = _prompt_lengths(batch)
+    ids = batch.input_ids.tolist()
+    first: dict[tuple[int, ...], int] = {}
+    return [(first.setdefault(tuple(ids[r][:plen]), r) if plen else r, plen) for r, plen in enumerate(lengths)]
+
+
+def _padded_index(starts: Sequence[int], lens: Sequence[int], device: torch.device) -> torch.Tensor:
+    """[len(starts), max(lens)] packed indices start + j, the tail repeating the segment's last token."""
+    width = max(lens)
+    offsets = torch.arange(width, device=device).unsqueeze(0)
+    last = torch.tensor(lens, device=device).unsqueeze(1) - 1
+    return torch.tensor(starts, device=device).unsqueeze(1) + torch.minimum(offsets, last)
+
+
+def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_to_multiple: int = 1) -> MicroBatch:
+    """Model inputs of the rows `indices` in the shared-prompt layout, loss tensors as `[n, S]` rows.
+
+    Args:
+        batch: this rank's sequences.
+        indices: rows in this micro-batch; empty = a padding micro-batch (no loss).
+        pad_to_multiple: the packed length is made a multiple of this (the TP size under
+            sequence parallelism); the padding is a segment of its own.
+
+    Returns:
+        The MicroBatch, with `source_index` and `shared` set, on the device of batch.input_ids.
+    """
+    indices = list(indices)
+    if not indices:
+        return build_microbatch(batch, indices, pad_to_multiple=pad_to_multiple)
+    sub = batch.select(indices)
+    device = sub.input_ids.device
+    num_rows, width = sub.input_ids.shape
+    seq_lens = sub.seq_lens.tolist()
+    groups = prompt_groups(sub)
+    members: dict[int, list[int]] = {}
+    for r, (key, _) in enumerate(groups):
+        members.setdefault(key, []).append(r)
+
+    src_rows: list[int] = []  # each packed token's (row, column) in sub, flattened
+    positions: list[int] = []
+    prefix_starts: list[int] = []
+    prefix_lens: list[int] = []
+    suffix_starts: list[int] = []
+    suffix_lens: list[int] = []
+    suffix_parent: list[int] = []
+    source = torch.zeros(num_rows, width, dtype=torch.long)
+
+    def emit(row: int, lo: int, hi: int) -> int:
+        start = len(positions)
+        src_rows.extend(range(row * width + lo, row * width + hi))
+        positions.extend(range(lo, hi))
+        source[row, lo:hi] = torch.arange(start, start + hi - lo)
+        return start
+
+    for key, rows in members.items():  # in order of each prompt's first row
+        plen = groups[key][1] if len(rows) > 1 else seq_lens[rows[0]]
+        start = emit(rows[0], 0, plen)
+        prefix_starts.append(start)
+        prefix_lens.append(plen)
+        for r in rows[1:]:
+            source[r, :plen] = source[rows[0], :plen]
+        for r in rows:
+            if seq_lens[r] > plen:
+                suffix_starts.append(emit(r, plen, seq_lens[r]))
+                suffix_lens.append(seq_lens[r] - plen)
+                suffix_parent.append(len(prefix_lens) - 1)
+
+    real = len(positions)
+    extra = _round_up(real, pad_to_multiple) - real
+    input_ids = sub.input_ids.reshape(-1)[torch.tensor(src_rows, dtype=torch.long, device=device)]
+    if extra:  # a segment of its own, attending only to itself
+        input_ids = torch.nn.functional.pad(input_ids, (0, extra))
+        prefix_starts.append(real)
+        prefix_lens.append(extra)
+        positions.extend(range(extra))
+    total = real + extra
+
+    prefix_index = _padded_index(prefix_starts, prefix_lens, device)
+    lp = prefix_index.shape[1]
+    out_index = torch.empty(total, dtype=torch.long)
+    for p, (start, length) in enumerate(zip(prefix_starts, prefix_lens, strict=True)):
+        out_index[start:start + length] = torch.arange(p * lp, p * lp + length)
+    suffix_index = suffix_kv_index = suffix_mask = None
+    if suffix_starts:
+        suffix_index = _padded_index(suffix_starts, suffix_lens, device)
+        ls = suffix_index.shape[1]
+        base = len(prefix_starts) * lp
+        for q, (start, length) in enumerate(zip(suffix_starts, suffix_lens, strict=True)):
+            out_index[start:start + length] = torch.arange(base + q * ls, base + q * ls + length)
+        parent = torch.tensor(suffix_parent, device=device)
+        suffix_kv_index = torch.cat([prefix_index[parent], suffix_index], dim=1)
+        sees_prompt = torch.arange(lp, device=device).unsqueeze(0) < torch.tensor(prefix_lens, device=device)[parent].unsqueeze(1)
+        causal = torch.ones(ls, ls, dtype=torch.bool, device=device).tril()
+        suffix_mask = torch.cat([sees_prompt.unsqueeze(1).expand(-1, ls, -1),
+                                 causal.unsqueeze(0).expand(len(suffix_starts), -1, -1)], dim=2).unsqueeze(1)
+    cu_seqlens = torch.tensor([0, total], dtype=torch.int32, device=device)
+    max_len = max(positions) + 1
+    shared = SharedPromptParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=max_len,
+        max_seqlen_kv=max_len, prefix_index=prefix_index, suffix_index=suffix_index,
+        suffix_kv_index=suffix_kv_index, suffix_mask=suffix_mask, out_index=out_index.to(device),
+    )
+
+    columns = torch.arange(width, device=device)
+    valid = columns.unsqueeze(0) < (sub.seq_lens.unsqueeze(1) - 1)  # position t predicts token t + 1
+    return MicroBatch(
+        indices=indices, input_ids=input_ids.unsqueeze(0),
+        position_ids=torch.tensor(positions, dtype=torch.long, device=device).unsqueeze(0),
+        targets=_shift(sub.input_ids, valid), valid=valid, loss_mask=_shift(sub.response_mask, valid).bool(),
+        old_log_probs=_shift(sub.old_log_probs, valid), advantages=_shift(sub.advantages, valid),
+        ref_log_probs=_shift(sub.ref_log_probs, valid), is_weights=_shift(sub.is_weights, valid),
+        flat_index=None, cu_seqlens=None, source_index=source.to(device), shared=shared,
+    )
