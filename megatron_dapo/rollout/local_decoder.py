@@ -1,14 +1,14 @@
 """Continuous batching for the local engine: rows join the running batch as others leave.
 
 One `ContinuousDecoder.step` is one decode step of every running row plus, when rows are
-admitted, the prefill of the newcomers. Both halves keep their own KV cache until the
-step's end, when the two caches are left-padded to a common length and concatenated along
-the batch; the attention mask hides the padding and position ids count only a row's real
-tokens, so a row computes what it would compute alone, whoever its batch mates are.
-The n rows of a prompt are prefilled once and share that
-prefill's cache and logits (copied per row, as each row then decodes on its own).
-Finished rows leave the batch (and the cache) at once, and cache columns that no row uses
-any more (the left padding of rows that left) are trimmed, so the cache never grows past
+admitted, the prefill of the newcomers. The newcomers' prefill cache is written,
+right-aligned, into the running batch's preallocated KV buffers (rollout/kv_rows.py); the
+attention mask hides each row's left padding and position ids count only a row's real
+tokens, so a row computes what it would compute alone, whoever its batch mates are. The n
+rows of a prompt are prefilled once and share that prefill's cache and logits (copied per
+row, as each row then decodes on its own). Finished rows leave the batch (and the cache)
+at once, the last running rows taking their places, and cache columns that no row uses any
+more (the left padding of rows that left) are dropped, so the live cache never grows past
 the longest running row.
 
 Each row samples from its own counter-based stream (sampling.counter_uniforms with the
@@ -27,6 +27,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from megatron_dapo.rollout.engine import FinishReason, SamplingParams
+from megatron_dapo.rollout.kv_rows import RowBufferLayer
 from megatron_dapo.rollout.sampling import counter_uniforms, sample_next_tokens
 
 __all__ = ["ContinuousDecoder", "DecodeRow", "FinishedRow"]
@@ -177,15 +178,16 @@ class ContinuousDecoder:
                 self._out_ids[slot, : len(row.prefix)] = torch.tensor(row.prefix, dtype=torch.long)
                 self._out_lps[slot, : len(row.prefix)] = torch.tensor(row.prefix_logprobs, dtype=torch.float64)
         if self._cache is None or not self._rows:
-            self._cache, self._mask = cache, mask
-        else:
-            width = max(self._mask.shape[1], mask.shape[1])
-            for old, new in zip(self._cache.layers, cache.layers, strict=True):
-                if not isinstance(old, DynamicLayer) or type(old) is not type(new):
-                    raise TypeError(f"continuous batching needs plain DynamicLayer caches, got {type(old).__name__}")
-                old.keys = torch.cat([_left_pad(old.keys, width), _left_pad(new.keys, width)])
-                old.values = torch.cat([_left_pad(old.values, width), _left_pad(new.values, width)])
-            self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)])
+            # The running cache lives in preallocated buffers (rollout/kv_rows.py).
+            running = DynamicCache(config=self._model.config)
+            running.layers = [RowBufferLayer(self.max_rows, self._params.max_new_tokens) for _ in cache.layers]
+            self._cache, self._mask = running, mask.new_zeros(0, 0)
+        for layer, new in zip(self._cache.layers, cache.layers, strict=True):
+            if not isinstance(new, DynamicLayer) or type(new) is not DynamicLayer:
+                raise TypeError(f"continuous batching needs plain DynamicLayer caches, got {type(new).__name__}")
+            layer.join(new.keys, new.values)
+        width = max(self._mask.shape[1], mask.shape[1])
+        self._mask = torch.cat([_left_pad_mask(self._mask, width), _left_pad_mask(mask, width)])
         self._rows.extend(rows)
         self._slots = torch.cat([self._slots, slots])
         self._seeds = torch.cat([self._seeds, torch.tensor([r.seed for r in rows], dtype=torch.long)])
@@ -217,10 +219,20 @@ class ContinuousDecoder:
                            logprobs=self._out_lps[slot, :count].tolist(), finish_reason=reason)
 
     def _keep(self, keep: torch.Tensor) -> None:
-        """Keep the rows where `keep` is True; free the others' slots and cache rows."""
+        """Keep the rows where `keep` is True; free the others' slots and cache rows.
+
+        The last running rows move into the places of the leaving ones, so only those are
+        copied; the batch order changes accordingly (every per-row array follows it).
+        """
         self._free_slots.extend(self._slots[~keep].tolist())
-        index = torch.nonzero(keep)[:, 0]
-        self._rows = [self._rows[b] for b in index.tolist()]
+        remaining = int(keep.sum())
+        holes = [b for b in range(remaining) if not keep[b]]
+        movers = [b for b in range(remaining, len(self._rows)) if keep[b]]
+        order = list(range(remaining))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        index = torch.tensor(order, dtype=torch.long)
+        self._rows = [self._rows[b] for b in order]
         self._slots, self._seeds = self._slots[index], self._seeds[index]
         self._counts, self._limits, self._next_ids = self._counts[index], self._limits[index], self._next_ids[index]
         self._mask = self._mask[index]
@@ -229,22 +241,13 @@ class ContinuousDecoder:
             self._mask = torch.zeros(0, 0, dtype=torch.long)
             return
         assert self._cache is not None
-        self._cache.batch_select_indices(index.to(self._device))
         used = torch.nonzero(self._mask.any(0))[:, 0]
         first = int(used[0]) if used.numel() else 0
-        if first > 0:  # columns only rows that left had used: drop them
-            self._mask = self._mask[:, first:]
-            for layer in self._cache.layers:
-                layer.keys = layer.keys[..., first:, :]
-                layer.values = layer.values[..., first:, :]
-
-
-def _left_pad(t: torch.Tensor, width: int) -> torch.Tensor:
-    """[b, h, c, d] -> [b, h, width, d] with zeros on the left of the sequence dim."""
-    missing = width - t.shape[-2]
-    if missing == 0:
-        return t
-    return torch.cat([t.new_zeros(*t.shape[:-2], missing, t.shape[-1]), t], dim=-2)
+        self._mask = self._mask[:, first:]
+        for layer in self._cache.layers:
+            layer.move_rows(holes, movers, remaining)
+            if first > 0:  # columns only rows that left had used
+                layer.drop_left(first)
 
 
 def _left_pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
