@@ -42,9 +42,9 @@ def prompt_groups(batch: RolloutBatch) -> list[tuple[int, int]]:
     whose response starts at its first token shares nothing.
     """
     lengths = _prompt_lengths(batch)
-    ids = batch.input_ids.tolist()
+    prompts = batch.input_ids[:, : max(lengths, default=0)].tolist()  # responses can be far longer
     first: dict[tuple[int, ...], int] = {}
-    return [(first.setdefault(tuple(ids[r][:plen]), r) if plen else r, plen) for r, plen in enumerate(lengths)]
+    return [(first.setdefault(tuple(prompts[r][:plen]), r) if plen else r, plen) for r, plen in enumerate(lengths)]
 
 
 def _padded_index(starts: Sequence[int], lens: Sequence[int], device: torch.device) -> torch.Tensor:

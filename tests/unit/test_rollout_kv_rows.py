@@ -35,7 +35,7 @@ def test_random_joins_appends_and_leaves_match_per_row_references():
             new = torch.full((len(reference), HEADS, 1, DIM), next_value)
             next_value += 1
             keys, values = layer.update(new, new.clone())
-            assert keys.shape[0] == len(reference)
+            assert keys.shape == values.shape and keys.shape[0] == len(reference)
             reference = [torch.cat([r, new[b]], dim=1) for b, r in enumerate(reference)]
         elif op == "leave" and reference:
             keep = torch.tensor([rng.random() < 0.7 for _ in reference])
