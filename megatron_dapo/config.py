@@ -229,9 +229,9 @@ class TrainerConfig:
     """Token budget of one micro-batch per data-parallel rank (prompt + response tokens)."""
     shared_prompts: bool = True
     """Each prompt goes through the actor once per micro-batch for all its responses
-    (actor/shared_layout.py). Applies where micro-batches are not TE-packed (the local
-    attention spec: CPU, GPU without Transformer Engine) and context parallelism is 1;
-    the budget above then counts each prompt once. false = padded rows."""
+    (actor/shared_layout.py). Applies on CPU with context parallelism 1 (GPUs run TE's
+    packed rows, or padded rows without TE); the budget above then counts each prompt
+    once. false = padded rows."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk when computing log-probs/entropy from vocab-parallel logits."""
     test_freq: int = 5

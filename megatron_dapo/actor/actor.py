@@ -57,7 +57,7 @@ from megatron_dapo.actor.logprobs import (
 )
 from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_microbatch, pack_microbatches
 from megatron_dapo.actor.settings import LossSettings, WarmupConstantLR, make_optimizer_config
-from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups
+from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
 from megatron_dapo.algo import agg_loss, compute_policy_loss, kl_penalty
 from megatron_dapo.models import ModelAdapter, te_available
 from megatron_dapo.models.shared_prompts import token_positions
@@ -84,9 +84,9 @@ class MegatronActor:
         logprob_chunk_size: tokens per chunk of the log-prob/entropy computation.
         packed: thd-packed micro-batches without padding (needs TE attention on CUDA);
             None = packed exactly when TE is usable.
-        shared_prompts: where micro-batches are not TE-packed and CP is 1 (the local
-            attention spec), use the shared-prompt layout (actor/shared_layout.py): each
-            prompt goes through the model once per micro-batch for all its responses.
+        shared_prompts: on CPU with CP 1, use the shared-prompt layout (actor/shared_layout.py,
+            `uses_shared_prompts`): each prompt goes through the model once per micro-batch
+            for all its responses.
         overlap_grad_reduce: reduce-scatter each gradient bucket while the backward of the
             last micro-batch goes on; None = on CUDA with DP > 1 (gloo on CPU gains nothing).
         sequence_parallel: Megatron sequence parallelism (dims.tp > 1); micro-batches are
@@ -132,8 +132,8 @@ class MegatronActor:
         self.adapter = adapter
         self.dims = dims
         self.packed = packed
-        # The shared-prompt layout's attention is the local spec's (models/shared_prompts.py).
-        self.shared_prompts = shared_prompts and not packed and not use_te and dims.cp == 1
+        self.shared_prompts = uses_shared_prompts(requested=shared_prompts, packed=packed, use_te=use_te,
+                                                  cp=dims.cp, device_type=dims.device.type)
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.logprob_chunk_size = logprob_chunk_size
         self.vocab_size = adapter.hf.vocab_size

@@ -24,7 +24,20 @@ import torch
 from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, _round_up, _shift, build_microbatch
 from megatron_dapo.models.shared_prompts import SharedPromptParams
 
-__all__ = ["build_shared_microbatch", "prompt_groups"]
+__all__ = ["build_shared_microbatch", "prompt_groups", "uses_shared_prompts"]
+
+
+def uses_shared_prompts(*, requested: bool, packed: bool, use_te: bool, cp: int, device_type: str) -> bool:
+    """Whether the actor runs the shared-prompt layout (trainer.shared_prompts = `requested`).
+
+    Only the local spec's attention runs it (not TE's, hence not with TE-packed batches),
+    context parallelism splits padded rows, and only on CPU: there torch's SDPA takes the
+    segments' boolean masks in its fused kernel, while on CUDA a mask together with
+    grouped KV heads falls back to the math kernel (transformers' `use_gqa_in_sdpa` says
+    as much), which stores every score matrix for backward, where the padded rows' causal
+    attention runs flash attention.
+    """
+    return requested and not packed and not use_te and cp == 1 and device_type == "cpu"
 
 
 def _prompt_lengths(batch: RolloutBatch) -> list[int]:
@@ -53,6 +66,27 @@ def _padded_index(starts: Sequence[int], lens: Sequence[int], device: torch.devi
     offsets = torch.arange(width, device=device).unsqueeze(0)
     last = torch.tensor(lens, device=device).unsqueeze(1) - 1
     return torch.tensor(starts, device=device).unsqueeze(1) + torch.minimum(offsets, last)
+
+
+def _buckets(lengths: Sequence[int]) -> list[list[int]]:
+    """Segments grouped longest first so that each group's padded size is at most twice its real size."""
+    buckets: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if buckets and (len(buckets[-1]) + 1) * lengths[buckets[-1][0]] <= 2 * (real + lengths[i]):
+            buckets[-1].append(i)
+            real += lengths[i]
+        else:
+            buckets.append([i])
+            real = lengths[i]
+    return buckets
+
+
+def _place(out_index: torch.Tensor, offset: int, width: int, segments: list[tuple[int, int]]) -> int:
+    """Point each segment's packed tokens at its row of a [len(segments), width] attention output."""
+    for k, (start, length) in enumerate(segments):
+        out_index[start:start + length] = torch.arange(offset + k * width, offset + k * width + length)
+    return offset + len(segments) * width
 
 
 def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_to_multiple: int = 1) -> MicroBatch:
@@ -118,24 +152,31 @@ def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_
         positions.extend(range(extra))
     total = real + extra
 
-    prefix_index = _padded_index(prefix_starts, prefix_lens, device)
-    lp = prefix_index.shape[1]
+    # Segments of similar length share one attention call: padded sizes stay within twice
+    # the real ones whatever the spread of lengths (one long response among short ones).
     out_index = torch.empty(total, dtype=torch.long)
-    for p, (start, length) in enumerate(zip(prefix_starts, prefix_lens, strict=True)):
-        out_index[start:start + length] = torch.arange(p * lp, p * lp + length)
-    suffix_index = suffix_kv_index = suffix_mask = None
-    if suffix_starts:
-        suffix_index = _padded_index(suffix_starts, suffix_lens, device)
-        ls = suffix_index.shape[1]
-        base = len(prefix_starts) * lp
-        for q, (start, length) in enumerate(zip(suffix_starts, suffix_lens, strict=True)):
-            out_index[start:start + length] = torch.arange(base + q * ls, base + q * ls + length)
-        parent = torch.tensor(suffix_parent, device=device)
-        suffix_kv_index = torch.cat([prefix_index[parent], suffix_index], dim=1)
-        sees_prompt = torch.arange(lp, device=device).unsqueeze(0) < torch.tensor(prefix_lens, device=device)[parent].unsqueeze(1)
+    offset = 0
+    prefix_index: list[torch.Tensor] = []
+    for bucket in _buckets(prefix_lens):
+        index = _padded_index([prefix_starts[p] for p in bucket], [prefix_lens[p] for p in bucket], device)
+        prefix_index.append(index)
+        offset = _place(out_index, offset, index.shape[1], [(prefix_starts[p], prefix_lens[p]) for p in bucket])
+    suffix_index: list[torch.Tensor] = []
+    suffix_kv_index: list[torch.Tensor] = []
+    suffix_mask: list[torch.Tensor] = []
+    for bucket in _buckets(suffix_lens):
+        parents = [suffix_parent[q] for q in bucket]
+        index = _padded_index([suffix_starts[q] for q in bucket], [suffix_lens[q] for q in bucket], device)
+        prompt_lens = [prefix_lens[p] for p in parents]
+        prompt = _padded_index([prefix_starts[p] for p in parents], prompt_lens, device)
+        ls, lp = index.shape[1], prompt.shape[1]
+        suffix_index.append(index)
+        suffix_kv_index.append(torch.cat([prompt, index], dim=1))
+        sees_prompt = torch.arange(lp, device=device).unsqueeze(0) < torch.tensor(prompt_lens, device=device).unsqueeze(1)
         causal = torch.ones(ls, ls, dtype=torch.bool, device=device).tril()
-        suffix_mask = torch.cat([sees_prompt.unsqueeze(1).expand(-1, ls, -1),
-                                 causal.unsqueeze(0).expand(len(suffix_starts), -1, -1)], dim=2).unsqueeze(1)
+        suffix_mask.append(torch.cat([sees_prompt.unsqueeze(1).expand(-1, ls, -1),
+                                      causal.unsqueeze(0).expand(len(bucket), -1, -1)], dim=2).unsqueeze(1))
+        offset = _place(out_index, offset, ls, [(suffix_starts[q], suffix_lens[q]) for q in bucket])
     cu_seqlens = torch.tensor([0, total], dtype=torch.int32, device=device)
     max_len = max(positions) + 1
     shared = SharedPromptParams(

@@ -28,7 +28,9 @@ Two parts of megatron-core 0.16.1 (the version pinned for CPU and GPU) carry the
   makes the model's RotaryEmbedding return one row per token, gathered at the
   micro-batch's position ids (a suffix token of a prompt of length p at offset j has
   position p + j), while `token_positions(model, positions)` is active.
-tests/unit/test_shared_prompts.py holds both to the padded layout's log-probs.
+tests/multirank/test_actor_train_step.py holds both to float64 transformers (log-probs and
+the gradient, shared prompts in every TP/PP/DP layout); tests/unit/test_actor_shared_layout.py
+checks every token's attention set against its padded row's.
 """
 
 from __future__ import annotations
@@ -53,16 +55,18 @@ class SharedPromptParams(PackedSeqParams):
     and max_seqlen_q/kv the largest position + 1 (the rotary table's length).
     """
 
-    prefix_index: torch.Tensor = None
-    """[P, Lp] int64 packed index of each prefix token (right-padded by repeating the last)."""
-    suffix_index: torch.Tensor | None = None
-    """[Q, Ls] int64 packed index of each suffix token (padded likewise); None without suffixes."""
-    suffix_kv_index: torch.Tensor | None = None
-    """[Q, Lp + Ls] int64 keys of each suffix: its prefix's tokens, then its own."""
-    suffix_mask: torch.Tensor | None = None
-    """[Q, 1, Ls, Lp + Ls] bool: key j is visible to query i of the suffix."""
+    prefix_index: list[torch.Tensor] = None
+    """Per group of prefixes of similar length: [P, Lp] int64 packed index of each prefix
+    token (right-padded by repeating the segment's last token)."""
+    suffix_index: list[torch.Tensor] = None
+    """Per group of suffixes: [Q, Ls] int64 packed index of each suffix token (padded likewise)."""
+    suffix_kv_index: list[torch.Tensor] = None
+    """Per group of suffixes: [Q, Lp + Ls] int64 keys of each suffix: its prefix's tokens, then its own."""
+    suffix_mask: list[torch.Tensor] = None
+    """Per group of suffixes: [Q, 1, Ls, Lp + Ls] bool, key j is visible to query i of the suffix."""
     out_index: torch.Tensor = None
-    """[T] int64 row of each packed token in cat(prefix outputs [P*Lp], suffix outputs [Q*Ls])."""
+    """[T] int64 row of each packed token in the concatenated outputs of every group, prefix
+    groups first, each [P, Lp] or [Q, Ls] flattened."""
 
 
 def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -84,15 +88,12 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     def rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # [B, heads, L, hn]
         return t.index_select(0, index.reshape(-1)).view(*index.shape, *t.shape[1:]).transpose(1, 2)
 
-    prefix = params.prefix_index
-    outs = [F.scaled_dot_product_attention(rows(query, prefix), rows(key, prefix), rows(value, prefix),
-                                           is_causal=True, scale=scale, enable_gqa=gqa)]
-    if params.suffix_index is not None:
-        kv = params.suffix_kv_index
-        outs.append(F.scaled_dot_product_attention(
-            rows(query, params.suffix_index), rows(key, kv), rows(value, kv),
-            attn_mask=params.suffix_mask, scale=scale, enable_gqa=gqa,
-        ))
+    outs = [F.scaled_dot_product_attention(rows(query, index), rows(key, index), rows(value, index),
+                                           is_causal=True, scale=scale, enable_gqa=gqa)
+            for index in params.prefix_index]
+    for index, kv, mask in zip(params.suffix_index, params.suffix_kv_index, params.suffix_mask, strict=True):
+        outs.append(F.scaled_dot_product_attention(rows(query, index), rows(key, kv), rows(value, kv),
+                                                   attn_mask=mask, scale=scale, enable_gqa=gqa))
     width = query.shape[1] * query.shape[2]
     flat = torch.cat([o.transpose(1, 2).reshape(-1, width) for o in outs])
     return flat.index_select(0, params.out_index)

@@ -90,6 +90,10 @@ class ProcessEngine:
         child_conn.close()
         self._send_lock = threading.Lock()
         self._state = threading.Lock()
+        # multiprocessing's Popen.poll is not thread-safe: when the reader thread and a caller
+        # both wait on the child, one reaps it and the other's waitpid fails (ECHILD), leaving
+        # is_alive() True and exitcode None for a dead child. Every wait goes through this lock.
+        self._wait_lock = threading.Lock()
         self._ids = itertools.count()
         self._pending: dict[int, Future[Any]] = {}
         self._streams: dict[int, _Stream] = {}
@@ -153,7 +157,7 @@ class ProcessEngine:
 
     def health(self) -> bool:
         """Whether the child is alive and answers."""
-        if self._dead is not None or not self._process.is_alive():
+        if self._dead is not None or not self._alive():
             return False
         try:
             return bool(self._call("health", timeout_s=30.0))
@@ -162,14 +166,24 @@ class ProcessEngine:
 
     def shutdown(self) -> None:
         """Stop the child (it finishes its current decode step first)."""
-        if self._process.is_alive():
+        if self._alive():
             with contextlib.suppress(OSError, EngineError):
                 self._send(("shutdown",))
-            self._process.join(timeout=30)
-            if self._process.is_alive():
+            self._join(timeout=30)
+            if self._alive():
                 self._process.kill()
-                self._process.join(timeout=10)
+                self._join(timeout=10)
         self._conn.close()
+
+    def _alive(self) -> bool:
+        with self._wait_lock:
+            return self._process.is_alive()
+
+    def _join(self, timeout: float) -> int | None:
+        """Wait for the child to exit; its exit code (None while it runs)."""
+        with self._wait_lock:
+            self._process.join(timeout=timeout)
+            return self._process.exitcode
 
     # ------------------------------------------------------------------ the pipe
 
@@ -204,8 +218,8 @@ class ProcessEngine:
             try:
                 message = self._conn.recv()
             except (EOFError, OSError):
-                self._process.join(timeout=5)
-                self._fail_all(f"its process (pid {self._process.pid}) exited with code {self._process.exitcode}")
+                code = self._join(timeout=5)
+                self._fail_all(f"its process (pid {self._process.pid}) exited with code {code}")
                 return
             try:
                 self._dispatch(message)

@@ -17,15 +17,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["ATTENTION", "register_attention"]
+__all__ = ["ATTENTION", "attention_for", "register_attention"]
 
 ATTENTION = "megatron_dapo_sdpa"
+
+_FAMILIES = frozenset({"qwen2", "llama"})
+"""Model types whose attention is plain causal SDPA (what models/ adapts); for any other the
+engine keeps transformers' default, which knows the model's own attention variants."""
 
 
 def _sdpa_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
               is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """query [b, heads, q, d], key/value [b, kv_heads, k, d] -> ([b, q, heads, d], None)."""
+    """query [b, heads, q, d], key/value [b, kv_heads, k, d] -> ([b, q, heads, d], None).
+
+    Other keyword arguments are ignored as transformers' sdpa ignores them (a sliding window
+    is already in the mask).
+    """
     del kwargs
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q_len = query.shape[2]
@@ -36,6 +44,11 @@ def _sdpa_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, is_causal=causal, enable_gqa=key.shape[1] != query.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def attention_for(model_type: str) -> str | None:
+    """The attn_implementation for an HF config's model_type (registered), or None for the default."""
+    return register_attention() if model_type in _FAMILIES else None
 
 
 def register_attention() -> str:

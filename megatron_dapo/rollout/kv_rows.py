@@ -33,10 +33,12 @@ __all__ = ["RowBufferLayer"]
 class RowBufferLayer(DynamicLayer):
     """One attention layer's KV cache of the running batch (see the module docstring)."""
 
-    def __init__(self, max_rows: int, spare_columns: int) -> None:
+    def __init__(self, max_rows: int, spare_columns: int = 16) -> None:
         """Args:
             max_rows: the most rows the batch holds.
-            spare_columns: columns added on either side when the buffer grows.
+            spare_columns: the least room added on either side when the buffer grows; rows
+                and columns grow by doubling, so the buffers stay within about twice what
+                the running rows use.
         """
         super().__init__()
         self.max_rows = max_rows
@@ -72,13 +74,13 @@ class RowBufferLayer(DynamicLayer):
             raise ValueError(f"{self.rows} + {count} rows exceed the batch's {self.max_rows}")
         if self.kbuf is None:
             self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-            shape = (self.max_rows, keys.shape[1], width + 2 * self.spare, keys.shape[-1])
+            shape = (count, keys.shape[1], width + 2 * self.spare, keys.shape[-1])
             self.kbuf = keys.new_zeros(shape)
             self.vbuf = values.new_zeros(shape)
             self.start = self.end = self.spare + width
         if self.rows == 0:  # nothing live: start the live block afresh
             self.start = self.end
-        self._reserve(left=max(0, width - (self.end - self.start)), right=0)
+        self._reserve(left=max(0, width - (self.end - self.start)), right=0, rows=self.rows + count)
         self.start = min(self.start, self.end - width)
         rows = slice(self.rows, self.rows + count)
         self.kbuf[rows, :, self.start:self.end - width] = 0  # the newcomers' left padding
@@ -110,17 +112,33 @@ class RowBufferLayer(DynamicLayer):
         self.keys = self.kbuf[: self.rows, :, self.start:self.end]
         self.values = self.vbuf[: self.rows, :, self.start:self.end]
 
-    def _reserve(self, *, left: int, right: int) -> None:
-        """Make room for `left` more columns before start and `right` after end (reallocating if needed)."""
-        columns = self.kbuf.shape[2]
-        if self.start >= left and self.end + right <= columns:
+    def _reserve(self, *, left: int, right: int, rows: int = 0) -> None:
+        """Make room for `left` more columns before start, `right` after end and `rows` rows.
+
+        Reallocates (zeroed, the live block copied) only when the buffer lacks the room; it
+        then grows by at least doubling, so appends cost amortised O(1) copies per column.
+        """
+        capacity, columns = self.kbuf.shape[0], self.kbuf.shape[2]
+        if self.start >= left and self.end + right <= columns and rows <= capacity:
             return
         width = self.end - self.start
+        if rows > capacity:
+            capacity = min(self.max_rows, max(rows, 2 * capacity))
         new_start = left + self.spare
-        shape = (*self.kbuf.shape[:2], new_start + width + right + self.spare, self.kbuf.shape[-1])
+        room = max(self.spare, width + right)  # doubling to the right, where decoding appends
+        shape = (capacity, self.kbuf.shape[1], new_start + width + right + room, self.kbuf.shape[-1])
         for name in ("kbuf", "vbuf"):
             old = getattr(self, name)
             new = old.new_zeros(shape)
             new[: self.rows, :, new_start:new_start + width] = old[: self.rows, :, self.start:self.end]
             setattr(self, name, new)
         self.start, self.end = new_start, new_start + width
+
+    # -------------------------------------------------------------- DynamicLayer methods that
+    # would reassign keys/values behind the buffers' bookkeeping: the decoder never calls them.
+
+    def _unsupported(self, *args: object, **kwargs: object) -> None:
+        raise NotImplementedError("RowBufferLayer is the continuous batch's cache: rows join with join() and "
+                                  "leave with move_rows(); generate()-style cache edits are not supported")
+
+    batch_select_indices = reorder_cache = crop = batch_repeat_interleave = reset = _unsupported

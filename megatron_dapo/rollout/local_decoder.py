@@ -180,7 +180,7 @@ class ContinuousDecoder:
         if self._cache is None or not self._rows:
             # The running cache lives in preallocated buffers (rollout/kv_rows.py).
             running = DynamicCache(config=self._model.config)
-            running.layers = [RowBufferLayer(self.max_rows, self._params.max_new_tokens) for _ in cache.layers]
+            running.layers = [RowBufferLayer(self.max_rows) for _ in cache.layers]
             self._cache, self._mask = running, mask.new_zeros(0, 0)
         for layer, new in zip(self._cache.layers, cache.layers, strict=True):
             if not isinstance(new, DynamicLayer) or type(new) is not DynamicLayer:

@@ -36,7 +36,7 @@ from megatron_dapo.rollout.engine import (
     check_prompts,
     response_seed,
 )
-from megatron_dapo.rollout.hf_attention import register_attention
+from megatron_dapo.rollout.hf_attention import attention_for
 from megatron_dapo.rollout.local_decoder import ContinuousDecoder, DecodeRow, FinishedRow
 from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed
 
@@ -79,7 +79,7 @@ class LocalEngine:
                 "(the tiny-checkpoint maker or `save_pretrained` writes one)"
             )
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        attention = register_attention()  # SDPA without copying grouped KV heads (rollout/hf_attention.py)
+        attention = attention_for(config.model_type)  # SDPA reading grouped KV heads in place
         if load_weights:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                          attn_implementation=attention)

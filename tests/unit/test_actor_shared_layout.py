@@ -70,20 +70,21 @@ def test_segment_indices_and_masks_give_each_token_its_padded_row_attention():
     total = mb.input_ids.shape[1]
     assert p.qkv_format == "thd" and p.cu_seqlens_q.tolist() == [0, total]
     assert p.max_seqlen_q == int(mb.position_ids.max()) + 1
-    # Reconstruct, for every packed token, the set of packed tokens it attends to.
-    seen: dict[int, set[int]] = {}
-    lp = p.prefix_index.shape[1]
+    # Reconstruct, for every packed token, the set of packed tokens it attends to: the
+    # attention's output rows are every prefix group's [P, Lp], then every suffix group's [Q, Ls].
+    readers: list[tuple[int, set[int]]] = []  # per output row: (the packed token it holds, what it sees)
+    for index in p.prefix_index:  # causal within the segment
+        for seg in range(index.shape[0]):
+            readers += [(int(index[seg, i]), set(index[seg, : i + 1].tolist())) for i in range(index.shape[1])]
+    for index, kv, mask in zip(p.suffix_index, p.suffix_kv_index, p.suffix_mask, strict=True):
+        for seg in range(index.shape[0]):
+            readers += [(int(index[seg, i]), set(kv[seg][mask[seg, 0, i]].tolist())) for i in range(index.shape[1])]
     assert len(set(p.out_index.tolist())) == total  # every packed token reads its own output row
+    seen: dict[int, set[int]] = {}
     for token, out_row in enumerate(p.out_index.tolist()):
-        if out_row < p.prefix_index.numel():  # prefix query: causal within its segment
-            seg, i = divmod(out_row, lp)
-            assert int(p.prefix_index[seg, i]) == token
-            seen[token] = set(p.prefix_index[seg, : i + 1].tolist())
-        else:
-            seg, i = divmod(out_row - p.prefix_index.numel(), p.suffix_index.shape[1])
-            assert int(p.suffix_index[seg, i]) == token
-            keys = p.suffix_kv_index[seg][p.suffix_mask[seg, 0, i]]
-            seen[token] = set(keys.tolist())
+        held, visible = readers[out_row]
+        assert held == token
+        seen[token] = visible
     # Expected: a token at row position t attends to the row's positions 0..t.
     for r, (prompt, resp) in enumerate(ROWS):
         for t in range(len(prompt) + len(resp)):
@@ -96,7 +97,9 @@ def test_sequence_parallel_padding_is_a_segment_of_its_own():
     real = 4 + 3 + 2 + 7
     assert mb.input_ids.shape[1] == 18
     p = mb.shared
-    assert p.prefix_index[-1, :2].tolist() == [16, 17]  # the padding attends only to itself
+    padding = [index[seg].tolist() for index in p.prefix_index for seg in range(index.shape[0])
+               if int(index[seg, 0]) == real]
+    assert padding and set(padding[0]) == {16, 17}  # the padding attends only to itself
     assert mb.position_ids[0, real:].tolist() == [0, 1]
     assert int(mb.source_index.max()) < real  # no row reads the padding
 
@@ -121,3 +124,21 @@ def test_the_budget_counts_a_shared_prompt_once_and_keeps_its_rows_together():
     assert split == [[0, 1, 3], [5, 2, 4]]  # cut in the middle, not every other row
     with pytest.raises(ValueError, match="padded=False"):
         pack_microbatches(lengths, 23, prompts=prompts)
+
+
+def test_one_long_response_does_not_pad_the_short_ones():
+    long_row = (PROMPT_A, list(range(100, 160)))
+    rows = [long_row] + [(PROMPT_A, [7, 8])] * 7
+    width = 4 + 60
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    response = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, (prompt, resp) in enumerate(rows):
+        ids[i, : len(prompt) + len(resp)] = torch.tensor(prompt + resp)
+        response[i, len(prompt): len(prompt) + len(resp)] = True
+    batch = RolloutBatch(input_ids=ids, seq_lens=torch.tensor([len(p) + len(r) for p, r in rows]),
+                         response_mask=response)
+    mb = build_shared_microbatch(batch, list(range(len(rows))))
+    real = sum(len(r) for _, r in rows)
+    padded = sum(index.numel() for index in mb.shared.suffix_index)
+    assert padded <= 2 * real < len(rows) * 60  # one group of 8 would have padded 480 query rows
+    assert [index.shape[1] for index in mb.shared.suffix_index] == [60, 2]  # two groups of lengths

@@ -135,3 +135,17 @@ def test_kernel_fusions_follow_what_each_needs(use_te, apex_wgrad, triton, on):
     fusions = kernel_fusions(use_te=use_te, apex_wgrad=apex_wgrad, triton=triton)
     assert set(fusions) == set(FUSION_FLAGS)
     assert {flag for flag, value in fusions.items() if value} == on
+
+
+@pytest.mark.parametrize(("packed", "use_te", "cp", "device_type", "on"), [
+    (False, False, 1, "cpu", True),
+    (False, False, 1, "cuda", False),  # SDPA with a mask and grouped heads: the math kernel on CUDA
+    (True, True, 1, "cuda", False),    # TE's thd packing
+    (False, True, 2, "cuda", False),   # CP splits padded rows
+    (False, False, 2, "cpu", False),
+])
+def test_shared_prompts_run_only_on_cpu_with_the_local_attention(packed, use_te, cp, device_type, on):
+    from megatron_dapo.actor.shared_layout import uses_shared_prompts
+
+    assert uses_shared_prompts(requested=True, packed=packed, use_te=use_te, cp=cp, device_type=device_type) is on
+    assert not uses_shared_prompts(requested=False, packed=packed, use_te=use_te, cp=cp, device_type=device_type)

@@ -60,3 +60,21 @@ def test_random_joins_appends_and_leaves_match_per_row_references():
                 assert torch.equal(layer.keys[b, :, -r.shape[1]:], r), (step, b)
                 assert torch.equal(layer.values[b, :, -r.shape[1]:], r), (step, b)
             assert bool(torch.isfinite(layer.keys).all())
+
+
+def test_buffers_grow_with_what_runs_not_with_the_batch_limit():
+    layer = RowBufferLayer(max_rows=256)
+    keys = torch.zeros(2, HEADS, 5, DIM)
+    layer.join(keys, keys)
+    assert layer.kbuf.shape[0] == 2 and layer.kbuf.shape[2] <= 5 + 2 * 16
+    for _ in range(100):  # appends: amortised doubling, never more than twice the live width (+ spare)
+        layer.update(torch.ones(2, HEADS, 1, DIM), torch.ones(2, HEADS, 1, DIM))
+        assert layer.kbuf.shape[2] <= 2 * (layer.end - layer.start) + 2 * 16 + 1
+    layer.join(torch.zeros(3, HEADS, 4, DIM), torch.zeros(3, HEADS, 4, DIM))
+    assert layer.kbuf.shape[0] == 5
+    try:
+        layer.batch_select_indices(torch.tensor([0]))
+    except NotImplementedError as err:
+        assert "join()" in str(err)
+    else:
+        raise AssertionError("batch_select_indices must not silently bypass the buffers")
