@@ -59,7 +59,7 @@ from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_micro
 from megatron_dapo.actor.settings import LossSettings, WarmupConstantLR, make_optimizer_config
 from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
 from megatron_dapo.algo import agg_loss, compute_policy_loss, kl_penalty
-from megatron_dapo.models import ModelAdapter, te_available
+from megatron_dapo.models import ModelAdapter, te_available, unwrap_model
 from megatron_dapo.models.shared_prompts import token_positions
 from megatron_dapo.parallel import ParallelDims
 
@@ -188,7 +188,8 @@ class MegatronActor:
         plan = pack_microbatches(lengths, self.max_tokens_per_microbatch, num_microbatches=int(count), **layout)
         on_device = _to_device(batch, self.dims.device)
         if shared:
-            return [build_shared_microbatch(on_device, idx, pad_to_multiple=self.seq_multiple) for idx in plan]
+            return [build_shared_microbatch(on_device, idx, pad_to_multiple=self.seq_multiple,
+                                            prompts=layout["prompts"]) for idx in plan]
         return [build_microbatch(on_device, idx, packed=self.packed, pad_to_multiple=self.seq_multiple)
                 for idx in plan]
 
@@ -205,7 +206,7 @@ class MegatronActor:
             if self.dims.cp > 1:  # this rank's load-balanced chunks; RoPE slices the same ones
                 held = cp_positions(input_ids.shape[1], self.dims.cp, self.dims.cp_rank)
                 input_ids, position_ids = split_sequence(input_ids, held), split_sequence(position_ids, held)
-            with token_positions(model, position_ids[0] if mb.shared is not None else None):
+            with token_positions(unwrap_model(model), position_ids[0] if mb.shared is not None else None):
                 output = model(input_ids, position_ids, None, packed_seq_params=mb.packed_seq_params())
             return output, partial(loss_func, mb)
 

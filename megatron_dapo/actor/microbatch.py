@@ -280,9 +280,6 @@ class MicroBatch:
         Returns:
             [n, S] values; positions without a token (padding) hold 0.
         """
-        if self.source_index is not None:
-            rows = values.index_select(0, self.source_index.reshape(-1)).view(self.targets.shape)
-            return torch.where(self.valid, rows, 0.0)
         if self.flat_index is None:
             return values.view(self.targets.shape)
         rows = values.new_zeros(self.targets.numel())

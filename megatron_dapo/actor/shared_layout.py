@@ -89,7 +89,8 @@ def _place(out_index: torch.Tensor, offset: int, width: int, segments: list[tupl
     return offset + len(segments) * width
 
 
-def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_to_multiple: int = 1) -> MicroBatch:
+def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_to_multiple: int = 1,
+                            prompts: Sequence[tuple[int, int]] | None = None) -> MicroBatch:
     """Model inputs of the rows `indices` in the shared-prompt layout, loss tensors as `[n, S]` rows.
 
     Args:
@@ -97,6 +98,7 @@ def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_
         indices: rows in this micro-batch; empty = a padding micro-batch (no loss).
         pad_to_multiple: the packed length is made a multiple of this (the TP size under
             sequence parallelism); the padding is a segment of its own.
+        prompts: `prompt_groups(batch)` when the caller has it already (None: computed here).
 
     Returns:
         The MicroBatch, with `source_index` and `shared` set, on the device of batch.input_ids.
@@ -108,8 +110,8 @@ def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_
     device = sub.input_ids.device
     num_rows, width = sub.input_ids.shape
     seq_lens = sub.seq_lens.tolist()
-    groups = prompt_groups(sub)
-    members: dict[int, list[int]] = {}
+    groups = prompt_groups(sub) if prompts is None else [prompts[i] for i in indices]
+    members: dict[int, list[int]] = {}  # prompt id -> rows of sub, in order of first appearance
     for r, (key, _) in enumerate(groups):
         members.setdefault(key, []).append(r)
 
@@ -129,8 +131,8 @@ def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_
         source[row, lo:hi] = torch.arange(start, start + hi - lo)
         return start
 
-    for key, rows in members.items():  # in order of each prompt's first row
-        plen = groups[key][1] if len(rows) > 1 else seq_lens[rows[0]]
+    for rows in members.values():  # in order of each prompt's first row
+        plen = groups[rows[0]][1] if len(rows) > 1 else seq_lens[rows[0]]
         start = emit(rows[0], 0, plen)
         prefix_starts.append(start)
         prefix_lens.append(plen)

@@ -99,12 +99,6 @@ def shared_prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch
     return flat.index_select(0, params.out_index)
 
 
-def _rotary(model: Any) -> Any:
-    from megatron_dapo.models.adapter import unwrap_model
-
-    return getattr(unwrap_model(model), "rotary_pos_emb", None)
-
-
 def enable_token_positions(gpt: Any) -> None:
     """Let `token_positions` give `gpt`'s RotaryEmbedding one row per packed token (idempotent)."""
     rope = getattr(gpt, "rotary_pos_emb", None)
@@ -124,9 +118,9 @@ def enable_token_positions(gpt: Any) -> None:
 
 
 @contextlib.contextmanager
-def token_positions(model: Any, positions: torch.Tensor | None) -> Iterator[None]:
-    """While active, `model`'s packed forward applies RoPE at `positions` [T] (None: no change)."""
-    rope = _rotary(model) if positions is not None else None
+def token_positions(gpt: Any, positions: torch.Tensor | None) -> Iterator[None]:
+    """While active, the GPTModel `gpt`'s packed forward applies RoPE at `positions` [T] (None: no change)."""
+    rope = getattr(gpt, "rotary_pos_emb", None) if positions is not None else None
     if rope is None:
         yield
         return

@@ -183,7 +183,7 @@ class ContinuousDecoder:
             running.layers = [RowBufferLayer(self.max_rows) for _ in cache.layers]
             self._cache, self._mask = running, mask.new_zeros(0, 0)
         for layer, new in zip(self._cache.layers, cache.layers, strict=True):
-            if not isinstance(new, DynamicLayer) or type(new) is not DynamicLayer:
+            if type(new) is not DynamicLayer:
                 raise TypeError(f"continuous batching needs plain DynamicLayer caches, got {type(new).__name__}")
             layer.join(new.keys, new.values)
         width = max(self._mask.shape[1], mask.shape[1])

@@ -142,3 +142,13 @@ def test_one_long_response_does_not_pad_the_short_ones():
     padded = sum(index.numel() for index in mb.shared.suffix_index)
     assert padded <= 2 * real < len(rows) * 60  # one group of 8 would have padded 480 query rows
     assert [index.shape[1] for index in mb.shared.suffix_index] == [60, 2]  # two groups of lengths
+
+
+def test_the_callers_prompt_groups_give_the_same_micro_batch():
+    batch = _batch()
+    for indices in ([1, 2, 3, 4], [5, 0, 3]):
+        own = build_shared_microbatch(batch, indices)
+        given = build_shared_microbatch(batch, indices, prompts=prompt_groups(batch))
+        for name in ("input_ids", "position_ids", "source_index"):
+            assert torch.equal(getattr(own, name), getattr(given, name)), (indices, name)
+        assert torch.equal(own.shared.out_index, given.shared.out_index)
