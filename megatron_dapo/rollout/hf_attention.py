@@ -46,9 +46,14 @@ def _sdpa_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
     return out.transpose(1, 2).contiguous(), None
 
 
-def attention_for(model_type: str) -> str | None:
-    """The attn_implementation for an HF config's model_type (registered), or None for the default."""
-    return register_attention() if model_type in _FAMILIES else None
+def attention_for(model_type: str, device_type: str) -> str | None:
+    """The attn_implementation for an HF config's model_type on a device (registered), or None for the default.
+
+    CPU only: on CUDA a mask with grouped KV heads puts torch's SDPA on its math kernel,
+    which transformers' own sdpa avoids by copying the heads (`use_gqa_in_sdpa`); there the
+    copy is the cheaper side of that trade, so GPUs keep transformers' default.
+    """
+    return register_attention() if model_type in _FAMILIES and device_type == "cpu" else None
 
 
 def register_attention() -> str:

@@ -79,13 +79,14 @@ class LocalEngine:
                 "(the tiny-checkpoint maker or `save_pretrained` writes one)"
             )
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-        attention = attention_for(config.model_type)  # SDPA reading grouped KV heads in place
+        self._device = torch.device(device)
+        # SDPA reading grouped KV heads in place, on CPU (rollout/hf_attention.py).
+        attention = attention_for(config.model_type, self._device.type)
         if load_weights:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
                                                          attn_implementation=attention)
         else:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
-        self._device = torch.device(device)
         self._model: PreTrainedModel = model.to(self._device).eval()
         self._vocab_size = int(config.vocab_size)
         eos = config.eos_token_id

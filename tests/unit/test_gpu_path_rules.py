@@ -149,3 +149,11 @@ def test_shared_prompts_run_only_on_cpu_with_the_local_attention(packed, use_te,
 
     assert uses_shared_prompts(requested=True, packed=packed, use_te=use_te, cp=cp, device_type=device_type) is on
     assert not uses_shared_prompts(requested=False, packed=packed, use_te=use_te, cp=cp, device_type=device_type)
+
+
+def test_the_engines_grouped_kv_attention_is_cpu_only():
+    from megatron_dapo.rollout.hf_attention import ATTENTION, attention_for
+
+    assert attention_for("qwen2", "cpu") == ATTENTION and attention_for("llama", "cpu") == ATTENTION
+    assert attention_for("qwen2", "cuda") is None  # transformers' sdpa: no math-kernel fallback
+    assert attention_for("gemma2", "cpu") is None  # other attention variants keep their default
