@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 
 from megatron_dapo import parallel
-from megatron_dapo.collect_step import collect_batch
+from megatron_dapo.collect import collect_batch
 from megatron_dapo.config_loader import load_config
 from megatron_dapo.errors import quiet_optional_backend_warnings
 from megatron_dapo.metrics import Timer

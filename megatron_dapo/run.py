@@ -27,8 +27,7 @@ from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimize
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.actor.reference import ReferencePolicy
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
-from megatron_dapo.collect import CollectSettings, Group, val_sampling_params
-from megatron_dapo.collect_step import CollectState
+from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config_loader import to_dict
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset

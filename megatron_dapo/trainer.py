@@ -27,9 +27,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_correction
-from megatron_dapo.async_rollout import RolloutProducer, check_staleness, staleness_metrics
-from megatron_dapo.collect import Group, evaluate
-from megatron_dapo.collect_step import collect_batch
+from megatron_dapo.collect import Group, collect_batch, score_heldout
+from megatron_dapo.collect.producer import RolloutProducer, check_staleness, staleness_metrics
 from megatron_dapo.faults import fault_point
 from megatron_dapo.metrics import Timer
 from megatron_dapo.run import Run, Shard
@@ -160,7 +159,7 @@ def stop_producer(run: Run, producer: RolloutProducer, timeout_s: float = 60.0) 
 
 
 def start_producer(run: Run) -> RolloutProducer:
-    """The controller's rollout thread of the asynchronous loop (async_rollout.py)."""
+    """The controller's rollout thread of the asynchronous loop (collect/producer.py)."""
     t, rc = run.cfg.trainer, run.cfg.algorithm.rollout_correction
     if t.max_staleness > 0 and rc.rollout_is is None and rc.rollout_rs is None and not rc.bypass_mode:
         logger.warning("trainer.max_staleness=%d without a rollout correction: the update treats responses of "
@@ -287,7 +286,7 @@ def validate(run: Run) -> dict[str, float]:
     """avg@k on the held-out prompts (controller); other ranks return {}."""
     if not run.dims.is_controller or not run.val_prompts:
         return {}
-    return evaluate(run.val_prompts, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
+    return score_heldout(run.val_prompts, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
                     params=run.val_sampling)
 
 

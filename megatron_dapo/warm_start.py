@@ -152,7 +152,7 @@ def warm_start(cfg: Config, actor: MegatronActor, control: parallel.ControlGroup
 def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
                        closers: list[Callable[[], None]]) -> Callable[[list[tuple[str, torch.Tensor]]], float]:
     """Controller: HF tensors -> the trainer's val/acc of them (same prompts, sampling and reward)."""
-    from megatron_dapo.collect import evaluate, val_sampling_params
+    from megatron_dapo.collect import score_heldout, val_sampling_params
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.rewards.pool import RewardPool
     from megatron_dapo.rollout.controller import RolloutController
@@ -172,7 +172,7 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
     def held_out_accuracy(tensors: list[tuple[str, torch.Tensor]]) -> float:
         engine.update_weights(tensors)
         engine.finish_weight_update()
-        return float(evaluate(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params)["val/acc"])
+        return float(score_heldout(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params)["val/acc"])
 
     return held_out_accuracy
 

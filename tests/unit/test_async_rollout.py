@@ -1,4 +1,4 @@
-"""The asynchronous loop's staleness bound, resume point and failure handling (async_rollout.py).
+"""The asynchronous loop's staleness bound, resume point and failure handling (collect/producer.py).
 
 A fake collection stands in for the engines: it records the weight version the engines
 held when it started and when each of its responses was sampled, and takes random time,
@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from megatron_dapo.async_rollout import (
+from megatron_dapo.collect import Group, Sample
+from megatron_dapo.collect.producer import (
     RolloutProducer,
     StalenessError,
     check_staleness,
     staleness_metrics,
 )
-from megatron_dapo.collect import Group, Sample
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config_loader import load_config
 from megatron_dapo.data.datasets import PromptRecord

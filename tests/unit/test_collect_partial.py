@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 from test_rollout_local_engine import make_tiny_qwen2
 
-from megatron_dapo.collect import CollectSettings
-from megatron_dapo.collect_step import CollectState, collect_batch
+from megatron_dapo.collect import CollectSettings, CollectState, collect_batch
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController

@@ -2,7 +2,7 @@
 
 With `rollout.placement: disaggregated` the engines do not share the actor's devices, so
 they need not wait for it. A `RolloutProducer` thread on the controller collects the
-batches of the coming steps (collect_step.collect_batch, streaming dynamic sampling and
+batches of the coming steps (collect.batch.collect_batch, streaming dynamic sampling and
 overlong shaping unchanged) while the trainer's thread updates the actor and syncs the
 weights; the engines load each new version between two decode steps and go on.
 
@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_dapo.collect import Group
+from megatron_dapo.collect.types import Group
 
 __all__ = ["ProducedBatch", "RolloutProducer", "StalenessError", "check_staleness", "staleness_metrics"]
 

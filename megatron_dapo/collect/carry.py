@@ -1,0 +1,98 @@
+"""What collection carries from one step to the next: the keep rate and partial rollouts.
+
+With `rollout.partial_rollout` the groups a full batch's abort left incomplete (responses
+cut short with their tokens and per-token engine log-probs, their finished mates, prompts
+never started) are kept as `CarriedGroup`s and continued first in the next step under the
+new weights. `CollectState` holds them and the last step's keep rate (the streaming gate's
+prior), and round-trips through the checkpoint's trainer state, prompts as sampler
+positions. A response may span at most `rollout.partial_rollout_max_versions` versions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from megatron_dapo.data.datasets import PromptRecord, PromptSampler
+from megatron_dapo.rollout.engine import GenerationResult
+
+
+@dataclass(kw_only=True, slots=True)
+class CarriedGroup:
+    """A group the batch's abort left incomplete, continued in a later step (partial rollout)."""
+
+    record: PromptRecord
+    """The prompt."""
+    results: list[GenerationResult]
+    """Its n responses in sample order: reason abort = to continue from its tokens, else final."""
+    versions: list[int]
+    """Weight versions each response's tokens were sampled under so far (0 = no token yet)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CollectState:
+    """What collection carries from one step to the next (saved in checkpoints)."""
+
+    keep_rate: float = 0.5
+    """Share of the last step's finished groups that dynamic sampling kept: the prior of how many
+    prompts the next step puts in flight."""
+    carried: list[CarriedGroup] = field(default_factory=list)
+    """Partial rollouts to continue first in the next step."""
+
+    def state_dict(self, sampler: PromptSampler | None) -> dict[str, Any]:
+        """For the checkpoint's trainer state; prompts are saved as their sampler positions."""
+        carried = []
+        for c in self.carried:
+            assert sampler is not None, "carried groups come from the controller's sampler"
+            carried.append({"position": sampler.position_of(c.record), "versions": list(c.versions),
+                            "results": [[r.sample_index, r.output_ids, r.logprobs, r.finish_reason]
+                                        for r in c.results]})
+        return {"keep_rate": self.keep_rate, "carried": carried}
+
+    def load_state_dict(self, state: dict[str, Any], sampler: PromptSampler | None) -> None:
+        """Restore what state_dict returned."""
+        self.keep_rate = float(state["keep_rate"])
+        self.carried = []
+        for c in state.get("carried", []):
+            assert sampler is not None, "carried groups need the controller's sampler"
+            results = [GenerationResult(prompt_index=0, sample_index=int(j), output_ids=list(ids),
+                                        logprobs=[float(x) for x in lps], finish_reason=why)
+                       for j, ids, lps, why in c["results"]]
+            self.carried.append(CarriedGroup(record=sampler.record_at(int(c["position"])), results=results,
+                                             versions=[int(v) for v in c["versions"]]))
+
+
+def new_tokens(carried: CarriedGroup | None, result: GenerationResult) -> int:
+    """Tokens of `result` generated in this step (a carried prefix was counted when it was made)."""
+    before = 0 if carried is None else len(carried.results[result.sample_index].output_ids)
+    return len(result.output_ids) - before
+
+
+def versions_spanned(carried: CarriedGroup | None, result: GenerationResult) -> int:
+    """Weight versions `result`'s tokens span: the carried count, plus this step's if it added tokens."""
+    before = 0 if carried is None else carried.versions[result.sample_index]
+    return before + (1 if new_tokens(carried, result) > 0 else 0)
+
+
+def carry_incomplete(incomplete: list[GenerationResult], records: list[PromptRecord],
+           carried_in: dict[int, CarriedGroup], n: int) -> list[CarriedGroup]:
+    """The incomplete groups as CarriedGroups, in feed order."""
+    by_index: dict[int, list[GenerationResult]] = {}
+    for r in incomplete:
+        by_index.setdefault(r.prompt_index, []).append(r)
+    carry = []
+    for index in sorted(by_index):
+        results = sorted(by_index[index], key=lambda r: r.sample_index)
+        assert [r.sample_index for r in results] == list(range(n)), "an engine returned a partial group"
+        carry.append(CarriedGroup(record=records[index], results=results,
+                                  versions=[versions_spanned(carried_in.get(index), r) for r in results]))
+    return carry
+
+
+def within_version_bound(carried: list[CarriedGroup], max_versions: int) -> tuple[list[CarriedGroup], list[CarriedGroup]]:
+    """Split carried groups into (continue, drop): continuing a response adds this step's version."""
+    keep, drop = [], []
+    for c in carried:
+        over = any(r.finish_reason == "abort" and v + 1 > max_versions for r, v in zip(c.results, c.versions))
+        (drop if over else keep).append(c)
+    return keep, drop
