@@ -27,7 +27,7 @@ from dataclasses import replace
 
 from megatron_dapo import parallel
 from megatron_dapo.collect import collect_batch
-from megatron_dapo.config_loader import load_config
+from megatron_dapo.config.loader import load_config
 from megatron_dapo.errors import quiet_optional_backend_warnings
 from megatron_dapo.metrics import Timer
 from megatron_dapo.run import build_run

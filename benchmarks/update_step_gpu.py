@@ -56,7 +56,7 @@ def batch_of(tokens: int, seq_len: int, vocab: int):
 
 
 def plan_for(ckpt: Path, tokens: int, recompute: bool) -> tuple[float, float, object]:
-    from megatron_dapo.config_loader import load_config
+    from megatron_dapo.config.loader import load_config
     from megatron_dapo.plan import GPUS, Assumptions, ModelDims, make_plan
 
     cfg = load_config(None, [f"model.hf_checkpoint={ckpt}", f"trainer.max_tokens_per_microbatch={tokens}",

@@ -72,7 +72,7 @@ def prepare(cache_dir: Path, ours_python: str, ours_path: Path, workdir: Path) -
     """Model, tokenizer and prompts both sides use; trains the cached SFT warm start if missing."""
     from types import SimpleNamespace
 
-    from megatron_dapo.config_loader import load_config
+    from megatron_dapo.config.loader import load_config
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.embedded import task_for

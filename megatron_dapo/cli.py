@@ -20,7 +20,7 @@ from megatron_dapo.errors import EXIT_USER_ERROR, CliParser, UserError, quiet_op
 
 
 def _config_show(args: argparse.Namespace) -> int:
-    from megatron_dapo.config_loader import load_config, to_yaml
+    from megatron_dapo.config.loader import load_config, to_yaml
 
     cfg = load_config(args.file, args.overrides)
     sys.stdout.write(to_yaml(cfg))
@@ -28,8 +28,8 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def _config_validate(args: argparse.Namespace) -> int:
-    from megatron_dapo.config_loader import load_config
-    from megatron_dapo.preflight import check_inputs
+    from megatron_dapo.config.loader import load_config
+    from megatron_dapo.config.preflight import check_inputs
 
     cfg = load_config(args.file, args.overrides)
     check_inputs(cfg)

@@ -183,7 +183,7 @@ def stored_config(ckpt: Path | None) -> Config | None:
         return None
     import yaml
 
-    from megatron_dapo.config_loader import from_dict
+    from megatron_dapo.config.loader import from_dict
 
     return from_dict(yaml.safe_load((ckpt / CONFIG_YAML).read_text()), source=str(ckpt / CONFIG_YAML))
 
@@ -415,7 +415,7 @@ def add_eval_arguments(parser: Any) -> None:
 
 def run_eval(args: Any) -> int:
     """`megatron-dapo eval`: resolve settings, evaluate, print the table, write the summary JSON."""
-    from megatron_dapo.config_loader import load_config
+    from megatron_dapo.config.loader import load_config
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():

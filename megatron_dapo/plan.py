@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.config_loader import load_config
+from megatron_dapo.config.loader import load_config
 from megatron_dapo.errors import CliParser
 from megatron_dapo.plan_model import (
     EMBEDDED_VOCAB_SIZE,

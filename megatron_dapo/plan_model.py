@@ -361,7 +361,7 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
         warnings.append(f"TP={tp} does not divide {gpus_per_node} GPUs per node: TP groups span nodes "
                         "(slow all-reduces over the network)")
     gpu_bytes = hardware.mem_gib * GIB
-    # dtype auto is bf16 on GPU and fp32 on CPU (config.py); the planner follows the device.
+    # dtype auto is bf16 on GPU and fp32 on CPU (config/training.py); the planner follows the device.
     bf16 = cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and cfg.trainer.device != "cpu")
 
     # Actor model states.

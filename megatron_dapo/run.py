@@ -29,7 +29,8 @@ from megatron_dapo.actor.reference import ReferencePolicy
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
 from megatron_dapo.config import Config, OptimConfig
-from megatron_dapo.config_loader import to_dict
+from megatron_dapo.config.loader import to_dict
+from megatron_dapo.config.preflight import check_hf_checkpoint
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
 from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
 from megatron_dapo.device import release_cached_memory
@@ -38,7 +39,6 @@ from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
 from megatron_dapo.output_dir import prepare_output_dir
-from megatron_dapo.preflight import check_hf_checkpoint
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.colocated import ColocatedEngines, launch_colocated_engines
 from megatron_dapo.rollout.controller import RolloutController

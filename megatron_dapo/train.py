@@ -34,7 +34,7 @@ PEER_GONE_GRACE_S = 5.0
 def train(config_path: str, overrides: list[str]) -> dict[str, float]:
     """Load the config, build the run, train; returns the last metrics on the controller."""
     from megatron_dapo import parallel
-    from megatron_dapo.config_loader import load_config
+    from megatron_dapo.config.loader import load_config
     from megatron_dapo.run import build_run
     from megatron_dapo.trainer import fit
 

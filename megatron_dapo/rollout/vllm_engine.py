@@ -28,7 +28,7 @@ Log-probs: the server runs with ``--logprobs-mode processed_logprobs``, which re
 ``log_softmax(logits / T)`` of the sampled token after temperature and after top-k/top-p
 (sampler.py: the processed logits are the top-k/top-p-masked ones). With top_k = -1 and
 top_p = 1 that is exactly the contract of engine.py; with truncation vLLM 0.32 has no
-mode that reports the untruncated value, so config.py rejects top_p < 1 / top_k > 0 for
+mode that reports the untruncated value, so config/rollout.py rejects top_p < 1 / top_k > 0 for
 training rollouts on this engine (evaluation sampling does not use log-probs). Greedy
 requests report ``log_softmax(logits)``, as engine.py specifies. The default
 ``raw_logprobs`` would be ``log_softmax(logits)`` at every temperature: wrong for T != 1.

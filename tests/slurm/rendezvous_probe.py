@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 
-from megatron_dapo.config_loader import load_config
+from megatron_dapo.config.loader import load_config
 
 PREEMPT_STEP = 7
 """The step number the probe writes into PREEMPTED (the test reads it back from the log)."""

@@ -21,7 +21,7 @@ from megatron_dapo.collect.producer import (
     staleness_metrics,
 )
 from megatron_dapo.config import ConfigError
-from megatron_dapo.config_loader import load_config
+from megatron_dapo.config.loader import load_config
 from megatron_dapo.data.datasets import PromptRecord
 
 RECORD = PromptRecord(index=0, prompt_ids=[1], messages=[], prompt_text="1", ground_truth="1", data_source="t")

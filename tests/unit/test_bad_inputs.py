@@ -2,7 +2,7 @@
 or resume checkpoint ends in ONE line naming it, exit code 2, no traceback.
 
 Every case runs the real CLI in-process (`megatron-dapo config validate ...` and friends), which
-reads what `train` would read first (megatron_dapo/preflight.py), so the table stays fast.
+reads what `train` would read first (megatron_dapo/config/preflight.py), so the table stays fast.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import yaml
 
 from megatron_dapo import cli
 from megatron_dapo.config import Config, ConfigError
-from megatron_dapo.config_loader import from_dict, load_config, to_dict, to_yaml
+from megatron_dapo.config.loader import from_dict, load_config, to_dict, to_yaml
 
 EXAMPLES = sorted(Path(__file__).resolve().parents[2].glob("examples/*.yaml"))
 

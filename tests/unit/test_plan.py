@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.config import ConfigError
-from megatron_dapo.config_loader import load_config
+from megatron_dapo.config.loader import load_config
 from megatron_dapo.plan import (
     GIB,
     GPUS,

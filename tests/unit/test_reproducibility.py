@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_dapo import warm_start
-from megatron_dapo.config_loader import load_config
+from megatron_dapo.config.loader import load_config
 from megatron_dapo.embedded import NUMERIC_LIBRARIES, environment_key
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_dapo.config import Config
+from megatron_dapo.config.experiment import Config
 from megatron_dapo.errors import UserError
 
 

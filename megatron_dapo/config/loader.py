@@ -1,6 +1,6 @@
 """YAML <-> Config: strict loading with dotted command-line overrides, and the way back.
 
-config.py holds the typed dataclasses and their validation; this module only reads and
+The section modules hold the typed dataclasses and their validation; this module only reads and
 writes them. Loading is strict: an unknown key, a wrong type or an inconsistent value
 fails with one line naming the key, where it came from (the file or the command line)
 and the fix.
@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
-from megatron_dapo.config import Config, ConfigError, _FieldError
+from megatron_dapo.config.experiment import Config
+from megatron_dapo.config.fields import ConfigError, _FieldError
 
 
 class _YamlLoader(yaml.SafeLoader):

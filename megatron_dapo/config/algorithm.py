@@ -1,0 +1,117 @@
+"""The `algorithm` section: the policy objective (clip ratios, aggregation, KL), dynamic
+sampling's filter and the rollout correction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from megatron_dapo.config.fields import _check
+
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+"""algorithm.loss_agg_mode; the same modes as megatron_dapo.algo.LOSS_AGG_MODES, which the actor checks."""
+
+
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutCorrectionConfig:
+    """Importance sampling / rejection between the engine's log-probs and the trainer's (DESIGN.md)."""
+
+    rollout_is: Literal["token", "sequence", "geometric"] | None = None
+    """IS weights pi_old / pi_rollout: per token (TIS), per sequence (product) or its geometric mean."""
+    rollout_is_threshold: float = 2.0
+    """IS weights are truncated at this value."""
+    rollout_rs: Literal["token", "sequence", "geometric"] | None = None
+    """Rejection: tokens or sequences whose ratio is outside [lower, upper] leave the loss."""
+    rollout_rs_threshold: float | None = None
+    """RS upper bound; null = rollout_is_threshold."""
+    rollout_rs_threshold_lower: float | None = None
+    """RS lower bound; null = 1 / upper."""
+    bypass_mode: bool = False
+    """Use the engine's log-probs as the old policy: no recomputation, PPO clips against pi_rollout."""
+
+    def __post_init__(self) -> None:
+        _check(self.rollout_is_threshold > 0, "rollout_is_threshold", "must be > 0")
+        if self.rollout_rs_threshold is not None:
+            _check(self.rollout_rs_threshold > 0, "rollout_rs_threshold", "must be > 0")
+        lower, upper = self.rs_bounds
+        _check(0 <= lower < upper, "rollout_rs_threshold_lower", f"must be in [0, upper={upper})")
+        if self.bypass_mode:
+            _check(self.rollout_is is None and self.rollout_rs is None, "bypass_mode",
+                   "uses the engine's log-probs as the old policy, so every IS/RS ratio is 1; unset "
+                   "rollout_is and rollout_rs, or set bypass_mode=false")
+
+    @property
+    def rs_bounds(self) -> tuple[float, float]:
+        """(lower, upper) of rejection sampling with the defaults resolved."""
+        upper = self.rollout_rs_threshold if self.rollout_rs_threshold is not None else self.rollout_is_threshold
+        lower = self.rollout_rs_threshold_lower if self.rollout_rs_threshold_lower is not None else 1.0 / upper
+        return lower, upper
+
+
+@dataclass(kw_only=True, slots=True)
+class FilterGroupsConfig:
+    """Dynamic sampling: drop groups whose metric has zero spread, generate until full."""
+
+    enable: bool = True
+    """Turn dynamic sampling on (DAPO) or off (GRPO)."""
+    metric: Literal["acc", "score", "seq_reward"] = "acc"
+    """Per-response value whose spread within a group decides keep/drop."""
+    max_num_gen_batches: int = 10
+    """Generation rounds per step before giving up with an error; 0 = unlimited. Streaming
+    allows max_num_gen_batches x data.gen_batch_size prompts per step."""
+    mode: Literal["streaming", "rounds"] = "streaming"
+    """streaming (slime): data.gen_batch_size prompts in flight, each group scored and filtered as
+    soon as its n responses are done, the rest aborted once the batch is full; rounds (verl's
+    DAPO recipe): whole rounds of gen_batch_size prompts, generate, score, filter, repeat."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_num_gen_batches >= 0, "max_num_gen_batches", "must be >= 0 (0 = unlimited)")
+
+
+@dataclass(kw_only=True, slots=True)
+class AlgorithmConfig:
+    """DAPO / GRPO policy objective."""
+
+    adv_estimator: Literal["grpo"] = "grpo"
+    """Group-relative advantage (the only estimator DAPO uses)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide by the group's std (GRPO/DAPO); false = Dr.GRPO."""
+    clip_ratio_low: float = 0.2
+    """epsilon_low of Clip-Higher."""
+    clip_ratio_high: float = 0.28
+    """epsilon_high of Clip-Higher (0.2 = symmetric PPO clip)."""
+    clip_ratio_c: float | None = 10.0
+    """Dual-clip bound for negative advantages (> 1), null = off."""
+    loss_agg_mode: LossAggMode = "token-mean"
+    """Loss aggregation: token-mean (DAPO, global over the mini-batch) or the GRPO-style modes."""
+    loss_scale_factor: float | None = None
+    """Constant divisor of seq-mean-token-sum-norm (Dr.GRPO's MAX_TOKENS); null = data.max_response_length."""
+    use_kl_loss: bool = False
+    """Add a KL term against the initial policy (DAPO: off)."""
+    kl_loss_coef: float = 0.0
+    """Weight of the KL term."""
+    kl_loss_type: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
+    """KL estimator."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus weight (0 = off)."""
+    overlong_filtering: bool = False
+    """Mask the loss of truncated responses (finish reason length)."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """Dynamic sampling."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Engine/trainer mismatch correction (verl's names); all off = mismatch metrics only."""
+
+    def __post_init__(self) -> None:
+        _check(0 < self.clip_ratio_low < 1, "clip_ratio_low", "must be in (0, 1); DAPO uses 0.2")
+        _check(0 < self.clip_ratio_high < 10, "clip_ratio_high", "must be in (0, 10); DAPO uses 0.28")
+        if self.clip_ratio_c is not None:
+            _check(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (or null to disable dual clip)")
+        _check(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")
+        if self.loss_scale_factor is not None:
+            _check(self.loss_scale_factor > 0, "loss_scale_factor", "must be > 0 (or null = data.max_response_length)")
+        if self.kl_loss_coef > 0:
+            _check(self.use_kl_loss, "kl_loss_coef", "is > 0 but use_kl_loss is false; set use_kl_loss=true")
+        _check(self.entropy_coeff >= 0, "entropy_coeff", "must be >= 0")

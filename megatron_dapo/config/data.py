@@ -1,0 +1,85 @@
+"""The `data` section: prompt files or the embedded task, lengths and batch sizes.
+
+Batch sizes count prompts (groups), as in verl: a step trains on
+`data.train_batch_size * rollout.n` responses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_dapo.config.fields import _check
+
+
+@dataclass(kw_only=True, slots=True)
+class EmbeddedTaskConfig:
+    """The built-in arithmetic task used when no data files are given."""
+
+    num_train: int = 4000
+    """Training problems generated."""
+    num_val: int = 200
+    """Held-out problems for evaluation."""
+    num_sft: int = 4000
+    """Worked solutions for the SFT warm start."""
+    seed: int = 1234
+    """Generator seed (train, SFT and val are disjoint from val)."""
+    add: float = 0.3
+    """Weight of a+b problems."""
+    sub: float = 0.3
+    """Weight of a-b problems."""
+    mul: float = 0.2
+    """Weight of a*b problems."""
+    two_step: float = 0.2
+    """Weight of two-operation problems with parentheses."""
+    max_digits: int = 2
+    """Digits of +/- operands (1..6)."""
+    solution_style: Literal["columns", "direct"] = "columns"
+    """SFT solutions of +/-: one line per digit column (learnable by a tiny model) or direct."""
+    tokenizer_vocab_size: int = 320
+    """Vocabulary of the sentencepiece tokenizer trained on the task (digits are single tokens)."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_train > 0, "num_train", "must be > 0")
+        _check(self.num_val > 0, "num_val", "must be > 0")
+        _check(self.num_sft > 0, "num_sft", "must be > 0")
+        for name in ("add", "sub", "mul", "two_step"):
+            _check(getattr(self, name) >= 0, name, "must be >= 0")
+        _check(self.add + self.sub + self.mul + self.two_step > 0, "add", "the weights must not all be 0")
+        _check(1 <= self.max_digits <= 6, "max_digits", "must be in 1..6")
+        _check(self.tokenizer_vocab_size >= 276, "tokenizer_vocab_size",
+               "must be >= 276 (4 special ids + 256 byte-fallback pieces + 16 characters)")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Prompts and batch sizes (sizes count prompts, i.e. groups)."""
+
+    train_files: list[str] = field(default_factory=list)
+    """Parquet/jsonl files (DAPO-Math-17K schema or {prompt, answer}); empty = the embedded task."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out files; empty = the embedded task's held-out split (or none with train_files)."""
+    max_prompt_length: int = 2048
+    """Longer prompts are dropped (and counted)."""
+    max_response_length: int = 20480
+    """Generation budget per response (L_max)."""
+    train_batch_size: int = 512
+    """Prompt groups per RL step after dynamic sampling."""
+    gen_batch_size: int = 1536
+    """Prompts per generation round (over-sampling for dynamic sampling)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch (deterministic from `seed`)."""
+    seed: int = 1
+    """Data order seed."""
+    embedded: EmbeddedTaskConfig = field(default_factory=EmbeddedTaskConfig)
+    """The built-in task."""
+
+    def __post_init__(self) -> None:
+        for key, files in (("train_files", self.train_files), ("val_files", self.val_files)):
+            _check(all(f.strip() for f in files), key, "holds an empty file name; list .parquet/.jsonl paths "
+                   "(or [] for the embedded task)")
+        _check(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
+        _check(self.max_response_length > 0, "max_response_length", "must be > 0")
+        _check(self.train_batch_size > 0, "train_batch_size", "must be > 0")
+        _check(self.gen_batch_size >= self.train_batch_size, "gen_batch_size",
+               f"must be >= train_batch_size={self.train_batch_size} (each round generates that many prompts)")

@@ -1,0 +1,181 @@
+"""`Config`, a whole experiment: every section, and the rules that span sections.
+
+Batch divisibility, the model's shape against the parallel sizes, the launcher's world
+size: whatever no single section can check alone is checked here, with the same one-line
+errors (`_check` names the key the user must change).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from megatron_dapo.config.algorithm import AlgorithmConfig
+from megatron_dapo.config.data import DataConfig
+from megatron_dapo.config.fields import ConfigError, _check, _FieldError
+from megatron_dapo.config.model import ModelConfig, ParallelConfig
+from megatron_dapo.config.reward import RewardConfig
+from megatron_dapo.config.rollout import RolloutConfig
+from megatron_dapo.config.training import LoggingConfig, OptimConfig, TrainerConfig
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A whole experiment."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        self._cross_checks()
+
+    def _cross_checks(self) -> None:
+        d, t, r, a = self.data, self.trainer, self.rollout, self.algorithm
+        _check(d.train_batch_size % t.ppo_mini_batch_size == 0, "trainer.ppo_mini_batch_size",
+               f"must divide data.train_batch_size={d.train_batch_size} "
+               f"(choose one of {_divisors(d.train_batch_size)})")
+        if a.filter_groups.enable:
+            _check(r.n >= 2, "rollout.n",
+                   "must be >= 2 with algorithm.filter_groups.enable=true (a group of one has no spread)")
+        if r.partial_rollout:
+            _check(a.filter_groups.enable and a.filter_groups.mode == "streaming", "rollout.partial_rollout",
+                   "continues responses that streaming aborted; it needs algorithm.filter_groups.enable=true "
+                   "and algorithm.filter_groups.mode=streaming")
+        if t.max_staleness > 0:
+            _check(r.placement == "disaggregated", "trainer.max_staleness",
+                   "needs rollout.placement=disaggregated: colocated engines share the actor's devices and "
+                   "cannot generate while it trains (or set trainer.max_staleness=0)")
+            _check(not r.partial_rollout, "rollout.partial_rollout",
+                   "is not supported with trainer.max_staleness > 0 yet (a carried response's oldest tokens "
+                   "could exceed the bound); set one of them off")
+        ob = self.reward.overlong_buffer
+        if ob.enable:
+            _check(ob.len < d.max_response_length, "reward.overlong_buffer.len",
+                   f"must be < data.max_response_length={d.max_response_length}; "
+                   "shrink the buffer or disable it (reward.overlong_buffer.enable=false)")
+        if self.model.hf_checkpoint is None:
+            s = self.model.scratch
+            _check(d.max_prompt_length + d.max_response_length <= s.max_position_embeddings,
+                   "data.max_response_length",
+                   f"prompt + response ({d.max_prompt_length}+{d.max_response_length}) exceeds "
+                   f"model.scratch.max_position_embeddings={s.max_position_embeddings}")
+            head_dim = s.hidden_size // s.num_attention_heads
+            # vLLM's CPU attention kernels reject head_dim 16 ("Unsupported CPU attention configuration").
+            _check(r.engine != "vllm" or t.device != "cpu" or head_dim >= 32, "model.scratch.hidden_size",
+                   f"head_dim {s.hidden_size}/{s.num_attention_heads}={head_dim} is below 32, which vLLM's CPU "
+                   "attention does not support; raise hidden_size or lower num_attention_heads")
+        p = self.parallel
+        if p.context_parallel_size > 1:
+            _check(t.device != "cpu", "parallel.context_parallel_size",
+                   "needs Transformer Engine attention on CUDA; set it to 1 with trainer.device=cpu")
+        self._check_model_shape(*self._model_shape())
+
+    @property
+    def old_log_probs_source(self) -> Literal["recompute", "current", "rollout"]:
+        """Where the importance ratio's old log-probs come from; trainer and planner both read this.
+
+        "rollout": algorithm.rollout_correction.bypass_mode, the engine's own log-probs.
+        "recompute": a forward-only pass over the whole batch before the first update (step
+        5), needed when a rollout correction (IS weights, rejection) must weigh the batch
+        before the update.
+        "current": no correction. The first mini-batch's update runs on the weights that are
+        the old policy, so its old log-probs are the detached log-probs of its own forward
+        (ratio exactly 1; later epochs reuse them); only the later mini-batches, trained
+        after the weights moved, get a forward-only pass before the first update
+        (`old_log_prob_pass_fraction`). With one update per step there is no extra pass.
+        """
+        rc = self.algorithm.rollout_correction
+        if rc.bypass_mode:
+            return "rollout"
+        correcting = rc.rollout_is is not None or rc.rollout_rs is not None
+        return "recompute" if correcting else "current"
+
+    @property
+    def old_log_prob_pass_fraction(self) -> float:
+        """The share of the batch the forward-only old-log-prob pass covers (planner and docs)."""
+        source = self.old_log_probs_source
+        if source != "current":
+            return 1.0 if source == "recompute" else 0.0
+        mini_batches = self.data.train_batch_size // self.trainer.ppo_mini_batch_size
+        return (mini_batches - 1) / mini_batches
+
+    def _model_shape(self) -> tuple[int, int, int, str]:
+        """(num_attention_heads, num_key_value_heads, num_layers, where) of the configured model."""
+        if self.model.hf_checkpoint is None:
+            s = self.model.scratch
+            return s.num_attention_heads, s.num_key_value_heads, s.num_layers, "model.scratch"
+        cfg_path = Path(self.model.hf_checkpoint) / "config.json"
+        if not cfg_path.is_file():
+            # The checkpoint may live on a cluster filesystem not mounted here: the loader
+            # re-checks when it reads the checkpoint.
+            return 0, 0, 0, str(cfg_path)
+        try:
+            hf = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise _FieldError("model.hf_checkpoint", f"cannot read {cfg_path}: {e}") from None
+        heads = int(hf.get("num_attention_heads", 0))
+        return heads, int(hf.get("num_key_value_heads", heads)), int(hf.get("num_hidden_layers", 0)), str(cfg_path)
+
+    def check_model_shape(self, heads: int, kv_heads: int, layers: int, where: str) -> None:
+        """Reject parallel sizes the model cannot be split into (ConfigError, one line)."""
+        try:
+            self._check_model_shape(heads, kv_heads, layers, where)
+        except _FieldError as e:
+            raise ConfigError(f"{e.key}{e.message}" if e.message.startswith("=") else f"{e.key}: {e.message}") from None
+
+    def _check_model_shape(self, heads: int, kv_heads: int, layers: int, where: str) -> None:
+        if heads == 0:
+            return
+        tp, pp = self.parallel.tensor_model_parallel_size, self.parallel.pipeline_model_parallel_size
+        _check(heads % tp == 0, "parallel.tensor_model_parallel_size",
+               f"={tp} does not divide num_attention_heads={heads} of {where}; use one of {_divisors(heads)}")
+        _check(kv_heads % tp == 0, "parallel.tensor_model_parallel_size",
+               f"={tp} does not divide num_key_value_heads={kv_heads} of {where}; use one of {_divisors(kv_heads)}")
+        _check(layers % pp == 0, "parallel.pipeline_model_parallel_size",
+               f"={pp} does not divide num_layers={layers} of {where}; use one of {_divisors(layers)}")
+
+    def check_world_size(self, world_size: int, source: str) -> int:
+        """Validate the launcher's world size against the layout; returns the data-parallel size.
+
+        Raises:
+            ConfigError: when TP x PP x CP does not divide the world size, or nnodes x
+                n_gpus_per_node disagrees with the launcher.
+        """
+        mp = self.parallel.model_parallel_size
+        t = self.trainer
+        if t.n_gpus_per_node is not None and t.nnodes * t.n_gpus_per_node != world_size:
+            raise ConfigError(
+                f"trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes}x{t.n_gpus_per_node} but the launcher "
+                f"started {world_size} processes ({source}); fix the config or the launch command"
+            )
+        if world_size % mp != 0:
+            p = self.parallel
+            raise ConfigError(
+                f"parallel: TP x PP x CP = {p.tensor_model_parallel_size}x{p.pipeline_model_parallel_size}x"
+                f"{p.context_parallel_size} = {mp} does not divide the world size {world_size} ({source}); "
+                f"launch a multiple of {mp} processes or shrink the parallel sizes"
+            )
+        dp = world_size // mp
+        per_mini_batch = t.ppo_mini_batch_size * self.rollout.n
+        if per_mini_batch < dp:
+            # A rank without sequences would fail alone while the others wait in a collective.
+            raise ConfigError(
+                f"trainer.ppo_mini_batch_size x rollout.n = {t.ppo_mini_batch_size}x{self.rollout.n} = "
+                f"{per_mini_batch} sequences per mini-batch, fewer than the data-parallel size {dp} at world "
+                f"size {world_size} ({source}): some ranks would get none; raise trainer.ppo_mini_batch_size "
+                f"to at least {-(-dp // self.rollout.n)} or launch fewer processes"
+            )
+        return dp
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]

@@ -1,0 +1,136 @@
+"""The `model` and `parallel` sections: which network, how it starts, how it is sharded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_dapo.config.fields import _check
+
+
+@dataclass(kw_only=True, slots=True)
+class ScratchModelConfig:
+    """A Qwen2-style model initialised from scratch (the embedded CPU run, tests)."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    num_layers: int = 4
+    """Transformer layers; must divide by the pipeline size."""
+    num_attention_heads: int = 4
+    """Query heads; must divide by the tensor-parallel size."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA query groups); must divide by the tensor-parallel size."""
+    intermediate_size: int = 384
+    """SwiGLU hidden width."""
+    max_position_embeddings: int = 32768
+    """Longest sequence (prompt + response) the rotary tables cover."""
+    rope_theta: float = 10000.0
+    """Rotary base."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding and the output layer, as small Qwen2 models do."""
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                     "intermediate_size", "max_position_embeddings"):
+            _check(getattr(self, name) > 0, name, "must be a positive integer")
+        _check(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
+               f"must be a multiple of num_attention_heads={self.num_attention_heads}")
+        _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+               f"must divide num_attention_heads={self.num_attention_heads}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SFTWarmStartConfig:
+    """Supervised warm start of the scratch model on worked solutions (embedded run only)."""
+
+    enable: bool = False
+    """Run SFT before RL so the policy starts with non-trivial accuracy; the result is cached."""
+    num_steps: int = 300
+    """Optimizer steps of SFT."""
+    batch_size: int = 32
+    """Sequences per SFT step."""
+    lr: float = 3e-3
+    """Peak learning rate of SFT (cosine decay to 10%)."""
+    target_acc_min: float | None = None
+    """Stop SFT at the first check whose held-out accuracy (the trainer's val/acc: val files,
+    rollout.val_kwargs, seed trainer.seed + 1) is in [target_acc_min, target_acc_max], so every
+    machine starts RL from a comparable policy; num_steps is then the most steps. None = a fixed
+    num_steps."""
+    target_acc_max: float | None = None
+    """Upper end of the band; a check above it stops SFT too, keeping the check nearest the band."""
+    check_interval: int = 50
+    """SFT steps between held-out accuracy checks (with a target band)."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_steps >= 0, "num_steps", "must be >= 0")
+        _check(self.batch_size > 0, "batch_size", "must be > 0")
+        _check(self.lr > 0, "lr", "must be > 0")
+        _check(self.check_interval > 0, "check_interval", "must be > 0")
+        _check((self.target_acc_min is None) == (self.target_acc_max is None), "target_acc_max",
+               "set both target_acc_min and target_acc_max (a band), or neither (a fixed num_steps)")
+        if self.target_acc_min is not None and self.target_acc_max is not None:
+            _check(0 <= self.target_acc_min <= self.target_acc_max <= 1, "target_acc_min",
+                   f"must satisfy 0 <= target_acc_min <= target_acc_max={self.target_acc_max} <= 1")
+
+    @property
+    def band(self) -> tuple[float, float] | None:
+        """(min, max) held-out accuracy that ends SFT, or None for a fixed step count."""
+        if self.target_acc_min is None or self.target_acc_max is None:
+            return None
+        return (self.target_acc_min, self.target_acc_max)
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The actor (and rollout) model."""
+
+    hf_checkpoint: str | None = None
+    """HF checkpoint directory (config.json + safetensors). null = build `scratch` (embedded run)."""
+    tokenizer: str | None = None
+    """Tokenizer directory; null = the checkpoint's own, or the embedded task's tokenizer."""
+    dtype: Literal["auto", "fp32", "bf16"] = "auto"
+    """Parameter dtype: auto = bf16 with fp32 master weights on GPU, fp32 on CPU."""
+    transformer_impl: Literal["auto", "local", "transformer_engine"] = "auto"
+    """Layer implementation: auto = Transformer Engine when importable on CUDA, else local."""
+    recompute_activations: bool = False
+    """Recompute each layer's activations in backward (full, uniform) to save memory."""
+    make_vocab_size_divisible_by: int = 128
+    """Vocabulary padding multiple (times the tensor-parallel size), as Megatron-LM."""
+    scratch: ScratchModelConfig = field(default_factory=ScratchModelConfig)
+    """Architecture used when hf_checkpoint is null."""
+    sft_warm_start: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
+    """SFT before RL for the scratch model."""
+
+    def __post_init__(self) -> None:
+        _check(self.make_vocab_size_divisible_by > 0, "make_vocab_size_divisible_by", "must be > 0")
+        if self.hf_checkpoint is not None:
+            _check(self.hf_checkpoint != "", "hf_checkpoint", "is empty: give a directory or null")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the actor is sharded: world = TP x PP x CP x DP."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size (within a node)."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages; must divide the number of layers."""
+    context_parallel_size: int = 1
+    """Context parallel size (needs Transformer Engine attention: GPU only)."""
+    cp_comm_type: Literal["p2p", "all_gather", "a2a", "a2a+p2p"] = "p2p"
+    """How CP attention exchanges keys/values (TE's names); p2p (ring) works with any number of KV heads per rank."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+            _check(getattr(self, name) >= 1, name, "must be >= 1")
+        if self.sequence_parallel:
+            _check(self.tensor_model_parallel_size > 1, "sequence_parallel",
+                   "needs tensor_model_parallel_size > 1; set it to false")
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size * self.context_parallel_size

