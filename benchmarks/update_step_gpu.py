@@ -1,4 +1,4 @@
-"""One DAPO update of a 0.5B-class Qwen2 shape on one GPU, against plan.py's estimate.
+"""One DAPO update of a 0.5B-class Qwen2 shape on one GPU, against the planner's estimate.
 
     python benchmarks/update_step_gpu.py [--tokens 16384 --seq-len 1024] [--json OUT.json]
 
@@ -7,7 +7,7 @@ vocabulary 151,936, tied embeddings) is written as an HF checkpoint, loaded into
 actor (bf16 parameters, fp32 master weights, distributed optimizer, world size 1 with NCCL)
 and trained for one update on a token budget of --tokens, with activation recompute off and
 on. Printed per setting: step time, tokens/s, peak GPU memory, and the ratio to what
-plan.py predicts for the same shape (memory: model states + activations + logits + log-prob
+the planner predicts for the same shape (memory: model states + activations + logits + log-prob
 buffers; time: its 6N (8N with recompute) FLOPs per token at its MFU). The baseline is the
 planner, computed in the same run. Needs CUDA; uses the attention of the installed stack
 (megatron-core's local spec without Transformer Engine).

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Plan memory, fit and step time of an experiment before launching it (see megatron_dapo/plan.py).
+"""Plan memory, fit and step time of an experiment before launching it (see megatron_dapo/plan/).
 
     python tools/plan.py examples/dapo_qwen2.5_32b.yaml --nodes 16 --gpus-per-node 8 --gpu-mem-gib 80
 """

@@ -30,6 +30,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.actor.vocab_shard import num_real_columns
+
 __all__ = ["log_probs_and_entropy", "log_probs_from_logits", "te_parallel_cross_entropy_fn", "triton_log_probs_fn"]
 
 
@@ -93,13 +95,6 @@ def _scratch(num_tokens: int, chunk_size: int, num_cols: int, device: torch.devi
             torch.empty(rows, num_cols, dtype=torch.float32, device=device))
 
 
-def _num_real_columns(vocab_start: int, vocab_local: int, vocab_size: int | None) -> int:
-    """Columns of this rank's slice that are real tokens, not Megatron's vocabulary padding."""
-    if vocab_size is None:
-        return vocab_local
-    return max(0, min(vocab_local, vocab_size - vocab_start))
-
-
 class _ChunkedLogProbEntropy(torch.autograd.Function):
     """log p(target) and entropy per token; backward recomputes the softmax chunk by chunk."""
 
@@ -116,7 +111,7 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         num_tokens, vocab_local = logits.shape
         _, tp_rank = _tp_size_rank(tp_group)
         vocab_start = tp_rank * vocab_local
-        num_real = _num_real_columns(vocab_start, vocab_local, vocab_size)
+        num_real = num_real_columns(vocab_start, vocab_local, vocab_size)
         log_prob = torch.empty(num_tokens, dtype=torch.float32, device=logits.device)
         entropy = torch.empty_like(log_prob)
         log_partition = torch.empty_like(log_prob)
@@ -288,7 +283,7 @@ def _fused_log_probs(
     # The division also gives TE the fresh tensor it overwrites with the gradient.
     scaled = logits.float().div_(temperature).unsqueeze(1)  # [T, 1, V/tp], TE wants [s, b, v]
     _, tp_rank = _tp_size_rank(tp_group)
-    num_real = _num_real_columns(tp_rank * logits.shape[1], logits.shape[1], vocab_size)
+    num_real = num_real_columns(tp_rank * logits.shape[1], logits.shape[1], vocab_size)
     if num_real < logits.shape[1]:
         # exp(finfo.min - max) is exactly 0: padding columns get no mass and no gradient.
         scaled[..., num_real:] = torch.finfo(scaled.dtype).min

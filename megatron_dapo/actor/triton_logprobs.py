@@ -27,7 +27,7 @@ import torch.distributed as dist
 import triton
 import triton.language as tl
 
-from megatron_dapo.actor.logprobs import _num_real_columns
+from megatron_dapo.actor.vocab_shard import num_real_columns
 
 __all__ = ["BACKWARD_CONFIG", "FORWARD_CONFIG", "triton_log_probs_and_entropy"]
 
@@ -127,7 +127,7 @@ class _TritonLogProbEntropy(torch.autograd.Function):
         num_tokens, num_cols = logits.shape
         tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
         vocab_start = tp_rank * num_cols
-        num_real = _num_real_columns(vocab_start, num_cols, vocab_size)
+        num_real = num_real_columns(vocab_start, num_cols, vocab_size)
         target = target.contiguous()
         stats = torch.empty(4, num_tokens, dtype=torch.float32, device=logits.device)
         if num_tokens:

@@ -14,7 +14,7 @@ by hand; tests/unit/test_plan.py does exactly that for Qwen2.5-32B. The estimate
 first-order: it ignores attention FLOPs, communication and weight-sync time, and
 assumes fixed MFU and bandwidth efficiency. It is a sanity check, not a profiler.
 
-The numbers come from plan_model.py (the memory and step-time model, re-exported here);
+The numbers come from model.py beside this module (the memory and step-time model);
 this module formats them, lays out the ranks and parses the command line.
 """
 
@@ -25,52 +25,18 @@ import argparse
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config.loader import load_config
 from megatron_dapo.errors import CliParser
-from megatron_dapo.plan_model import (
+from megatron_dapo.plan.model import (
     EMBEDDED_VOCAB_SIZE,
     GIB,
     GPUS,
-    MODEL_CONFIG_DIR,
     Assumptions,
     Hardware,
-    Line,
-    ModelDims,
     Plan,
-    activation_bytes_per_token_layer,
-    known_model_configs,
-    kv_bytes_per_token,
     make_plan,
-    model_state_bytes_per_param,
-    padded_vocab_size,
-    params_per_gpu,
     resolve_model,
 )
 
-__all__ = [
-    "EMBEDDED_VOCAB_SIZE",
-    "GIB",
-    "GPUS",
-    "MODEL_CONFIG_DIR",
-    "Assumptions",
-    "Hardware",
-    "Line",
-    "ModelDims",
-    "Plan",
-    "activation_bytes_per_token_layer",
-    "build_parser",
-    "format_layout",
-    "format_plan",
-    "known_model_configs",
-    "kv_bytes_per_token",
-    "main",
-    "make_plan",
-    "model_state_bytes_per_param",
-    "padded_vocab_size",
-    "params_per_gpu",
-    "rank_coords",
-    "rank_groups",
-    "resolve_model",
-    "run",
-]
+__all__ = ["build_parser", "format_layout", "format_plan", "main", "rank_coords", "rank_groups", "run"]
 
 
 # ------------------------------------------------------------------------ rank layout

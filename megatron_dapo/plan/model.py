@@ -1,4 +1,4 @@
-"""The memory and step-time model behind `megatron-dapo plan` (plan.py prints it).
+"""The memory and step-time model behind `megatron-dapo plan` (report.py prints it).
 
 Per GPU: the Megatron actor's model states under megatron-core's distributed optimizer,
 the activations of one micro-batch with and without full recompute, the logits and our
@@ -19,7 +19,7 @@ from pathlib import Path
 from megatron_dapo.config import Config, ConfigError
 
 GIB = 1024**3
-MODEL_CONFIG_DIR = Path(__file__).resolve().parents[1] / "examples" / "model_configs"
+MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "examples" / "model_configs"
 EMBEDDED_VOCAB_SIZE = 512
 """Vocabulary of the embedded task's tokenizer (its upper bound), used for a scratch model."""
 
