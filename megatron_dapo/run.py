@@ -23,9 +23,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import parallel
-from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.actor.reference import ReferencePolicy
+from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
 from megatron_dapo.config import Config, OptimConfig
@@ -40,9 +41,10 @@ from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
 from megatron_dapo.output_dir import prepare_output_dir
 from megatron_dapo.rewards.pool import RewardPool
-from megatron_dapo.rollout.colocated import ColocatedEngines, launch_colocated_engines
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.rollout.factory import launch_rank_engines, training_engines
+from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
 from megatron_dapo.warm_start import sft_cache_dir, warm_start
 
@@ -116,7 +118,7 @@ class Run:
         export = self.adapter.export_hf(self.actor.model, self.dims)
         bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
         if self.colocated is not None:
-            # Each engine's own ranks feed it through CUDA IPC (rollout/colocated.py); the
+            # Each engine's own ranks feed it through CUDA IPC (rollout/sglang/colocated.py); the
             # gathered export buffers go back to the driver before the engines generate.
             stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes)
             release_cached_memory(self.dims.device)
@@ -237,10 +239,9 @@ def build_run(cfg: Config, config_source: str) -> Run:
               output_dir=output_dir, hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
               control=control)
-    if cfg.rollout.engine == "sglang":
-        # Collective: the leader ranks of every node start their engines.
-        run.colocated = launch_colocated_engines(cfg.rollout, hf_dir, rank=env.rank, world_size=env.world_size,
-                                                 local_rank=env.local_rank, log_dir=output_dir / "engine_logs")
+    # Collective: engines the ranks own (colocated SGLang: each node's leader ranks start theirs).
+    run.colocated = launch_rank_engines(cfg, hf_dir, rank=env.rank, world_size=env.world_size,
+                                        local_rank=env.local_rank, log_dir=output_dir / "engine_logs")
     _on_controller(lambda: _build_controller(run, hf_dir, sources))
 
     resume_from = resolve_resume(cfg.trainer.resume, run.checkpoints.root)
@@ -355,38 +356,13 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    run.rollout = RolloutController(_make_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir))
+    run.rollout = RolloutController(training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir))
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
                              max_failure_fraction=cfg.reward.max_failure_fraction)
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                 use_wandb=lg.wandb, total_steps=cfg.trainer.total_training_steps,
                                 wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl)
-
-
-def _make_engines(cfg: Config, hf_dir: Path, colocated: ColocatedEngines | None, device: torch.device,
-                  output_dir: Path) -> list[Any]:
-    """The controller's engines: one local engine on the controller's device, one vLLM server, or a
-    client of every colocated SGLang engine."""
-    if cfg.rollout.engine == "local" and cfg.rollout.placement == "disaggregated":
-        from megatron_dapo.rollout.engine_process import ProcessEngine
-
-        return [ProcessEngine(hf_dir, name="local0", num_threads=cfg.rollout.engine_threads,
-                              call_timeout_s=cfg.rollout.request_timeout_s)]
-    if cfg.rollout.engine == "local":
-        from megatron_dapo.rollout.local_engine import LocalEngine
-
-        return [LocalEngine(hf_dir, name="local0", device=device)]
-    if cfg.rollout.engine == "vllm":
-        from megatron_dapo.rollout.vllm_engine import VLLMEngine
-
-        r = cfg.rollout
-        return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",
-                                  host=r.host, device=cfg.trainer.device if cfg.trainer.device != "auto" else None,
-                                  gpu_memory_utilization=r.gpu_memory_utilization,
-                                  request_timeout_s=r.request_timeout_s)]
-    assert colocated is not None and colocated.clients, "launch_colocated_engines runs before the controller"
-    return colocated.clients
 
 
 def _on_controller(fn: Any) -> Any:

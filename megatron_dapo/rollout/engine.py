@@ -24,7 +24,7 @@ t-th output, see sampling.counter_uniforms), where ``i`` is the GLOBAL prompt in
 (``index_offset + local index``). A controller that spreads prompts over several engines
 passes each engine its offset, so seeded rollouts do not depend on how prompts were spread.
 The local engine is bit-reproducible this way; SGLang only when its servers run with
---enable-deterministic-inference (sglang_server.SGLangServerConfig.deterministic).
+--enable-deterministic-inference (sglang/server.py, SGLangServerConfig.deterministic).
 """
 
 from __future__ import annotations

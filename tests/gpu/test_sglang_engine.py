@@ -19,8 +19,8 @@ pytest.importorskip("sglang", reason="sglang is not installed; `pip install -e .
 from transformers import AutoModelForCausalLM, Qwen2Config  # noqa: E402
 
 from megatron_dapo.rollout.engine import SamplingParams  # noqa: E402
-from megatron_dapo.rollout.sglang_engine import SGLangEngine  # noqa: E402
-from megatron_dapo.rollout.sglang_server import SGLangServerConfig  # noqa: E402
+from megatron_dapo.rollout.sglang.engine import SGLangEngine  # noqa: E402
+from megatron_dapo.rollout.sglang.server import SGLangServerConfig  # noqa: E402
 from megatron_dapo.rollout.weight_sync import sync_weights  # noqa: E402
 
 PROMPTS = [[11, 12, 13, 14], [15, 16], [17, 18, 19, 20, 21, 22]]

@@ -34,8 +34,9 @@ def _worker(fused: bool, directory: str) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor
+    from megatron_dapo.actor.actor import MegatronActor
     from megatron_dapo.actor.microbatch import RolloutBatch
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.models import adapter as adapter_module
     from megatron_dapo.models import adapter_for, unwrap_model
 

@@ -38,7 +38,8 @@ def _batch():
 
 def _worker(directory: str) -> dict:
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for
 

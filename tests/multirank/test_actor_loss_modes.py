@@ -46,8 +46,9 @@ def _worker(pp: int, directory: str) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
     from megatron_dapo.actor.microbatch import RolloutBatch
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import AlgorithmConfig, OptimConfig
     from megatron_dapo.models import adapter_for
 

@@ -46,8 +46,9 @@ def _batch() -> dict[str, torch.Tensor]:
 def _recompute_worker(tp_sizes: list[int], modes: list[str], directory: str) -> dict:
     """For each TP size (one data-parallel replica per TP group): one step per recompute mode."""
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
     from megatron_dapo.actor.microbatch import RolloutBatch
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for
 

@@ -37,9 +37,10 @@ def _batch() -> dict[str, torch.Tensor]:
 
 def _worker(pp: int, directory: str) -> dict:
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
     from megatron_dapo.actor.microbatch import RolloutBatch
     from megatron_dapo.actor.reference import ReferencePolicy
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for
 

@@ -42,8 +42,9 @@ def _worker(tp: int, pp: int, directory: str) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
     from megatron_dapo.actor.microbatch import RolloutBatch
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for, unwrap_model
 

@@ -111,8 +111,9 @@ def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Te
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
     from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for
 

@@ -56,8 +56,9 @@ def _tp_attributes(param: torch.Tensor) -> tuple[bool, int, int]:
 def _worker(directory: str) -> dict:
     """TP=2: parameter attributes for both init_weights values and one actor step; then TP=1 (DP=2)."""
     from megatron_dapo import parallel
-    from megatron_dapo.actor.actor import LossSettings, MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
     from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+    from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for, mapping
     from megatron_dapo.models.adapter import FUSION_FLAGS

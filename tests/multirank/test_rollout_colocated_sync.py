@@ -97,14 +97,14 @@ def _scenario(tp: int, *, fail_update_on: int | None = None, fail_start_on: int 
     """One launch + sync + release/resume on this rank; returns what it saw."""
     import torch.distributed as dist
 
-    from megatron_dapo.rollout.colocated import (
+    from megatron_dapo.rollout.engine import EngineError
+    from megatron_dapo.rollout.sglang.colocated import (
         ColocatedEngines,
         EngineInfo,
         plan_placement,
         ranks_per_node_from_env,
     )
-    from megatron_dapo.rollout.engine import EngineError
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
 
     rank = dist.get_rank()
     servers: list[_FakeServer] = []

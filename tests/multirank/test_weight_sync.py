@@ -29,7 +29,7 @@ def _sync_layouts(layouts: list[tuple[int, int, str]]) -> dict:
     from megatron_dapo import parallel
     from megatron_dapo.models import adapter_for
     from megatron_dapo.rollout.engine import SamplingParams
-    from megatron_dapo.rollout.local_engine import LocalEngine
+    from megatron_dapo.rollout.local.engine import LocalEngine
     from megatron_dapo.rollout.weight_sync import sync_weights
 
     results = {}

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_dapo.actor.actor import LossSettings, WarmupConstantLR, make_optimizer_config
+from megatron_dapo.actor.actor import WarmupConstantLR, make_optimizer_config
+from megatron_dapo.algo import LossSettings
 from megatron_dapo.config import AlgorithmConfig, OptimConfig
 
 

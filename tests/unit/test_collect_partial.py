@@ -12,7 +12,7 @@ from megatron_dapo.data.datasets import PromptRecord, PromptSampler
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.local.engine import LocalEngine
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_reward_fns: char_parity
 

@@ -17,8 +17,8 @@ import torch
 from model_utils import make_tiny_checkpoint
 
 from megatron_dapo.rollout.engine import EngineError, SamplingParams
-from megatron_dapo.rollout.engine_process import ProcessEngine
-from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.local.engine import LocalEngine
+from megatron_dapo.rollout.local.process import ProcessEngine
 from megatron_dapo.rollout.streaming import PromptFeed
 
 PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7, stop_token_ids=tuple(range(0, 100, 9)))

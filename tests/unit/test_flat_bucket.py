@@ -8,7 +8,7 @@ import torch
 
 from megatron_dapo.rollout import flat_bucket
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET, encode_bucket, flatten_by_dtype, unflatten
-from megatron_dapo.rollout.sglang_protocol import payload_text
+from megatron_dapo.rollout.sglang.protocol import payload_text
 
 
 def _bucket() -> list[tuple[str, torch.Tensor]]:

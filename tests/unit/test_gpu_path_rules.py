@@ -16,7 +16,7 @@ import torch
 from megatron_dapo.actor import logprobs
 from megatron_dapo.device import distributed_backend
 from megatron_dapo.rollout.server_process import HOST_ENV, node_address, server_environment
-from megatron_dapo.rollout.sglang_protocol import payload_text
+from megatron_dapo.rollout.sglang.protocol import payload_text
 
 
 def test_cuda_groups_carry_a_cpu_backend_for_control_tensors():
@@ -152,7 +152,7 @@ def test_shared_prompts_run_only_on_cpu_with_the_local_attention(packed, use_te,
 
 
 def test_the_engines_grouped_kv_attention_is_cpu_only():
-    from megatron_dapo.rollout.hf_attention import ATTENTION, attention_for
+    from megatron_dapo.rollout.local.attention import ATTENTION, attention_for
 
     assert attention_for("qwen2", "cpu") == ATTENTION and attention_for("llama", "cpu") == ATTENTION
     assert attention_for("qwen2", "cuda") is None  # transformers' sdpa: no math-kernel fallback

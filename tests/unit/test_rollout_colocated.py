@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_dapo.rollout.colocated import plan_placement, ranks_per_node_from_env, serialize_cuda_ipc
+from megatron_dapo.rollout.sglang.colocated import plan_placement, ranks_per_node_from_env, serialize_cuda_ipc
 
 
 def test_flagship_16_nodes_x_8_gpus_at_rollout_tp_8_and_4() -> None:

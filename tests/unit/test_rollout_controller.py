@@ -7,7 +7,7 @@ from model_utils import make_tiny_checkpoint
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import EngineError, SamplingParams
-from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.local.engine import LocalEngine
 
 PROMPTS = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10], [11, 12], [13, 14, 15]]
 

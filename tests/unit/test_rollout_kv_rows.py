@@ -1,10 +1,10 @@
-"""rollout/kv_rows.py: the batch's KV buffers hold exactly each running row's own keys, right-aligned."""
+"""rollout/local/kv_rows.py: the batch's KV buffers hold exactly each running row's own keys, right-aligned."""
 
 import random
 
 import torch
 
-from megatron_dapo.rollout.kv_rows import RowBufferLayer
+from megatron_dapo.rollout.local.kv_rows import RowBufferLayer
 
 HEADS, DIM = 2, 3
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from megatron_dapo.rollout.engine import EngineError, RolloutEngine, SamplingParams
-from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.local.engine import LocalEngine
 
 EOS = 3
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16, 17], [20]]
@@ -221,10 +221,10 @@ def test_a_weight_swap_while_rows_are_admitted_tags_them_with_the_new_version(ti
 
 
 def test_engine_attention_reads_grouped_kv_heads_in_place_with_the_same_results(tiny):
-    """rollout/hf_attention.py against transformers' eager attention (which repeats the KV heads)."""
+    """rollout/local/attention.py against transformers' eager attention (which repeats the KV heads)."""
     from transformers import DynamicCache
 
-    from megatron_dapo.rollout.hf_attention import ATTENTION
+    from megatron_dapo.rollout.local.attention import ATTENTION
 
     path, _ = tiny
     engine = LocalEngine(path)

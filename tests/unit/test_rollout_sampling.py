@@ -1,11 +1,11 @@
-"""Sampling (rollout/sampling.py) against an independent float64 reference on a small vocabulary."""
+"""Sampling (rollout/local/sampling.py) against an independent float64 reference on a small vocabulary."""
 
 import math
 
 import pytest
 import torch
 
-from megatron_dapo.rollout.sampling import counter_uniforms, sample_next_tokens, truncated_distribution
+from megatron_dapo.rollout.local.sampling import counter_uniforms, sample_next_tokens, truncated_distribution
 
 LOGITS = torch.tensor([2.0, 0.5, 1.7, -1.0, 0.9, 3.1, -0.3, 1.2, 0.0, 2.6, -2.0, 1.4])
 

@@ -17,8 +17,8 @@ import torch.distributed as dist
 from megatron_dapo.config import RolloutConfig
 from megatron_dapo.rollout.engine import EngineError, SamplingParams, response_seed
 from megatron_dapo.rollout.server_process import ServerProcess, node_address
-from megatron_dapo.rollout.sglang_engine import SGLangEngine, create_weight_update_group, launch_node_engines
-from megatron_dapo.rollout.sglang_server import (
+from megatron_dapo.rollout.sglang.engine import SGLangEngine, create_weight_update_group, launch_node_engines
+from megatron_dapo.rollout.sglang.server import (
     SGLangServerConfig,
     build_launch_command,
     resolve_server_config,

@@ -22,7 +22,7 @@ import pytest
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import EngineError, SamplingParams
-from megatron_dapo.rollout.sglang_engine import SGLangEngine
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
 
 FAKE_SERVER = Path(__file__).with_name("fake_sglang_server.py")
 LOG = "node1:/runs/x/engine_logs/{name}.log (owned by rank 8)"

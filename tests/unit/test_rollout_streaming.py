@@ -9,7 +9,7 @@ from test_rollout_local_engine import EOS, PROMPTS, make_tiny_qwen2
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams
-from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.local.engine import LocalEngine
 from megatron_dapo.rollout.streaming import (
     CarriedPrompt,
     FeedItem,

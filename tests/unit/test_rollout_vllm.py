@@ -7,7 +7,7 @@ import pytest
 
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.vllm_engine import VLLMEngine, build_launch_command, model_eos_ids, parse_choice
+from megatron_dapo.rollout.vllm.engine import VLLMEngine, build_launch_command, model_eos_ids, parse_choice
 
 
 def _flag(command: list[str], name: str) -> str:

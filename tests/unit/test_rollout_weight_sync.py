@@ -6,7 +6,7 @@ import pytest
 import torch
 from model_utils import make_tiny_checkpoint
 
-from megatron_dapo.rollout.local_engine import LocalEngine
+from megatron_dapo.rollout.local.engine import LocalEngine
 from megatron_dapo.rollout.weight_sync import BucketMeter, iter_buckets, sync_weights
 
 

@@ -52,7 +52,7 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoints, tmp_path_factory):
-    from megatron_dapo.rollout.vllm_engine import VLLMEngine
+    from megatron_dapo.rollout.vllm.engine import VLLMEngine
 
     log = tmp_path_factory.mktemp("vllm_log") / "vllm0.log"
     engine = VLLMEngine.launch(checkpoints[0], name="vllm0", log_path=log, host="127.0.0.1", device="cpu",

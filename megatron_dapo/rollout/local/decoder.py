@@ -2,7 +2,7 @@
 
 One `ContinuousDecoder.step` is one decode step of every running row plus, when rows are
 admitted, the prefill of the newcomers. The newcomers' prefill cache is written,
-right-aligned, into the running batch's preallocated KV buffers (rollout/kv_rows.py); the
+right-aligned, into the running batch's preallocated KV buffers (rollout/local/kv_rows.py); the
 attention mask hides each row's left padding and position ids count only a row's real
 tokens, so a row computes what it would compute alone, whoever its batch mates are. The n
 rows of a prompt are prefilled once and share that prefill's cache and logits (copied per
@@ -27,8 +27,8 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from megatron_dapo.rollout.engine import FinishReason, SamplingParams
-from megatron_dapo.rollout.kv_rows import RowBufferLayer
-from megatron_dapo.rollout.sampling import counter_uniforms, sample_next_tokens
+from megatron_dapo.rollout.local.kv_rows import RowBufferLayer
+from megatron_dapo.rollout.local.sampling import counter_uniforms, sample_next_tokens
 
 __all__ = ["ContinuousDecoder", "DecodeRow", "FinishedRow"]
 
@@ -178,7 +178,7 @@ class ContinuousDecoder:
                 self._out_ids[slot, : len(row.prefix)] = torch.tensor(row.prefix, dtype=torch.long)
                 self._out_lps[slot, : len(row.prefix)] = torch.tensor(row.prefix_logprobs, dtype=torch.float64)
         if self._cache is None or not self._rows:
-            # The running cache lives in preallocated buffers (rollout/kv_rows.py).
+            # The running cache lives in preallocated buffers (rollout/local/kv_rows.py).
             running = DynamicCache(config=self._model.config)
             running.layers = [RowBufferLayer(self.max_rows) for _ in cache.layers]
             self._cache, self._mask = running, mask.new_zeros(0, 0)

@@ -1,6 +1,6 @@
 """The SGLang wire protocol: /generate bodies and answers, weight payloads, the NCCL rendezvous.
 
-Pure functions of what goes over the wire, kept apart from the client (sglang_engine.py:
+Pure functions of what goes over the wire, kept apart from the client (engine.py:
 the HTTP calls, retries, health checks and server lifetime) so they can be read against
 SGLang's own request structs and tested without a server. Written against SGLang 0.5.x
 (request shapes read from sgl-project/sglang v0.5.3-0.5.5: ``entrypoints/http_server.py``,
@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 SGLANG_VERSION_READ = "0.5.x (0.5.3-0.5.5)"
-"""The SGLang versions whose HTTP API this module and sglang_engine.py were written against."""
+"""The SGLang versions whose HTTP API this module and engine.py were written against."""
 
 
 def build_generate_payload(

@@ -391,7 +391,7 @@ def serve(conn: Connection, model_path: str, name: str, num_threads: int, max_ba
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
     torch.set_num_threads(num_threads)
-    from megatron_dapo.rollout.local_engine import LocalEngine
+    from megatron_dapo.rollout.local.engine import LocalEngine
 
     try:
         engine = LocalEngine(model_path, name=name, max_batch_size=max_batch_size)

@@ -3,13 +3,13 @@
 Written against SGLang 0.5.x (request shapes read from sgl-project/sglang v0.5.3-0.5.5:
 ``entrypoints/http_server.py``, ``managers/io_struct.py``, ``sampling/sampling_params.py``,
 ``layers/sampler.py``). The controller (global rank 0) launches one server per engine
-(sglang_server.py: flags, address, API key, log file) and talks to it over HTTP with the
+(server.py: flags, address, API key, log file) and talks to it over HTTP with the
 standard library only; sglang itself is imported lazily, and only to serialize CUDA IPC
 handles. Every failure message names the engine and its log, with the log's last lines
 when the server process died.
 
 What goes over the wire (the endpoints, request bodies, answers, log-prob semantics and
-the weight-update group's rendezvous) is sglang_protocol.py; this module re-exports its
+the weight-update group's rendezvous) is protocol.py; this module re-exports its
 public names.
 """
 
@@ -42,14 +42,14 @@ from megatron_dapo.rollout.server_process import (
     poll_until_healthy,
     server_environment,
 )
-from megatron_dapo.rollout.sglang_protocol import (
+from megatron_dapo.rollout.sglang.protocol import (
     SGLANG_VERSION_READ,
     build_generate_payload,
     create_weight_update_group,
     parse_generate_response,
     sglang_serialize,
 )
-from megatron_dapo.rollout.sglang_server import (
+from megatron_dapo.rollout.sglang.server import (
     SGLangServerConfig,
     build_launch_command,
     resolve_server_config,

@@ -19,7 +19,7 @@ server and worker process):
   tied lm_head to the new embedding again.
 
 The server and the trainer share the machine's filesystem because the controller launches
-the server on its own node (vllm_engine.py). This module imports vLLM at the top: only
+the server on its own node (engine.py). This module imports vLLM at the top: only
 vLLM's processes import it.
 """
 
@@ -40,7 +40,7 @@ from vllm.distributed.weight_transfer.base import (
 __all__ = ["BACKEND", "SharedMemoryWeightTransferEngine", "register"]
 
 BACKEND = "megatron_dapo_shm"
-"""The backend name passed in ``--weight-transfer-config`` (vllm_engine.py)."""
+"""The backend name passed in ``--weight-transfer-config`` (engine.py)."""
 
 
 @dataclass

@@ -16,7 +16,7 @@ is how vLLM's own RL examples run it):
 - POST /abort_requests ``{}``: aborts every in-flight request (they finish with "abort").
 - POST /init_weight_transfer_engine, /start_weight_update, /update_weights,
   /finish_weight_update: vLLM's weight-transfer API for RL. The backend is the
-  shared-memory one of vllm_transfer.py on CPU (vLLM's NCCL and CUDA-IPC backends need
+  shared-memory one of transfer.py on CPU (vLLM's NCCL and CUDA-IPC backends need
   GPUs): each bucket is a safetensors file in /dev/shm that the worker loads with the
   model's own ``load_weights`` inside vLLM's layerwise reload.
 - POST /reset_prefix_cache after an update: cached prefixes hold old-weight KV.
@@ -78,7 +78,7 @@ VLLM_VERSION_READ = "0.32.0"
 """The vLLM version whose HTTP API this module was written against."""
 
 WEIGHT_BACKEND = "megatron_dapo_shm"
-"""vllm_transfer.BACKEND (not imported: that module imports vLLM)."""
+"""transfer.BACKEND (not imported: that module imports vLLM)."""
 
 _MAX_CONCURRENT_REQUESTS = 256
 """Requests in flight per generate call; vLLM schedules them as one batch."""

@@ -7,12 +7,12 @@ full tensors under their HF names. Because weight sync targets HF names, a state
 this engine accepts is exactly what an SGLang server would be sent, so the multi-rank
 weight-sync tests use it as the receiving end.
 
-Generation is continuous batching with a KV cache (rollout/local_decoder.py): up to
+Generation is continuous batching with a KV cache (rollout/local/decoder.py): up to
 max_batch_size responses decode together, finished ones leave the batch at once and
 waiting ones join in their place, so the batch stays full until the work runs out.
 Prompts are left-padded, the attention mask hides the padding and position ids count only
 real tokens, so every row computes what it would compute alone. Sampling is in
-rollout/sampling.py (float64, one batched draw per decode step from counter-based
+rollout/local/sampling.py (float64, one batched draw per decode step from counter-based
 per-response streams). `stream` feeds the same batch from a PromptFeed and hands back each
 prompt's group as soon as its n responses are done (streaming dynamic sampling).
 """
@@ -36,8 +36,8 @@ from megatron_dapo.rollout.engine import (
     check_prompts,
     response_seed,
 )
-from megatron_dapo.rollout.hf_attention import attention_for
-from megatron_dapo.rollout.local_decoder import ContinuousDecoder, DecodeRow, FinishedRow
+from megatron_dapo.rollout.local.attention import attention_for
+from megatron_dapo.rollout.local.decoder import ContinuousDecoder, DecodeRow, FinishedRow
 from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed
 
 __all__ = ["LocalEngine"]
@@ -80,7 +80,7 @@ class LocalEngine:
             )
         config = AutoConfig.from_pretrained(path, local_files_only=True)
         self._device = torch.device(device)
-        # SDPA reading grouped KV heads in place, on CPU (rollout/hf_attention.py).
+        # SDPA reading grouped KV heads in place, on CPU (rollout/local/attention.py).
         attention = attention_for(config.model_type, self._device.type)
         if load_weights:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
@@ -107,7 +107,7 @@ class LocalEngine:
         lists the versions its tokens were sampled under."""
         self.between_steps: Callable[[], None] | None = None
         """Called before every decode step: an engine process applies weight updates and aborts
-        that arrived meanwhile here (rollout/engine_process.py), so a swap pauses decoding only
+        that arrived meanwhile here (rollout/local/process.py), so a swap pauses decoding only
         for the copy, and rows in flight go on under the new weights."""
         self._finished_versions: dict[tuple[int, int], list[int]] = {}
         """(prompt, sample) -> weight versions of a row that left the batch, until its result is made."""

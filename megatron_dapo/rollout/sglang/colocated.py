@@ -78,7 +78,7 @@ from megatron_dapo.rollout.placement import (
     plan_placement,
     ranks_per_node_from_env,
 )
-from megatron_dapo.rollout.sglang_protocol import sglang_serialize
+from megatron_dapo.rollout.sglang.protocol import sglang_serialize
 from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketMeter, WeightSyncStats, iter_buckets
 
 if TYPE_CHECKING:
@@ -441,8 +441,8 @@ def launch_colocated_engines(
         This rank's ColocatedEngines; on the controller ``clients`` holds every engine.
     """
     from megatron_dapo.rollout.server_process import node_address
-    from megatron_dapo.rollout.sglang_engine import SGLangEngine
-    from megatron_dapo.rollout.sglang_server import SGLangServerConfig, resolve_server_config
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.server import SGLangServerConfig, resolve_server_config
 
     placement = plan_placement(world_size=world_size, gpus_per_node=ranks_per_node_from_env(world_size),
                                engine_tp=config.tensor_model_parallel_size)

@@ -1,0 +1,163 @@
+"""The one place that turns an engine name into engines: for training, evaluation and the warm-start check.
+
+Adding an engine family = a folder under rollout/ (its client and whatever its server
+needs), an entry in `FAMILIES` here, and its name in `config.rollout.RolloutConfig.engine`
+(tests/unit/test_package_layout.py holds the two lists equal). Nothing outside rollout/
+and config/ compares engine names.
+
+Each family says how it is built for each purpose:
+- `launch_on_ranks` (collective, every rank): engines whose processes the job's own ranks
+  start and feed, i.e. colocated SGLang (each node's leader ranks launch servers on their
+  GPUs). None for families the controller starts alone.
+- `for_training` (controller): the clients the RolloutController spreads prompts over.
+- `for_eval` (one process, `megatron-dapo eval`): one engine on an HF directory.
+The warm start's held-out check always uses the in-process local engine (`check_engine`):
+it scores the actor's tensors without a server, whatever the run's engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from megatron_dapo.config import Config
+    from megatron_dapo.rollout.engine import RolloutEngine
+    from megatron_dapo.rollout.local.engine import LocalEngine
+    from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
+
+__all__ = ["ENGINE_NAMES", "FAMILIES", "EngineFamily", "EvalEngineArgs", "check_engine", "eval_engine",
+           "launch_rank_engines", "training_engines"]
+
+
+@dataclass(kw_only=True, slots=True)
+class EvalEngineArgs:
+    """What `megatron-dapo eval` gives an engine."""
+
+    hf_dir: Path
+    """The HF checkpoint to serve."""
+    vocab_size: int
+    """The tokenizer's vocabulary (servers that run without a tokenizer need it)."""
+    max_batch_size: int
+    """Rows the engine decodes together (the local engine's chunk)."""
+    tensor_parallel_size: int = 1
+    """GPUs of a server engine (rollout.tensor_model_parallel_size)."""
+    gpu_memory_utilization: float = 0.7
+    """A GPU server's memory share (rollout.gpu_memory_utilization)."""
+    log_dir: Path
+    """Where a server writes its log."""
+    request_timeout_s: float = 3600.0
+    """Longest wait for one request (rollout.request_timeout_s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFamily:
+    """How one engine family is built for each purpose."""
+
+    name: str
+    for_training: Callable[[Config, Path, ColocatedEngines | None, torch.device, Path], list[RolloutEngine]]
+    for_eval: Callable[[EvalEngineArgs], RolloutEngine]
+    launch_on_ranks: Callable[..., ColocatedEngines] | None = None
+
+
+def _local_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
+                    output_dir: Path) -> list[RolloutEngine]:
+    if cfg.rollout.placement == "disaggregated":
+        from megatron_dapo.rollout.local.process import ProcessEngine
+
+        return [ProcessEngine(hf_dir, name="local0", num_threads=cfg.rollout.engine_threads,
+                              call_timeout_s=cfg.rollout.request_timeout_s)]
+    from megatron_dapo.rollout.local.engine import LocalEngine
+
+    return [LocalEngine(hf_dir, name="local0", device=device)]
+
+
+def _local_eval(args: EvalEngineArgs) -> RolloutEngine:
+    from megatron_dapo.rollout.local.engine import LocalEngine
+
+    return LocalEngine(args.hf_dir, name="eval0", max_batch_size=args.max_batch_size)
+
+
+def _sglang_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
+                     output_dir: Path) -> list[RolloutEngine]:
+    assert shared is not None and shared.clients, "launch_rank_engines runs before the controller's engines"
+    return shared.clients
+
+
+def _sglang_launch(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,
+                   log_dir: Path) -> ColocatedEngines:
+    from megatron_dapo.rollout.sglang.colocated import launch_colocated_engines
+
+    return launch_colocated_engines(cfg.rollout, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank,
+                                    log_dir=log_dir)
+
+
+def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.server import SGLangServerConfig
+
+    config = SGLangServerConfig(model_path=str(args.hf_dir), tp_size=args.tensor_parallel_size,
+                                mem_fraction_static=args.gpu_memory_utilization, deterministic=True,
+                                log_path=str(args.log_dir / "sglang_eval0.log"))
+    return SGLangEngine.launch(config, name="eval0", vocab_size=args.vocab_size)
+
+
+def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
+                   output_dir: Path) -> list[RolloutEngine]:
+    from megatron_dapo.rollout.vllm.engine import VLLMEngine
+
+    r = cfg.rollout
+    return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",
+                              host=r.host, device=cfg.trainer.device if cfg.trainer.device != "auto" else None,
+                              gpu_memory_utilization=r.gpu_memory_utilization,
+                              request_timeout_s=r.request_timeout_s)]
+
+
+def _vllm_eval(args: EvalEngineArgs) -> RolloutEngine:
+    from megatron_dapo.rollout.vllm.engine import VLLMEngine
+
+    return VLLMEngine.launch(args.hf_dir, name="eval0", log_path=args.log_dir / "vllm_eval0.log",
+                             gpu_memory_utilization=args.gpu_memory_utilization,
+                             request_timeout_s=args.request_timeout_s)
+
+
+FAMILIES: dict[str, EngineFamily] = {
+    "local": EngineFamily(name="local", for_training=_local_training, for_eval=_local_eval),
+    "sglang": EngineFamily(name="sglang", for_training=_sglang_training, for_eval=_sglang_eval,
+                           launch_on_ranks=_sglang_launch),
+    "vllm": EngineFamily(name="vllm", for_training=_vllm_training, for_eval=_vllm_eval),
+}
+ENGINE_NAMES: tuple[str, ...] = tuple(FAMILIES)
+"""Every engine the trainer and `megatron-dapo eval` take (= config.ENGINE_NAMES, held by a test)."""
+
+
+def launch_rank_engines(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,
+                        log_dir: Path) -> ColocatedEngines | None:
+    """Collective (every rank): start the engines the job's ranks own; None for families the controller starts."""
+    launch = FAMILIES[cfg.rollout.engine].launch_on_ranks
+    if launch is None:
+        return None
+    return launch(cfg, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank, log_dir=log_dir)
+
+
+def training_engines(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
+                     output_dir: Path) -> list[RolloutEngine]:
+    """The controller's engines: a local engine on its device (or in its own process), one vLLM
+    server, or a client of every colocated SGLang engine (`shared`, from launch_rank_engines)."""
+    return FAMILIES[cfg.rollout.engine].for_training(cfg, hf_dir, shared, device, output_dir)
+
+
+def eval_engine(name: str, args: EvalEngineArgs) -> RolloutEngine:
+    """One engine of family `name` for `megatron-dapo eval`."""
+    return FAMILIES[name].for_eval(args)
+
+
+def check_engine(init_dir: Path, **kwargs: Any) -> LocalEngine:
+    """The warm start's held-out check: an in-process local engine that receives the actor's tensors."""
+    from megatron_dapo.rollout.local.engine import LocalEngine
+
+    return LocalEngine(init_dir, name="warm_start_check", load_weights=False, **kwargs)
