@@ -40,9 +40,15 @@ class Config:
 
     def _cross_checks(self) -> None:
         d, t, r, a = self.data, self.trainer, self.rollout, self.algorithm
-        _check(d.train_batch_size % t.ppo_mini_batch_size == 0, "trainer.ppo_mini_batch_size",
-               f"must divide data.train_batch_size={d.train_batch_size} "
-               f"(choose one of {_divisors(d.train_batch_size)})")
+        if d.train_batch_size % t.ppo_mini_batch_size != 0:
+            _check(False, "trainer.ppo_mini_batch_size", f"must divide data.train_batch_size={d.train_batch_size} "
+                   f"(choose one of {_divisors(d.train_batch_size)})")
+        longest = d.max_prompt_length + d.max_response_length
+        # The budget is what bounds a micro-batch's activation memory (and the planner's estimate);
+        # below one sequence every sequence gets a micro-batch of its own and the bound is gone.
+        _check(t.max_tokens_per_microbatch >= longest, "trainer.max_tokens_per_microbatch",
+               f"={t.max_tokens_per_microbatch} is below one sequence (data.max_prompt_length + "
+               f"data.max_response_length = {longest}); raise it to at least {longest}")
         if a.filter_groups.enable:
             _check(r.n >= 2, "rollout.n",
                    "must be >= 2 with algorithm.filter_groups.enable=true (a group of one has no spread)")
@@ -177,5 +183,18 @@ class Config:
         return dp
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+def _divisors(n: int, most: int = 12) -> str:
+    """The divisors of n, smallest first, at most `most` of them shown (O(sqrt n): n may be 10^12)."""
+    small, large = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            small.append(k)
+            if k != n // k:
+                large.append(n // k)
+        k += 1
+        if len(small) >= most:
+            break
+    found = [*small, *reversed(large)] if len(small) < most else small
+    shown = ", ".join(map(str, found[:most]))
+    return f"[{shown}, ...]" if len(found) > most or len(small) >= most else f"[{shown}]"

@@ -231,8 +231,25 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     try:
         return _build(Config, tree, "")
     except _FieldError as e:
-        origin = "command line" if any(_related(e.key, k) for k in overridden) else source
-        raise ConfigError(f"{origin}: {_describe(tree, e)}") from None
+        if any(_related(e.key, k) for k in overridden):
+            raise ConfigError(f"command line: {_describe(tree, e)}") from None
+        # A rule between two keys names the one it is attached to; when the command line changed
+        # the other one, that change is what the user just did: name it first.
+        changed = [k for k in sorted(overridden) if _mentioned(k, e)]
+        if changed and path is not None:
+            value = _lookup(tree, changed[0])
+            raise ConfigError(f"command line: {changed[0]}={value!r} conflicts with {source}: "
+                              f"{_describe(tree, e)}") from None
+        raise ConfigError(f"{source}: {_describe(tree, e)}") from None
+
+
+def _mentioned(key: str, err: _FieldError) -> bool:
+    """Whether the rule that failed names `key` (dotted, or its last part inside the same section)."""
+    if re.search(rf"\b{re.escape(key)}\b", err.message):
+        return True
+    section, _, name = key.rpartition(".")
+    same_section = err.key.rpartition(".")[0] == section
+    return same_section and re.search(rf"(?<![\w.]){re.escape(name)}\b", err.message) is not None
 
 
 _MISSING = object()

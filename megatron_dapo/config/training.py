@@ -48,7 +48,7 @@ class TrainerConfig:
     """Prompt groups per optimizer step; train_batch_size / this = updates per RL step."""
     ppo_epochs: int = 1
     """Passes over each RL batch."""
-    max_tokens_per_microbatch: int = 16384
+    max_tokens_per_microbatch: int = 24576
     """Token budget of one micro-batch per data-parallel rank (prompt + response tokens)."""
     shared_prompts: bool = True
     """Each prompt goes through the actor once per micro-batch for all its responses

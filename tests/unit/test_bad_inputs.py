@@ -93,6 +93,19 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
      "data.gen_batch_size=1: must be >= train_batch_size"),
     ("tp-does-not-divide-heads", {}, ["config", "validate", "{d}/c.yaml", "parallel.tensor_model_parallel_size=3"],
      "parallel.tensor_model_parallel_size=3 does not divide num_attention_heads"),
+    ("train-batch-huge-does-not-hang", {}, ["config", "show", "{d}/c.yaml", "data.train_batch_size=1000000000001",
+                                            "data.gen_batch_size=1000000000001"],
+     "command line: data.train_batch_size=1000000000001 conflicts with {d}/c.yaml: trainer.ppo_mini_batch_size: "
+     "must divide data.train_batch_size=1000000000001 (choose one of [1, 73, 137, 10001, "),
+    ("cross-rule-names-the-overridden-key", {"c.yaml": "data: {gen_batch_size: 32, train_batch_size: 16}\n"
+                                             "trainer: {ppo_mini_batch_size: 8}\n"},
+     ["config", "validate", "{d}/c.yaml", "data.train_batch_size=64"],
+     "command line: data.train_batch_size=64 conflicts with {d}/c.yaml: data.gen_batch_size=32: must be >= "
+     "train_batch_size=64"),
+    ("microbatch-budget-below-one-sequence", {}, ["config", "validate", "{d}/c.yaml",
+                                                  "trainer.max_tokens_per_microbatch=1000"],
+     "command line: trainer.max_tokens_per_microbatch=1000 is below one sequence (data.max_prompt_length + "
+     "data.max_response_length = 22528); raise it to at least 22528"),
     # ------------------------------------------------------------------ command line
     ("cli-world-size-0", {}, ["config", "validate", "{d}/c.yaml", "--world-size", "0"],
      "argument --world-size: must be >= 1 (the number of processes), got 0"),
