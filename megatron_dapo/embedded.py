@@ -28,14 +28,59 @@ import torch
 
 from megatron_dapo.checkpoint.files import chmod_as_created
 from megatron_dapo.config import EmbeddedTaskConfig, ScratchModelConfig
-from megatron_dapo.data.arithmetic import ArithmeticMix, ArithmeticTask, prepare_arithmetic_task
+from megatron_dapo.data.arithmetic import (
+    ArithmeticMix,
+    ArithmeticTask,
+    generate_problems,
+    prepare_arithmetic_task,
+)
 from megatron_dapo.data.tokenizer import SPM_BOS_ID, SPM_EOS_ID, SPM_PAD_ID, SentencePieceSettings
+from megatron_dapo.errors import UserError
+
+CACHE_ENV = "MEGATRON_DAPO_CACHE"
+DEFAULT_CACHE = ".cache/megatron-dapo"
+
+
+def cache_root() -> Path:
+    """The cache directory ($MEGATRON_DAPO_CACHE, default .cache/megatron-dapo), checked.
+
+    Raises:
+        UserError: the path exists and is not a directory, or cannot be created/written.
+    """
+    root = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE)
+    fix = f"point {CACHE_ENV} at a writable directory (or unset it for {DEFAULT_CACHE})"
+    if root.exists() and not root.is_dir():
+        raise UserError(f"{CACHE_ENV}={str(root)!r} is a file, not a directory; {fix}")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"{CACHE_ENV}={str(root)!r} cannot be created ({e.strerror or e}); {fix}") from None
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise UserError(f"{CACHE_ENV}={str(root)!r} is not writable; {fix}")
+    return root
+
+
+def check_task(embedded: EmbeddedTaskConfig) -> None:
+    """Draw the task's problems without writing anything: a mix whose problem space cannot fill the
+    splits fails here, in one line, instead of inside the run (tens of milliseconds)."""
+    mix = _mix(embedded)
+    try:
+        val = generate_problems(embedded.num_val, mix, seed=f"{embedded.seed}:val", unique=True)
+        held_out = frozenset(p.expression for p in val)
+        generate_problems(embedded.num_train, mix, seed=f"{embedded.seed}:train", exclude=held_out)
+    except ValueError as e:
+        raise UserError(f"data.embedded: {e} (data.embedded.num_val / num_train, max_digits, add/sub/mul/two_step)") from None
+
+
+def _mix(embedded: EmbeddedTaskConfig) -> ArithmeticMix:
+    return ArithmeticMix(add=embedded.add, sub=embedded.sub, mul=embedded.mul, two_step=embedded.two_step,
+                         max_digits=embedded.max_digits, solution_style=embedded.solution_style)
 
 
 def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
     """Write (or reuse) the arithmetic task's train/val/SFT files and tokenizer."""
-    mix = ArithmeticMix(add=embedded.add, sub=embedded.sub, mul=embedded.mul, two_step=embedded.two_step,
-                        max_digits=embedded.max_digits, solution_style=embedded.solution_style)
+    check_task(embedded)
+    mix = _mix(embedded)
     key = digest({"mix": asdict(mix), "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
                    "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size,
                    "sentencepiece": _version("sentencepiece")})

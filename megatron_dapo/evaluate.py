@@ -294,7 +294,8 @@ def evaluate_checkpoint(
     if any(not 0 < k <= settings.n for k in ks):
         raise UserError(f"--pass-k {ks}: every k must be in 1..n={settings.n}")
     tokenizer = load_tokenizer(tokenizer_path)
-    records = [r for f in data_files for r in load_prompt_dataset(f, tokenizer, settings.max_prompt_length).records]
+    records = [r for f in data_files
+               for r in load_prompt_dataset(f, tokenizer, settings.max_prompt_length, where_set="--data").records]
     ckpt_path = Path(checkpoint)
     fingerprint = settings.fingerprint(str(ckpt_path.resolve()), [str(Path(f).resolve()) for f in data_files])
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -406,12 +407,16 @@ def add_eval_arguments(parser: Any) -> None:
 
 def run_eval(args: Any) -> int:
     """`megatron-dapo eval`: resolve settings, evaluate, print the table, write the summary JSON."""
+    from megatron_dapo.checkpoint import DIST_DIR, read_manifest
     from megatron_dapo.config.loader import load_config
+    from megatron_dapo.rollout.factory import check_installed
 
     ckpt = Path(args.checkpoint)
     if not ckpt.exists():
         raise UserError(f"checkpoint {ckpt} does not exist; pass an HF directory or runs/<name>/checkpoints/latest")
     training = None if is_hf_dir(ckpt) else resolve_training_checkpoint(ckpt)
+    if not is_hf_dir(ckpt) and training is None and (ckpt / DIST_DIR).is_dir():
+        read_manifest(ckpt)  # a half-written save: the converter's words for it
     if not is_hf_dir(ckpt) and training is None:
         raise UserError(f"{ckpt} is neither an HF directory (config.json + *.safetensors) nor a torch_dist "
                         "checkpoint (step_<N>/, checkpoints/ or checkpoints/latest)")
@@ -429,6 +434,8 @@ def run_eval(args: Any) -> int:
         max_prompt_length=pick(args.max_prompt_length, base.data.max_prompt_length),
         seed=pick(args.seed, base.trainer.seed + 1), reward_fn=base.reward.reward_fn)
     out = args.out or Path("eval") / f"{(training or ckpt).name}_{Path(args.data[0]).stem}_n{settings.n}.jsonl"
+    _check_out(out)
+    check_installed(args.engine or base.rollout.engine, base.rollout, where="--engine" if args.engine else "rollout.engine")
     result = evaluate_checkpoint(
         str(training or ckpt), args.data, settings, out=out, tokenizer_path=_tokenizer_for(args.tokenizer, cfg, ckpt, training),
         engine=args.engine or base.rollout.engine, reward_num_workers=base.reward.num_workers,
@@ -445,6 +452,20 @@ def run_eval(args: Any) -> int:
     return 0
 
 
+def _check_out(out: Path) -> None:
+    """--out must be a file this process can create or append to (checked before any work)."""
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; pass a file path such as {out / 'responses.jsonl'}")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UserError(f"--out {out} cannot be created: {parent} is a file; pass another --out")
+    target = out if out.exists() else parent
+    if not os.access(target, os.W_OK):
+        raise UserError(f"--out {out} is not writable ({target}); pass another --out")
+
+
 def _tokenizer_for(explicit: str | None, cfg: Any, ckpt: Path, training: Path | None) -> str:
     """--tokenizer, the config's, the embedded task's (cached), or the checkpoint's own files."""
     if explicit:
@@ -452,10 +473,9 @@ def _tokenizer_for(explicit: str | None, cfg: Any, ckpt: Path, training: Path | 
     if cfg is not None and cfg.model.tokenizer:
         return cfg.model.tokenizer
     if cfg is not None and cfg.model.hf_checkpoint is None:
-        from megatron_dapo.embedded import task_for
+        from megatron_dapo.embedded import cache_root, task_for
 
-        cache_dir = Path(os.environ.get("MEGATRON_DAPO_CACHE", ".cache/megatron-dapo"))
-        return str(task_for(cfg.data.embedded, cache_dir).tokenizer_path)
+        return str(task_for(cfg.data.embedded, cache_root()).tokenizer_path)
     if training is not None:
         from megatron_dapo.checkpoint import hf_files_of
 

@@ -21,9 +21,12 @@ after any crash and a rerun of the same command each step appears once.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
+import socket
+import threading
 import time
 from pathlib import Path
 
@@ -53,8 +56,7 @@ def prepare_output_dir(output_dir: Path, resume: str) -> Path | None:
         UserError: the directory cannot be created or written.
     """
     where = "trainer.output_dir"
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"{where}={str(output_dir)!r} is a file, not a directory; pick another trainer.output_dir")
+    check_output_dir(output_dir)
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -86,6 +88,29 @@ def prepare_output_dir(output_dir: Path, resume: str) -> Path | None:
     return archive
 
 
+def check_output_dir(output_dir: Path) -> None:
+    """What prepare_output_dir would refuse, without creating anything (`config validate`).
+
+    Raises:
+        UserError: a file of that name, or a directory (or its nearest existing parent) this
+            process cannot write.
+    """
+    where = "trainer.output_dir"
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"{where}={str(output_dir)!r} is a file, not a directory; pick another trainer.output_dir")
+    existing = output_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{where}={str(output_dir)!r} cannot be created: {existing} is a file; "
+                        "pick another trainer.output_dir")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        read_only = bool(os.statvfs(existing).f_flag & os.ST_RDONLY)
+        what = "is not writable" if existing == output_dir else \
+            f"cannot be created ({'Read-only file system' if read_only else 'Permission denied'})"
+        raise UserError(f"{where}={str(output_dir)!r} {what}; pick a writable trainer.output_dir")
+
+
 def remove_leftovers(output_dir: Path) -> list[Path]:
     """Delete unfinished work: `checkpoints/.tmp-*` and `.metrics-*.tmp`; returns what was removed."""
     candidates = [p for p in output_dir.glob(f"{METRICS_TMP_PREFIX}*.tmp")]
@@ -108,3 +133,143 @@ def os_reason(e: OSError) -> str:
     if e.errno is not None:
         return os.strerror(e.errno)
     return str(e) or type(e).__name__
+
+
+# ------------------------------------------------------------------------ one run per directory
+
+LOCK_FILENAME = ".run.lock"
+# The holder refreshes its lock file's mtime this often; a holder on another host whose file
+# is older than LOCK_STALE_S is gone (node lost, kill -9). Same-host holders are checked by pid.
+LOCK_HEARTBEAT_S = 30.0
+LOCK_STALE_S = 180.0
+
+
+def _process_start(pid: int) -> str | None:
+    """The kernel's start time of `pid` (/proc/<pid>/stat field 22), None if it is not running.
+
+    With the pid it tells a live holder from a new process that reuses a dead holder's pid.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+class RunLock:
+    """The exclusive claim of one trainer on its output_dir (`<output_dir>/.run.lock`).
+
+    Two trainers in one directory delete each other's temporary checkpoints and interleave
+    metrics.jsonl, so the controller takes this lock before anything else writes there. It
+    is a file created with O_CREAT | O_EXCL (atomic on local disks, NFS v3+ and Lustre,
+    unlike flock, which Lustre mounted with `localflock` keeps per node), holding who took
+    it: host, pid and its start time, the SLURM job id. A lock whose holder is gone is
+    taken over with a warning: on the same host when the pid no longer runs (or is another
+    process now), on another host when the holder stopped refreshing the file's mtime for
+    LOCK_STALE_S, or at once when it names this process's own SLURM job id (a requeued job
+    is the only incarnation SLURM runs).
+    """
+
+    def __init__(self, path: Path, token: str) -> None:
+        self.path = path
+        self.token = token
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="run-lock", daemon=True)
+        self._beat.start()
+
+    @classmethod
+    def acquire(cls, output_dir: Path) -> RunLock:
+        """Take the lock of `output_dir` (which must exist).
+
+        Raises:
+            UserError: another live trainer holds it (named by pid, host and job).
+        """
+        path = output_dir / LOCK_FILENAME
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _process_start(os.getpid()),
+              "slurm_job_id": os.environ.get("SLURM_JOB_ID"), "since": time.strftime("%Y-%m-%d %H:%M:%S UTC",
+                                                                                      time.gmtime())}
+        token = json.dumps(me, sort_keys=True)
+        for _ in range(3):
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                raw = _read_text(path)
+                holder = _read_holder(path)
+                why = _stale(holder, path, me)
+                if why is None:
+                    raise UserError(
+                        f"trainer.output_dir={str(output_dir)!r} is in use by another trainer (pid "
+                        f"{holder.get('pid')} on host {holder.get('host')}"
+                        + (f", SLURM job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else "")
+                        + f", since {holder.get('since')}; lock {path}); wait for it to end or stop it, or pick "
+                        "another trainer.output_dir") from None
+                if _read_text(path) != raw:  # taken over meanwhile: judge the new holder
+                    continue
+                # Rename, not unlink: of two trainers taking over at once only one rename succeeds.
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(path, path.with_name(f"{LOCK_FILENAME}.stale-{os.getpid()}"))
+                    os.unlink(path.with_name(f"{LOCK_FILENAME}.stale-{os.getpid()}"))
+                    logger.warning("took over the lock of %s from a trainer that is gone (%s; %s)", output_dir,
+                                   _describe_holder(holder), why)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(token + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            return cls(path, token)
+        raise UserError(f"trainer.output_dir={str(output_dir)!r}: could not take the lock {path} (other trainers keep "
+                        "taking it); start one trainer per output_dir")
+
+    def release(self) -> None:
+        """Stop the heartbeat and remove the lock file if it is still this run's."""
+        self._stop.set()
+        if _read_text(self.path).strip() == self.token:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(LOCK_HEARTBEAT_S):
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _read_holder(path: Path) -> dict:
+    try:
+        holder = json.loads(_read_text(path) or "{}")
+    except ValueError:
+        holder = {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _describe_holder(holder: dict) -> str:
+    return f"pid {holder.get('pid')} on host {holder.get('host')}"
+
+
+def _stale(holder: dict, path: Path, me: dict) -> str | None:
+    """Why the holder is gone, or None while it may still run."""
+    if not holder:
+        try:
+            age = time.time() - path.stat().st_mtime
+        except FileNotFoundError:
+            return "the lock disappeared"
+        # A holder between O_EXCL and its write: give it a moment.
+        return "an unreadable lock file" if age > 10 else None
+    if me["slurm_job_id"] and holder.get("slurm_job_id") == me["slurm_job_id"]:
+        return f"an earlier run of this SLURM job {me['slurm_job_id']}"
+    if holder.get("host") == me["host"]:
+        pid = holder.get("pid")
+        if not isinstance(pid, int) or _process_start(pid) != holder.get("start"):
+            return f"pid {pid} is no longer running"
+        return None
+    try:
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return "the lock disappeared"
+    return f"no heartbeat for {age:.0f} s" if age > LOCK_STALE_S else None

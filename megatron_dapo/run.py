@@ -27,20 +27,21 @@ from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.actor.reference import ReferencePolicy
 from megatron_dapo.algo import LossSettings
-from megatron_dapo.checkpoint import CheckpointManager, resolve_resume
+from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume
+from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config.loader import to_dict
-from megatron_dapo.config.preflight import check_hf_checkpoint
+from megatron_dapo.config.preflight import check_device, check_hf_checkpoint, check_inputs
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
 from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
 from megatron_dapo.device import release_cached_memory
-from megatron_dapo.embedded import scratch_checkpoint, task_for
+from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
-from megatron_dapo.output_dir import prepare_output_dir
-from megatron_dapo.rewards.pool import RewardPool
+from megatron_dapo.output_dir import RunLock, check_output_dir, prepare_output_dir
+from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.factory import launch_rank_engines, training_engines
@@ -93,6 +94,8 @@ class Run:
     collect_state: CollectState = field(default_factory=CollectState)
     val_sampling: SamplingParams | None = None
     metrics: MetricsLogger | None = None
+    lock: RunLock | None = None
+    """The controller's claim on output_dir (output_dir.RunLock), released by close()."""
 
     # ---------------------------------------------------------------- step plumbing
 
@@ -196,6 +199,8 @@ class Run:
             self.rollout.shutdown()
         if self.colocated is not None:
             self.colocated.shutdown()
+        if self.lock is not None:
+            self.lock.release()
 
 
 # ------------------------------------------------------------------------ building
@@ -203,18 +208,48 @@ class Run:
 
 def build_run(cfg: Config, config_source: str) -> Run:
     """Bring up a run from a validated config (collective: call on every rank)."""
+    try:
+        check_device(cfg.trainer.device)  # every rank alike, before the process group needs the device
+    except UserError as e:
+        raise SharedUserError(str(e)) from None
     env = parallel.init_distributed(cfg.trainer.device, timeout_minutes=cfg.trainer.collective_timeout_minutes)
     cfg.check_world_size(env.world_size, _launcher_source())
     output_dir = Path(cfg.trainer.output_dir)
-    cache_dir = Path(os.environ.get("MEGATRON_DAPO_CACHE", ".cache/megatron-dapo"))
+    locks: list[RunLock] = []
 
     def prepare() -> dict[str, str | None]:
+        check_output_dir(output_dir)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        # One trainer per directory: two delete each other's temporary checkpoints.
+        locks.append(RunLock.acquire(output_dir))
+        # Every check `config validate` runs, before anything is written or trained (the warm start).
+        check_inputs(cfg, verify_resume_checksums=False)
         # Leftovers of a crashed save go first: after a full disk nothing else could write.
         prepare_output_dir(output_dir, cfg.trainer.resume)
         (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-        return prepare_sources(cfg, cache_dir)
+        return {**prepare_sources(cfg, cache_root()), "cache_dir": str(cache_root())}
 
-    sources = _on_controller(prepare)
+    try:
+        sources = _on_controller(prepare)
+        run = _build(cfg, env, output_dir, sources)
+    except BaseException:
+        for lock in locks:
+            lock.release()
+        raise
+    run.lock = locks[0] if locks else None
+    return run
+
+
+def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> Run:
+    """build_run after the checks: layout, warm start, actor, engines, controller, resume (collective)."""
+    cache_dir = Path(sources["cache_dir"])
+    resume_from = resolve_resume(cfg.trainer.resume, output_dir / "checkpoints")
+    if resume_from is not None:
+        # Every file's checksum, read over all ranks, before the warm start rather than at the load.
+        try:
+            verify_checksums(resume_from, read_manifest(resume_from))
+        except UserError as e:
+            raise SharedUserError(str(e)) from None
     hf_dir = Path(sources["hf_dir"])
     adapter = adapter_for(hf_dir)
     hf = adapter.hf
@@ -244,9 +279,8 @@ def build_run(cfg: Config, config_source: str) -> Run:
                                         local_rank=env.local_rank, log_dir=output_dir / "engine_logs")
     _on_controller(lambda: _build_controller(run, hf_dir, sources))
 
-    resume_from = resolve_resume(cfg.trainer.resume, run.checkpoints.root)
     if resume_from is not None:
-        state = run.checkpoints.load(resume_from, [actor.model], actor.optimizer, actor.scheduler)
+        state = run.checkpoints.load(resume_from, [actor.model], actor.optimizer, actor.scheduler, verified=True)
         run.start_step = int(state["step"])
         if run.sampler is not None and state.get("sampler") is not None:
             run.sampler.load_state_dict(state["sampler"])
@@ -358,7 +392,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
     run.rollout = RolloutController(training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir))
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
-                             max_failure_fraction=cfg.reward.max_failure_fraction)
+                             max_failure_fraction=cfg.reward.max_failure_fraction,
+                             log_path=run.output_dir / REWARD_LOG)
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                 use_wandb=lg.wandb, total_steps=cfg.trainer.total_training_steps,

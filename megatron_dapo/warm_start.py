@@ -155,7 +155,7 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
     """Controller: HF tensors -> the trainer's val/acc of them (same prompts, sampling and reward)."""
     from megatron_dapo.collect import score_heldout, val_sampling_params
     from megatron_dapo.data.datasets import load_prompt_dataset
-    from megatron_dapo.rewards.pool import RewardPool
+    from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
     from megatron_dapo.rollout.controller import RolloutController
     from megatron_dapo.rollout.factory import check_engine
 
@@ -165,7 +165,10 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
     engine = check_engine(init_dir)
     rollout = RolloutController([engine])
     closers.append(rollout.shutdown)
-    rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s)
+    # The run's breaker here too: without it a broken function was waited out on every held-out call.
+    rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
+                         max_failure_fraction=cfg.reward.max_failure_fraction,
+                         log_path=Path(cfg.trainer.output_dir) / REWARD_LOG)
     closers.append(rewards.close)
     params = val_sampling_params(cfg.rollout.val_kwargs, max_new_tokens=cfg.data.max_response_length,
                                  eos_id=tokenizer.eos_id, seed=cfg.trainer.seed)

@@ -202,6 +202,7 @@ class CheckpointManager:
         *,
         model_family: str | None = None,
         load_rng: bool = True,
+        verified: bool = False,
     ) -> dict[str, Any]:
         """Load a checkpoint into this rank's model chunks (and optimizer, scheduler, RNG).
 
@@ -215,6 +216,8 @@ class CheckpointManager:
             scheduler: the lr scheduler to restore, or None to skip.
             model_family: the family the config builds ("qwen2", "llama"), checked if given.
             load_rng: restore RNG states (only when the layout equals the saved one).
+            verified: the caller already ran verify_checksums on it (the trainer does, before
+                its warm start); skip reading every file again.
 
         Returns:
             The trainer_state saved with the checkpoint ({} for a model-only checkpoint).
@@ -225,7 +228,8 @@ class CheckpointManager:
         ckpt = Path(path)
         manifest = read_manifest(ckpt)
         check_compatible(manifest, model_chunks, str(ckpt), model_family)
-        verify_checksums(ckpt, manifest)
+        if not verified:
+            verify_checksums(ckpt, manifest)
         load_optimizer = optimizer is not None and manifest.get("has_optimizer", False)
         if optimizer is not None and not load_optimizer:
             logger.warning(

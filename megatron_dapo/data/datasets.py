@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -126,12 +127,20 @@ def _parse_messages(value: Any, where: str) -> list[dict[str, str]]:
                 f"'content'; {EXPECTED_SCHEMA}"
             )
         messages.append({"role": message["role"], "content": message["content"]})
+    if not any(m["content"].strip() for m in messages):
+        raise DataError(f"{where}: every message of 'prompt' has empty 'content'; give the question or drop the row")
     return messages
 
 
 def _parse_ground_truth(value: Any, where: str, key: str) -> str:
     if isinstance(value, bool) or not isinstance(value, str | int | float):
         raise DataError(f"{where}: {key} = {value!r} is not a string or number; {EXPECTED_SCHEMA}")
+    # json.loads reads NaN/Infinity (and pandas writes a missing value as NaN): no response can match it.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DataError(f"{where}: {key} = {value!r} is not a finite number (a missing answer?); "
+                        "give the reference answer or drop the row")
+    if not str(value).strip():
+        raise DataError(f"{where}: {key} is empty; give the reference answer or drop the row")
     return str(value)
 
 
@@ -152,6 +161,8 @@ def parse_row(row: Any, where: str, default_data_source: str) -> tuple[list[dict
     if isinstance(prompt, str):
         if "answer" not in row:
             raise DataError(f"{where}: plain row (string 'prompt') has no 'answer' field; {EXPECTED_SCHEMA}")
+        if not prompt.strip():
+            raise DataError(f"{where}: 'prompt' is an empty string; give the question or drop the row")
         messages = [{"role": "user", "content": prompt}]
         ground_truth = _parse_ground_truth(row["answer"], where, "'answer'")
     elif isinstance(prompt, list):
@@ -182,6 +193,7 @@ def load_prompt_dataset(
     tokenizer: Tokenizer,
     max_prompt_length: int,
     default_data_source: str = "math_dapo",
+    where_set: str = "data.train_files / data.val_files",
 ) -> PromptDataset:
     """Reads, validates, renders and tokenizes every prompt of a jsonl or parquet file.
 
@@ -191,6 +203,7 @@ def load_prompt_dataset(
         max_prompt_length: prompts with more tokens than this are dropped.
         default_data_source: data source of rows that have none; "math_dapo" is the
             verifier of DAPO-Math-17K.
+        where_set: where the path was given, for errors (`eval` passes "--data").
 
     Returns:
         The kept prompts and the number dropped for length.
@@ -198,8 +211,10 @@ def load_prompt_dataset(
     path = Path(path)
     if max_prompt_length <= 0:
         raise ValueError(f"max_prompt_length={max_prompt_length} must be positive")
+    if path.is_dir():
+        raise DataError(f"prompt file {path} is a directory; {where_set}: list the .jsonl/.parquet files inside it")
     if not path.is_file():
-        raise DataError(f"prompt file {path} does not exist; check data.train_files / data.val_files")
+        raise DataError(f"prompt file {path} does not exist; check {where_set}")
     records: list[PromptRecord] = []
     num_rows = 0
     num_dropped = 0

