@@ -126,9 +126,10 @@ class Run:
             stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes)
             release_cached_memory(self.dims.device)
             return stats
-        engines = self.rollout.engines if self.rollout is not None else []
-        return sync_weights(export, engines, is_controller=self.dims.is_controller, bucket_bytes=bucket_bytes,
-                            version=version)
+        # The controller forwards each bucket to its engines and keeps it for an engine it may restart.
+        engines = [self.rollout] if self.rollout is not None else []
+        return sync_weights(export, engines, is_controller=self.dims.is_controller,  # type: ignore[list-item]
+                            bucket_bytes=bucket_bytes, version=version)
 
     def release_rollout_memory(self) -> None:
         """Colocated engines hand their GPU memory (weights, KV cache) to training (collective)."""
@@ -147,7 +148,8 @@ class Run:
         """Per-engine generation throughput of the last step (controller)."""
         if self.rollout is None:
             return {}
-        return {f"rollout/{t.engine}/tokens_per_s": t.tokens_per_s for t in self.rollout.last_throughput}
+        return {**{f"rollout/{t.engine}/tokens_per_s": t.tokens_per_s for t in self.rollout.last_throughput},
+                "rollout/engine_restarts": float(self.rollout.num_restarts)}
 
     def sum_over_dp(self, value: float) -> float:
         """Sum a number over data-parallel ranks (on every rank)."""
@@ -390,7 +392,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    run.rollout = RolloutController(training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir))
+    run.rollout = RolloutController(training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir),
+                                    max_restarts=cfg.rollout.max_engine_restarts)
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
                              max_failure_fraction=cfg.reward.max_failure_fraction,
                              log_path=run.output_dir / REWARD_LOG)

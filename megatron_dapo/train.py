@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -21,6 +22,8 @@ from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError, qu
 EXIT_DYNAMIC_SAMPLING = 3
 # A second Ctrl-C (the first one saves after the current step and stops): the shell's code for SIGINT.
 EXIT_INTERRUPTED = 130
+# A rollout engine died more often than rollout.max_engine_restarts allows (one line naming it and its log).
+EXIT_ENGINE_FAILED = 4
 # A rank whose peer died in a collective: the peer's error is the story, this rank's is an echo.
 EXIT_PEER_GONE = 1
 # What gloo/NCCL say when the other side of a collective is gone.
@@ -77,13 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     quiet_optional_backend_warnings()
     from megatron_dapo.algo import DynamicSamplingError
+    from megatron_dapo.rollout.engine import EngineRestartsExhausted
 
     try:
         train(args[0], args[1:])
     except UserError as e:
-        if rank == "0" or not isinstance(e, SharedUserError):
-            print(f"error: {e}", file=sys.stderr)
+        line = f"error: {e}" if rank == "0" or not isinstance(e, SharedUserError) else None
+        # Every rank raises a shared error at once, but torchrun SIGTERMs the others as soon as the first
+        # one exits: a rank still unwinding would die with -15 (and rank 0 perhaps before printing).
+        exit_on_sigterm(EXIT_USER_ERROR, line)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        exit_on_sigterm(EXIT_USER_ERROR, None)
         return EXIT_USER_ERROR
+    except EngineRestartsExhausted as e:
+        record_for_launcher(e)
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ENGINE_FAILED
     except DynamicSamplingError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DYNAMIC_SAMPLING
@@ -106,6 +119,17 @@ def main(argv: list[str] | None = None) -> int:
         record_for_launcher(e)
         raise
     return 0
+
+
+def exit_on_sigterm(code: int, line: str | None) -> None:
+    """From now on SIGTERM prints `line` (if any) and exits with `code` at once: this rank has decided
+    how it ends, and the launcher's SIGTERM must not turn that into -15."""
+    def handler(signum: int, frame: object) -> None:
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        os._exit(code)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def record_for_launcher(err: BaseException) -> None:

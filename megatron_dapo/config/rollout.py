@@ -75,6 +75,13 @@ class RolloutConfig:
     while the actor trains (trainer.max_staleness bounds how far ahead)."""
     engine_threads: int = 1
     """Disaggregated on CPU: torch threads of the engine's process (the actor keeps its own)."""
+    max_engine_restarts: int = 3
+    """A dead or hung engine (the local engine's process, a vLLM server) is restarted in place with the
+    current weights and its lost requests are sent again, at most this many times per run (each logged
+    and counted in rollout/engine_restarts); 0 = an engine failure stops the run. Keeps one host copy
+    of the HF weights on the controller while > 0."""
+    engine_hang_timeout_s: float = 120.0
+    """A generating engine process that answers nothing for this long is killed as hung (then restarted)."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling for evaluation."""
 
@@ -88,6 +95,8 @@ class RolloutConfig:
         _check(self.update_weights_bucket_megabytes > 0, "update_weights_bucket_megabytes", "must be > 0")
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.engine_threads >= 1, "engine_threads", "must be >= 1")
+        _check(self.max_engine_restarts >= 0, "max_engine_restarts", "must be >= 0 (0 = never restart)")
+        _check(self.engine_hang_timeout_s > 0, "engine_hang_timeout_s", "must be > 0 (seconds)")
         _check(self.placement == "colocated" or self.engine == "local", "placement",
                f"disaggregated runs the local engine in its own process; with engine {self.engine} it is not "
                "built yet (SGLang/vLLM on GPUs of their own): use rollout.engine=local or placement=colocated")

@@ -15,12 +15,28 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from typing import Any
 
-from megatron_dapo.rollout.engine import GenerationResult, RolloutEngine, SamplingParams
-from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed, StreamingEngine, stream_per_prompt
+import torch
+
+from megatron_dapo.rollout.engine import (
+    EngineError,
+    EngineRestartsExhausted,
+    GenerationResult,
+    RestartableEngine,
+    RolloutEngine,
+    SamplingParams,
+)
+from megatron_dapo.rollout.streaming import (
+    FeedItem,
+    GroupCallback,
+    PromptFeed,
+    StreamingEngine,
+    stream_per_prompt,
+)
 
 __all__ = ["EngineThroughput", "RolloutController"]
 
@@ -49,17 +65,102 @@ class EngineThroughput:
 class RolloutController:
     """Spreads generation over engines and fans out control calls to all of them."""
 
-    def __init__(self, engines: Sequence[RolloutEngine]) -> None:
+    def __init__(self, engines: Sequence[RolloutEngine], *, max_restarts: int = 0) -> None:
         """Own the engines and one waiting thread per engine.
 
         Args:
             engines: the rollout engines (at least one); their names should be unique.
+            max_restarts: how many times in all a dead or hung engine (a RestartableEngine)
+                is replaced in place during this controller's life (rollout.max_engine_restarts);
+                0 = an engine failure fails the call.
         """
         if not engines:
             raise ValueError("RolloutController needs at least one engine; check rollout.engine and the GPU count")
         self.engines = list(engines)
         self.last_throughput: list[EngineThroughput] = []
+        self.max_restarts = max_restarts
+        self.num_restarts = 0
+        """Engines replaced so far (logged as rollout/engine_restarts)."""
         self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="rollout")
+        # Weight updates arrive while the engines stream (the asynchronous loop): their own threads.
+        self._update_pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="rollout-update")
+        # The weights of the last finished sync (and the buckets of one in progress), kept on the
+        # host to load into a restarted engine: one copy of the HF weights, only when restarts
+        # are possible. A restart and a sync never interleave (the lock).
+        self._keep_weights = max_restarts > 0 and any(isinstance(e, RestartableEngine) for e in self.engines)
+        self._weights: list[list[tuple[str, torch.Tensor]]] = []
+        self._weights_version: int | None = None
+        self._incoming: list[list[tuple[str, torch.Tensor]]] = []
+        self._weights_lock = threading.RLock()
+        self._restart_lock = threading.Lock()
+        self._failed: set[int] = set()  # engines whose update failed: restarted before their next use
+
+    # ------------------------------------------------------------------ weights (RolloutEngine for sync_weights)
+
+    @property
+    def name(self) -> str:
+        return "controller"
+
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Step 7 for every engine at once; the bucket is also kept for restarts (sync_weights calls this)."""
+        with self._weights_lock:
+            if self._keep_weights:
+                self._incoming.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
+            self._each_engine(lambda engine: engine.update_weights(bucket))
+
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """End the update on every engine; the kept buckets become the weights a restart loads."""
+        with self._weights_lock:
+            self._each_engine(lambda engine: engine.finish_weight_update(version=version))
+            if self._keep_weights:
+                self._weights, self._incoming, self._weights_version = self._incoming, [], version
+
+    def _each_engine(self, call: Callable[[RolloutEngine], None]) -> None:
+        """Run `call` on every engine concurrently. An engine that fails it and can be restarted is
+        marked and replaced before its next generation (with the kept weights, this sync's
+        included); any other failure is raised."""
+        futures = [self._update_pool.submit(call, engine) for i, engine in enumerate(self.engines)
+                   if i not in self._failed]
+        live = [i for i in range(len(self.engines)) if i not in self._failed]
+        for i, future in zip(live, futures):
+            try:
+                future.result()
+            except EngineError as err:
+                if not self._can_restart(self.engines[i]):
+                    raise
+                logger.warning("engine %s failed during a weight update (%s); it is restarted before its next use",
+                               self.engines[i].name, err)
+                self._failed.add(i)
+
+    def _can_restart(self, engine: RolloutEngine) -> bool:
+        return isinstance(engine, RestartableEngine) and self.max_restarts > 0
+
+    def _restart(self, index: int, err: BaseException) -> None:
+        """Replace engine `index` by a fresh one holding the current weights, or raise the final error."""
+        engine = self.engines[index]
+        log = getattr(engine, "log_path", None)
+        where = f"; its log: {log}" if log else ""
+        with self._restart_lock:
+            if not self._can_restart(engine) or self.num_restarts >= self.max_restarts:
+                raise EngineRestartsExhausted(
+                    f"engine {engine.name} failed ({err}) after {self.num_restarts} restart(s) of engines in this run "
+                    f"(rollout.max_engine_restarts={self.max_restarts}){where}; the run stops here: rerun the same "
+                    "command to resume from the last checkpoint, and look at the engine's log for why it died"
+                ) from err
+            self.num_restarts += 1
+            logger.warning("engine %s failed (%s): restarting it in place, restart %d of at most %d%s", engine.name,
+                           err, self.num_restarts, self.max_restarts, where)
+        with self._weights_lock:
+            engine.restart()  # type: ignore[attr-defined]
+            if self._weights:
+                for bucket in self._weights:
+                    engine.update_weights(bucket)
+                engine.finish_weight_update(version=self._weights_version)
+            self._failed.discard(index)
+
+    def _restart_marked(self) -> None:
+        for index in sorted(self._failed):
+            self._restart(index, EngineError(f"engine {self.engines[index].name}: its weight update failed"))
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[GenerationResult]:
         """Generate ``params.n`` responses per prompt on all engines concurrently.
@@ -72,10 +173,11 @@ class RolloutController:
             ``len(prompts) * n`` results, prompt-major, with global prompt indices 0..len-1.
             ``last_throughput`` then holds one entry per engine.
         """
+        self._restart_marked()
         bounds = _split(len(prompts), len(self.engines))
         futures = [
-            self._pool.submit(_timed_generate, engine, prompts[lo:hi], params, lo)
-            for engine, (lo, hi) in zip(self.engines, bounds)
+            self._pool.submit(self._generate_restarting, i, prompts[lo:hi], params, lo)
+            for i, (lo, hi) in enumerate(bounds)
         ]
         # Wait for the first failure, not in engine order: a dead engine must stop the others now,
         # not after they have finished generating for a step that will be thrown away.
@@ -103,6 +205,17 @@ class RolloutController:
         self.last_throughput = throughput
         return results
 
+    def _generate_restarting(self, index: int, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                             offset: int) -> tuple[list[GenerationResult], float]:
+        """One engine's slice; a restartable engine that dies is replaced and asked again (same seeds)."""
+        while True:
+            try:
+                return _timed_generate(self.engines[index], prompts, params, offset)
+            except EngineError as err:
+                if not isinstance(self.engines[index], RestartableEngine):
+                    raise
+                self._restart(index, err)
+
     def stream(
         self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
     ) -> list[GenerationResult]:
@@ -124,12 +237,32 @@ class RolloutController:
             with lock:
                 on_group(group)
 
-        def run(engine: RolloutEngine) -> list[GenerationResult]:
+        def run_once(engine: RolloutEngine, engine_feed: Any, done: Callable[[list[GenerationResult]], None]
+                     ) -> list[GenerationResult]:
             if isinstance(engine, StreamingEngine):
-                return engine.stream(feed, params, serialised, max_inflight=max_inflight)
-            return stream_per_prompt(engine, feed, params, serialised, max_inflight=max_inflight)
+                return engine.stream(engine_feed, params, done, max_inflight=max_inflight)
+            return stream_per_prompt(engine, engine_feed, params, done, max_inflight=max_inflight)
 
-        futures = [self._pool.submit(run, engine) for engine in self.engines]
+        def run(index: int) -> list[GenerationResult]:
+            while True:
+                engine = self.engines[index]
+                if not isinstance(engine, RestartableEngine):
+                    return run_once(engine, feed, serialised)
+                # What this engine took and has not handed back: sent again if it dies.
+                tracked = _TrackedFeed(feed)
+
+                def done(group: list[GenerationResult], tracked: _TrackedFeed = tracked) -> None:
+                    tracked.finished(group[0].prompt_index)
+                    serialised(group)
+
+                try:
+                    return run_once(engine, tracked, done)
+                except EngineError as err:
+                    self._restart(index, err)
+                    feed.requeue(tracked.in_flight())
+
+        self._restart_marked()
+        futures = [self._pool.submit(run, i) for i in range(len(self.engines))]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f for f in futures if f in done and f.exception() is not None), None)
         if failed is not None:
@@ -172,11 +305,50 @@ class RolloutController:
             self._broadcast("shutdown")
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
+            self._update_pool.shutdown(wait=False, cancel_futures=True)
 
     def _broadcast(self, method: str) -> None:
         futures = [self._pool.submit(getattr(engine, method)) for engine in self.engines]
         for future in futures:
             future.result()
+
+
+class _TrackedFeed:
+    """One engine's view of the shared PromptFeed that remembers what it took and has not finished."""
+
+    def __init__(self, feed: PromptFeed) -> None:
+        self._feed = feed
+        self._lock = threading.Lock()
+        self._taken: dict[int, FeedItem] = {}
+
+    def take(self, *, block: bool = True) -> FeedItem | None:
+        item = self._feed.take(block=block)
+        if item is not None:
+            with self._lock:
+                self._taken[item.index] = item
+        return item
+
+    def finished(self, index: int) -> None:
+        with self._lock:
+            self._taken.pop(index, None)
+
+    def in_flight(self) -> list[FeedItem]:
+        with self._lock:
+            return list(self._taken.values())
+
+    def close(self) -> None:
+        self._feed.close()
+
+    def notify(self) -> None:
+        self._feed.notify()
+
+    @property
+    def exhausted(self) -> bool:
+        return self._feed.exhausted
+
+    @property
+    def num_taken(self) -> int:
+        return self._feed.num_taken
 
 
 def _split(num_prompts: int, num_engines: int) -> list[tuple[int, int]]:

@@ -165,6 +165,34 @@ class RolloutEngine(Protocol):
         ...
 
 
+@runtime_checkable
+class RestartableEngine(Protocol):
+    """An engine whose process the controller can replace (RolloutController, max_restarts).
+
+    `restart()` stops what is left of the old process or server (kill, never wait on a hung
+    one) and starts a fresh one from the engine's HF checkpoint, under the same name and log
+    path; it returns once the new one answers. The controller then loads the current weights
+    into it (the buckets of the last sync, which it keeps) and sends the lost requests again.
+    The local engine's process and the vLLM server implement it; an SGLang engine needs the
+    same three things: a way to kill and relaunch its server (for colocated servers, owned by
+    a node's leader rank, that means a message to that rank, or the controller taking over
+    the launch), the server's log path, and an update path that accepts whole-model buckets
+    from the controller (its CUDA-IPC sync is fed by every rank, collectively).
+    """
+
+    name: str
+    log_path: str | None
+    """Where the engine's own process writes its log (None = it has none of its own)."""
+
+    def restart(self) -> None:
+        """Replace the engine's process or server by a fresh one (weights: its HF checkpoint)."""
+        ...
+
+
+class EngineRestartsExhausted(EngineError):
+    """An engine failed more often than rollout.max_engine_restarts allows; one line names it and its log."""
+
+
 def response_seed(seed: int, response_index: int) -> int:
     """The seed of one response's generator, decorrelated from neighbouring seeds.
 

@@ -83,7 +83,8 @@ def _local_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, 
         from megatron_dapo.rollout.local.process import ProcessEngine
 
         return [ProcessEngine(hf_dir, name="local0", num_threads=cfg.rollout.engine_threads,
-                              call_timeout_s=cfg.rollout.request_timeout_s)]
+                              call_timeout_s=cfg.rollout.request_timeout_s,
+                              hang_timeout_s=cfg.rollout.engine_hang_timeout_s)]
     from megatron_dapo.rollout.local.engine import LocalEngine
 
     return [LocalEngine(hf_dir, name="local0", device=device)]

@@ -84,6 +84,7 @@ class PromptFeed:
         self._gate = gate
         self._changed = threading.Condition()
         self._closed = False
+        self._again: list[FeedItem] = []
         self.num_taken = 0
 
     def take(self, *, block: bool = True) -> FeedItem | None:
@@ -97,12 +98,15 @@ class PromptFeed:
             The prompt, or None once closed or exhausted (or held back, without block).
         """
         with self._changed:
-            while not self._exhausted() and self._gate is not None and not self._gate(self.num_taken):
+            while (not self._again and not self._exhausted() and self._gate is not None
+                   and not self._gate(self.num_taken)):
                 if not block:
                     return None
                 self._changed.wait()
             if self._exhausted():
                 return None
+            if self._again:
+                return self._again.pop(0)
             prompt = next(self._prompts, None)
             if prompt is None:
                 self._closed = True
@@ -113,6 +117,16 @@ class PromptFeed:
             if isinstance(prompt, CarriedPrompt):
                 return FeedItem(index=index, prompt=prompt.prompt, carried=prompt.results)
             return FeedItem(index=index, prompt=prompt)
+
+    def requeue(self, items: Sequence[FeedItem]) -> None:
+        """Hand these out again, first (a restarted engine's lost prompts).
+
+        They keep their indices (so their seeds, hence a seeded engine's tokens) and are not
+        counted again in num_taken; the gate and the limit do not hold them back.
+        """
+        with self._changed:
+            self._again[:0] = sorted(items, key=lambda item: item.index)
+            self._changed.notify_all()
 
     def notify(self) -> None:
         """Wake blocked takers: the gate's answer may have changed."""
@@ -132,7 +146,9 @@ class PromptFeed:
             return self._exhausted()
 
     def _exhausted(self) -> bool:
-        return self._closed or (self._limit is not None and self.num_taken >= self._limit)
+        if self._closed:
+            return True
+        return not self._again and self._limit is not None and self.num_taken >= self._limit
 
 
 @runtime_checkable

@@ -31,6 +31,7 @@ import logging
 import multiprocessing as mp
 import signal
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -65,7 +66,7 @@ class ProcessEngine:
 
     def __init__(
         self, model_path: str | Path, *, name: str = "local0", num_threads: int = 1, max_batch_size: int = 256,
-        start_timeout_s: float = 300.0, call_timeout_s: float = 3600.0,
+        start_timeout_s: float = 300.0, call_timeout_s: float = 3600.0, hang_timeout_s: float = 120.0,
     ) -> None:
         """Start the child and wait until its model is loaded.
 
@@ -76,16 +77,24 @@ class ProcessEngine:
             max_batch_size: responses the child decodes together.
             start_timeout_s: how long loading may take.
             call_timeout_s: how long any call may take (a generation included).
+            hang_timeout_s: a generating child that answers no ping for this long is killed as hung.
 
         Raises:
             EngineError: the child failed to start or to load the model.
         """
         self.name = name
+        self.log_path: str | None = None  # the child logs to the trainer's stderr
         self._call_timeout_s = call_timeout_s
+        self._hang_timeout_s = hang_timeout_s
+        self._start_args = (str(model_path), name, num_threads, max_batch_size)
+        self._start_timeout_s = start_timeout_s
+        self._start()
+
+    def _start(self) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
-        self._process = ctx.Process(target=serve, args=(child_conn, str(model_path), name, num_threads, max_batch_size),
-                                    name=f"megatron-dapo-engine-{name}", daemon=True)
+        self._process = ctx.Process(target=serve, args=(child_conn, *self._start_args),
+                                    name=f"megatron-dapo-engine-{self.name}", daemon=True)
         self._process.start()
         child_conn.close()
         self._send_lock = threading.Lock()
@@ -98,9 +107,46 @@ class ProcessEngine:
         self._pending: dict[int, Future[Any]] = {}
         self._streams: dict[int, _Stream] = {}
         self._dead: str | None = None
-        self._reader = threading.Thread(target=self._read, name=f"{name}-reader", daemon=True)
+        self._last_heard = time.monotonic()
+        self._busy = 0  # generate/stream calls waiting on the child
+        self._reader = threading.Thread(target=self._read, args=(self._conn, self._process), name=f"{self.name}-reader",
+                                        daemon=True)
         self._reader.start()
-        self._call("health", timeout_s=start_timeout_s)
+        self._watchdog = threading.Thread(target=self._watch, args=(self._process,), name=f"{self.name}-watchdog",
+                                          daemon=True)
+        self._watchdog.start()
+        self._call("health", timeout_s=self._start_timeout_s)
+
+    def restart(self) -> None:
+        """Kill the child (dead or hung) and start a fresh one from the HF checkpoint (RestartableEngine)."""
+        with contextlib.suppress(Exception):
+            self._process.kill()
+            self._join(timeout=10)
+        with contextlib.suppress(Exception):
+            self._conn.close()
+        self._start()
+
+    def _watch(self, process: Any) -> None:
+        """While a generation runs, ping the child; one that answers nothing for hang_timeout_s is killed
+        (its reader then fails the call as for a dead child, and the controller may restart it).
+
+        The child answers pings between two decode steps, so only a stuck one stays silent.
+        """
+        interval = max(0.05, min(10.0, self._hang_timeout_s / 4))
+        while self._process is process and self._dead is None:
+            time.sleep(interval)
+            if self._busy == 0:
+                self._last_heard = time.monotonic()
+                continue
+            silent = time.monotonic() - self._last_heard
+            if silent > self._hang_timeout_s:
+                logger.warning("engine %s answered nothing for %.0f s while generating: killing its process (pid %s)",
+                               self.name, silent, process.pid)
+                with contextlib.suppress(Exception):
+                    process.kill()
+                return
+            with contextlib.suppress(Exception):
+                self._send(("call", next(self._ids), "health", (), {}))  # its reply only refreshes _last_heard
 
     # ------------------------------------------------------------------ RolloutEngine
 
@@ -108,7 +154,8 @@ class ProcessEngine:
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int = 0
     ) -> list[GenerationResult]:
         """Sample ``params.n`` responses per prompt in the child (see RolloutEngine.generate)."""
-        return self._call("generate", [list(p) for p in prompts], params, index_offset=index_offset)
+        with self._generating():
+            return self._call("generate", [list(p) for p in prompts], params, index_offset=index_offset)
 
     def stream(
         self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
@@ -123,7 +170,8 @@ class ProcessEngine:
         with self._state:
             self._streams[rid] = session
         try:
-            incomplete = self._call("stream", params, max_inflight, rid=rid)
+            with self._generating():
+                incomplete = self._call("stream", params, max_inflight, rid=rid)
         except EngineError as err:
             if session.error is not None:  # the callback's failure came first
                 raise session.error from err
@@ -175,6 +223,17 @@ class ProcessEngine:
                 self._join(timeout=10)
         self._conn.close()
 
+    @contextlib.contextmanager
+    def _generating(self) -> Any:
+        with self._state:
+            self._busy += 1
+            self._last_heard = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._state:
+                self._busy -= 1
+
     def _alive(self) -> bool:
         with self._wait_lock:
             return self._process.is_alive()
@@ -212,14 +271,17 @@ class ProcessEngine:
             with self._state:
                 self._pending.pop(rid, None)
 
-    def _read(self) -> None:
-        """The reader thread: replies to calls, and the child's requests of a running stream."""
+    def _read(self, conn: Connection, process: Any) -> None:
+        """The reader thread of one child: replies to calls, and the child's requests of a running stream."""
         while True:
             try:
-                message = self._conn.recv()
+                message = conn.recv()
+                self._last_heard = time.monotonic()
             except (EOFError, OSError):
+                if process is not self._process:  # restarted meanwhile: the new child has its own reader
+                    return
                 code = self._join(timeout=5)
-                self._fail_all(f"its process (pid {self._process.pid}) exited with code {code}")
+                self._fail_all(f"its process (pid {process.pid}) exited with code {code}")
                 return
             try:
                 self._dispatch(message)

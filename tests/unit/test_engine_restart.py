@@ -1,0 +1,181 @@
+"""A dead or hung engine process is replaced in place (RolloutController, rollout.max_engine_restarts).
+
+The controller restarts the local engine's process from its HF checkpoint, loads the
+weights of the last sync into it, and sends again what was lost: with counter-based
+seeding every response is then token for token what an engine that never died samples.
+Beyond the allowed restarts the failure is one EngineRestartsExhausted naming the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from model_utils import make_tiny_checkpoint
+from safetensors.torch import load_file
+
+from megatron_dapo.rollout.controller import RolloutController
+from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted, SamplingParams
+from megatron_dapo.rollout.local.process import ProcessEngine
+from megatron_dapo.rollout.streaming import PromptFeed
+
+PARAMS = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=7, stop_token_ids=tuple(range(0, 100, 9)))
+PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15], [16, 17], [18]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def new_weights(tiny):
+    """Weights other than the checkpoint's: a restart that reloaded only the checkpoint would differ."""
+    tensors = load_file(str(tiny / "model.safetensors"))
+    return [(name, t * 1.5 if t.dim() == 2 else t) for name, t in sorted(tensors.items())]
+
+
+def _controller(tiny, new_weights, max_restarts: int, hang_timeout_s: float = 120.0) -> RolloutController:
+    engine = ProcessEngine(tiny, name="proc0", num_threads=1, max_batch_size=4, hang_timeout_s=hang_timeout_s)
+    controller = RolloutController([engine], max_restarts=max_restarts)
+    controller.update_weights(new_weights)
+    controller.finish_weight_update(version=5)
+    return controller
+
+
+def _stream(controller: RolloutController, fault=None) -> dict[int, list]:
+    """Stream every prompt; `fault(engine)` runs at the first finished group. Returns prompt -> responses."""
+    feed = PromptFeed(iter(PROMPTS))
+    groups: dict[int, list] = {}
+
+    def on_group(group):
+        index = group[0].prompt_index
+        assert index not in groups, f"prompt {index} came back twice"
+        groups[index] = [(r.sample_index, r.output_ids, r.weight_versions) for r in group]
+        if fault is not None and len(groups) == 1:
+            fault(controller.engines[0])
+
+    controller.stream(feed, PARAMS, on_group, max_inflight=3)
+    return groups
+
+
+@pytest.fixture(scope="module")
+def clean(tiny, new_weights):
+    controller = _controller(tiny, new_weights, max_restarts=0)
+    try:
+        return _stream(controller), controller.generate(PROMPTS * 8, PARAMS)
+    finally:
+        controller.shutdown()
+
+
+def _kill(engine: ProcessEngine) -> None:
+    os.kill(engine._process.pid, signal.SIGKILL)
+
+
+def test_engine_killed_mid_stream_is_restarted_with_the_current_weights(tiny, new_weights, clean):
+    controller = _controller(tiny, new_weights, max_restarts=1)
+    try:
+        got = _stream(controller, fault=_kill)
+        assert controller.num_restarts == 1
+        # Every prompt exactly once, each response the one the engine that never died sampled
+        # (the checkpoint's own weights would sample others: see the last assert).
+        assert got == clean[0]
+        assert all(versions == (5,) for g in got.values() for _, _, versions in g)
+        # And it keeps serving: a round after the restart equals the clean round too.
+        again = controller.generate(PROMPTS * 8, PARAMS)
+        assert [(r.prompt_index, r.output_ids) for r in again] == [(r.prompt_index, r.output_ids) for r in clean[1]]
+        # What a restart that reloaded only the checkpoint would have sampled: other tokens.
+        controller.engines[0].restart()
+        assert [r.output_ids for r in controller.engines[0].generate(PROMPTS * 8, PARAMS)] != \
+            [r.output_ids for r in clean[1]]
+    finally:
+        controller.shutdown()
+
+
+def test_engine_killed_during_generate_is_restarted_and_asked_again(tiny, new_weights, clean):
+    controller = _controller(tiny, new_weights, max_restarts=2)
+    try:
+        engine = controller.engines[0]
+        # Kill it between two decode steps of the generate call (its between-steps hook is in the child:
+        # kill from the controller's side as soon as the call is in flight).
+        import threading
+
+        killer = threading.Timer(0.3, _kill, args=(engine,))
+        killer.start()
+        got = controller.generate(PROMPTS * 8, PARAMS)
+        killer.join()
+        assert controller.num_restarts == 1
+        assert [(r.prompt_index, r.sample_index, r.output_ids) for r in got] == \
+            [(r.prompt_index, r.sample_index, r.output_ids) for r in clean[1]]
+    finally:
+        controller.shutdown()
+
+
+def test_a_hung_engine_is_killed_and_replaced(tiny, new_weights, clean):
+    controller = _controller(tiny, new_weights, max_restarts=1, hang_timeout_s=1.0)
+    try:
+        got = _stream(controller, fault=lambda engine: os.kill(engine._process.pid, signal.SIGSTOP))
+        assert controller.num_restarts == 1
+        assert got == clean[0]
+    finally:
+        controller.shutdown()
+
+
+def test_without_restarts_a_dead_engine_fails_the_call(tiny, new_weights):
+    controller = _controller(tiny, new_weights, max_restarts=0)
+    try:
+        with pytest.raises(EngineRestartsExhausted) as err:
+            _stream(controller, fault=_kill)
+        assert isinstance(err.value, EngineError)
+        text = str(err.value)
+        assert text.startswith("engine proc0 failed (engine proc0: its process (pid ")
+        assert "after 0 restart(s) of engines in this run (rollout.max_engine_restarts=0); the run stops here" in text
+        assert "\n" not in text
+    finally:
+        controller.shutdown()
+
+
+def test_restarts_are_counted_per_run_not_per_failure_site(tiny, new_weights):
+    controller = _controller(tiny, new_weights, max_restarts=1)
+    try:
+        _stream(controller, fault=_kill)
+        with pytest.raises(EngineRestartsExhausted, match=r"after 1 restart\(s\) .*max_engine_restarts=1\)"):
+            _stream(controller, fault=_kill)
+        assert controller.num_restarts == 1
+    finally:
+        controller.shutdown()
+
+
+class _Restartable:
+    """Just enough of an engine for the controller's weight bookkeeping."""
+
+    name = "fake0"
+    log_path = None
+
+    def update_weights(self, bucket):
+        pass
+
+    def finish_weight_update(self, version=None):
+        pass
+
+    def restart(self):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+def test_weights_are_kept_only_when_an_engine_may_restart(new_weights):
+    controller = RolloutController([_Restartable()], max_restarts=0)
+    controller.update_weights(new_weights)
+    controller.finish_weight_update(version=1)
+    assert controller._weights == []
+    controller = RolloutController([_Restartable()], max_restarts=1)
+    controller.update_weights(new_weights)
+    assert controller._weights == []  # an update in progress is not yet what a restart loads
+    controller.finish_weight_update(version=1)
+    kept = dict(controller._weights[0])
+    assert torch.equal(kept[new_weights[0][0]], new_weights[0][1])
+    assert kept[new_weights[0][0]].data_ptr() != new_weights[0][1].data_ptr()  # a copy, not a view
