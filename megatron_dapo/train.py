@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         exit_on_sigterm(EXIT_USER_ERROR, line)
         if line is not None:
             print(line, file=sys.stderr, flush=True)
-        exit_on_sigterm(EXIT_USER_ERROR, None)
+        # Ignored, not handled, from here: interpreter shutdown resets Python-level handlers to the
+        # default (death by -15) but keeps SIG_IGN; the rank is about to exit 2 on its own.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return EXIT_USER_ERROR
     except EngineRestartsExhausted as e:
         record_for_launcher(e)
@@ -123,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def exit_on_sigterm(code: int, line: str | None) -> None:
     """From now on SIGTERM prints `line` (if any) and exits with `code` at once: this rank has decided
-    how it ends, and the launcher's SIGTERM must not turn that into -15."""
+    how it ends, and the launcher's SIGTERM (sent to the rest once one rank exits) must not turn that
+    into -15."""
     def handler(signum: int, frame: object) -> None:
         if line is not None:
             print(line, file=sys.stderr, flush=True)

@@ -8,7 +8,10 @@ command again, neither loses nor repeats a step or a prompt.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -82,4 +85,48 @@ def test_kill_9_while_rollouts_run_ahead_loses_and_repeats_nothing(tmp_path: Pat
     sampler = state["sampler"]
     drawn = sampler["epoch"] * sampler["num_records"] + sampler["position"]
     assert drawn == sum(int(r["train/num_prompts_taken"]) for r in rows[1:])
+    assert run_processes(env["FAULT_TEST_TAG"]) == []
+
+
+def _engine_pids(tag: str) -> list[int]:
+    """The run's engine processes (rollout/local/process.py names them dapo-<engine>)."""
+    return [pid for pid in run_processes(tag) if Path(f"/proc/{pid}/comm").read_text().strip() == "dapo-local0"]
+
+
+def test_an_engine_killed_mid_run_costs_a_restart_not_the_run(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml")
+    command = train_command(config, f"trainer.output_dir={out}", "trainer.total_training_steps=5",
+                            "trainer.max_staleness=1", "algorithm.rollout_correction.rollout_is=token", *ASYNC)
+    env = {**trainer_env(tmp_path / "cache"), "FAULT_TEST_TAG": uuid.uuid4().hex}
+    metrics = out / "metrics.jsonl"
+    with (tmp_path / "run.log").open("w") as log:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        # The producer generates step 3's batch while the actor trains step 2: kill the engine then.
+        while not (metrics.is_file() and '"step": 2,' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
+            time.sleep(0.02)
+        (victim,) = _engine_pids(env["FAULT_TEST_TAG"])
+        os.kill(victim, signal.SIGKILL)
+        assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = (tmp_path / "run.log").read_text()
+    assert "engine local0 failed (engine local0: its process (pid " in text
+    assert "restarting it in place, restart 1 of at most 3" in text
+    rows = read_rows(out)
+    # A clean run's invariants: every step once, full batches of mixed groups within the bound.
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
+    for row in rows[1:]:
+        assert row["train/num_groups"] == 4 and row["train/num_responses"] == 16
+        assert 0 < row["train/kept_group_acc_min"] <= row["train/kept_group_acc_max"] < 1
+        assert row["async/staleness_max"] <= 1
+    assert [r["rollout/engine_restarts"] for r in rows[1:3]] == [0, 0]
+    assert rows[-1]["rollout/engine_restarts"] == 1
+    deadline = time.monotonic() + 10  # helpers (resource tracker, forkserver) leave right after the main process
+    while run_processes(env["FAULT_TEST_TAG"]) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert run_processes(env["FAULT_TEST_TAG"]) == []

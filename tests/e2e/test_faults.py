@@ -9,6 +9,7 @@ finished run's metrics.jsonl holds each step once (megatron_dapo/output_dir.py).
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import time
 import uuid
@@ -99,6 +100,25 @@ def test_a_user_error_under_torchrun_prints_once_and_every_rank_exits_2(tmp_path
     assert "exitcode  : 2" in proc.stderr, proc.stderr[-4000:]
 
 
+@pytest.mark.parametrize(("overrides", "line"), [
+    (("reward.reward_fn=no_such_mod_31:f",),
+     "error: reward function 'no_such_mod_31:f': module 'no_such_mod_31' not found"),
+    (("data.embedded.num_train=2",),
+     "error: data.embedded.num_train holds 2 usable prompt(s), fewer than data.train_batch_size=4"),
+], ids=["reward-module-missing", "too-few-prompts"])
+def test_a_controller_side_user_error_exits_2_on_every_rank_before_any_work(tmp_path: Path, overrides, line) -> None:
+    # Found by the preflight on rank 0; every rank raises it. torchrun SIGTERMs the other rank as soon
+    # as the first exits: it used to die with -15 instead of exiting 2.
+    config = write_config(tmp_path / "tiny.yaml", model={"sft_warm_start": {"enable": True, "num_steps": 20}})
+    proc = subprocess.run(train_command(config, f"trainer.output_dir={tmp_path / 'run'}", *overrides, nproc=2),
+                          env=trainer_env(tmp_path / "cache"), cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.stderr.count(line) == 1, proc.stderr[-4000:]
+    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-4000:]
+    assert "exitcode  : -15" not in proc.stderr
+    assert "[rank0]: Traceback" not in proc.stderr and "[rank1]: Traceback" not in proc.stderr
+    assert list((tmp_path / "cache").glob("sft-*")) == []  # stopped before the warm start
+
+
 def test_controller_failing_in_rollout_ends_every_rank_in_bounded_time(tmp_path: Path) -> None:
     # Rank 0 stops in step 1's rollout (the reward circuit breaker) while rank 1 already waits
     # for its share of the batch; torchrun must end rank 1 and the error must name the cause.
@@ -120,3 +140,31 @@ def test_controller_failing_in_rollout_ends_every_rank_in_bounded_time(tmp_path:
 
 
 _REWARD = {"num_workers": 1, "overlong_buffer": {"enable": True, "len": 4}}
+
+
+def test_a_second_trainer_in_the_same_output_dir_is_refused_in_one_line(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml")
+    command = train_command(config, f"trainer.output_dir={out}", "trainer.total_training_steps=4")
+    env = trainer_env(tmp_path / "cache")
+    with (tmp_path / "first.log").open("w") as log:
+        first = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / ".run.lock").is_file():
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-3000:]
+            time.sleep(0.02)
+        second = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert second.returncode == 2, second.stderr[-3000:]
+    lines = [x for x in second.stderr.splitlines() if x.startswith("error:")]
+    assert lines == [f"error: trainer.output_dir='{out}' is in use by another trainer (pid {first.pid} on host "
+                     f"{socket.gethostname()}, since " + lines[0].split(", since ")[1]], second.stderr[-3000:]
+    assert "Traceback" not in second.stderr
+    # The first run was not disturbed: every step once, its checkpoints intact, the lock gone.
+    assert [r["step"] for r in read_rows(out)] == [0, 1, 2, 3, 4]
+    assert (out / "checkpoints" / "step_4" / "manifest.json").is_file()
+    assert not (out / ".run.lock").exists()

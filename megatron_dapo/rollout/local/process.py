@@ -446,12 +446,21 @@ class _Server:
         self.engine.finish_weight_update(version=version)
 
 
+def _name_process(title: str) -> None:
+    """Name the child in ps/top and /proc/<pid>/comm (15 bytes), so that it can be told from other helpers."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, title.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+
+
 def serve(conn: Connection, model_path: str, name: str, num_threads: int, max_batch_size: int) -> None:
     """The child process: load the model, then serve the pipe until it closes or shutdown comes."""
     # Ctrl-C, SLURM's pre-timeout USR1 and preemption's TERM reach the whole process group: they
     # are the trainer's to handle (it saves, then stops us); we go when its pipe closes.
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
+    _name_process(f"dapo-{name}")
     torch.set_num_threads(num_threads)
     from megatron_dapo.rollout.local.engine import LocalEngine
 
