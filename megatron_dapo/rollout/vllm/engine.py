@@ -232,7 +232,30 @@ class VLLMEngine:
         except BaseException:
             engine.shutdown()
             raise
+        # What restart() launches again (the log file is appended to: both lives stay readable).
+        engine._relaunch = dict(model_path=model_path, name=name, log_path=process.log_path, host=host, device=device,
+                                max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                                vocab_size=vocab_size, request_timeout_s=request_timeout_s,
+                                startup_timeout_s=startup_timeout_s)
         return engine
+
+    @property
+    def log_path(self) -> str:
+        """The server's log file (RestartableEngine)."""
+        return str(self.process.log_path)
+
+    def restart(self) -> None:
+        """Kill the server (dead or hung) and launch a fresh one with the same settings (RestartableEngine).
+
+        The controller then loads the current weights into it through the weight-transfer API.
+        """
+        relaunch = getattr(self, "_relaunch", None)
+        if relaunch is None:
+            raise EngineError(f"engine {self.name}: was not started by VLLMEngine.launch, cannot restart it")
+        with contextlib.suppress(Exception):
+            self.shutdown()
+        fresh = type(self).launch(**relaunch)
+        self.__dict__.update(fresh.__dict__)
 
     # ------------------------------------------------------------------ HTTP
 
