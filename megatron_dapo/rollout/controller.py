@@ -174,6 +174,7 @@ class RolloutController:
             ``last_throughput`` then holds one entry per engine.
         """
         self._restart_marked()
+        self._clear_aborts()
         bounds = _split(len(prompts), len(self.engines))
         futures = [
             self._pool.submit(self._generate_restarting, i, prompts[lo:hi], params, lo)
@@ -262,6 +263,7 @@ class RolloutController:
                     feed.requeue(tracked.in_flight())
 
         self._restart_marked()
+        self._clear_aborts()
         futures = [self._pool.submit(run, i) for i in range(len(self.engines))]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f for f in futures if f in done and f.exception() is not None), None)
@@ -273,9 +275,14 @@ class RolloutController:
         return [r for f in futures for r in f.result()]
 
     def abort(self) -> None:
-        """Abort in-flight generation on every engine."""
+        """Abort in-flight generation on every engine (and, on servers, what is sent after it in this session)."""
         for engine in self.engines:
             engine.abort()
+
+    def _clear_aborts(self) -> None:
+        """A generate or stream session starts: an abort of the last one no longer stops requests."""
+        for engine in self.engines:
+            engine.clear_abort()
 
     def _abort_all_quietly(self, skip: RolloutEngine | None = None) -> None:
         """Abort every engine but `skip`, logging (not raising) failures: a dead engine cannot abort."""

@@ -153,7 +153,15 @@ class RolloutEngine(Protocol):
         ...
 
     def abort(self) -> None:
-        """Stop in-flight generation; pending responses finish with reason "abort"."""
+        """Stop in-flight generation; pending responses finish with reason "abort".
+
+        Engines that take one request per prompt (servers) also stop every request made
+        after it, until clear_abort(): a server's own abort reaches only what it is running.
+        """
+        ...
+
+    def clear_abort(self) -> None:
+        """A generation session starts: requests made from now on run (the controller calls it)."""
         ...
 
     def health(self) -> bool:

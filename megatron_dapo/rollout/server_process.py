@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
@@ -125,6 +126,7 @@ class ServerProcess:
         log_path: str | Path,
         env: dict[str, str] | None = None,
         kind: str = "SGLang",
+        shm_prefixes: tuple[str, ...] = (),
     ):
         """Start the process (in its own session, so stop() takes its children too).
 
@@ -134,9 +136,15 @@ class ServerProcess:
             log_path: file receiving stdout and stderr (created, parents too).
             env: full environment; None inherits ours.
             kind: the server's name in messages ("SGLang", "vLLM").
+            shm_prefixes: names of /dev/shm files the server makes and leaves behind when it
+                ends (SGLang 0.5.18: "sglang_loads_", its load snapshot, and multiprocessing's
+                "sem.mp-" semaphores, after SIGTERM as after kill -9); those its process tree
+                holds are noted (note_shared_memory) and removed once it has exited.
         """
         self.name = name
         self.kind = kind
+        self._shm_prefixes = shm_prefixes
+        self._shm_files: set[str] = set()
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -162,27 +170,64 @@ class ServerProcess:
             return ""
         return "\n".join(lines[-num_lines:])
 
+    def note_shared_memory(self) -> None:
+        """Note the /dev/shm files (of shm_prefixes) the server's process tree holds now."""
+        if not self._shm_prefixes or self._popen.poll() is not None:
+            return
+        import psutil
+
+        try:
+            root = psutil.Process(self._popen.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return
+        for proc in procs:
+            try:
+                paths = [f.path for f in proc.open_files()] + [m.path for m in proc.memory_maps(grouped=True)]
+            except psutil.Error:
+                continue
+            self._shm_files.update(p for p in paths if p.startswith("/dev/shm/")
+                                   and Path(p).name.startswith(self._shm_prefixes))
+
+    def _remove_shared_memory(self) -> None:
+        """Unlink the noted /dev/shm files; only once the process has exited."""
+        if self._popen.poll() is None:
+            return
+        for path in sorted(self._shm_files):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self._shm_files.clear()
+
+    def wait_for_exit(self, timeout_s: float) -> int | None:
+        """Wait up to timeout_s for the process to end; its exit code, or None while it runs."""
+        try:
+            return self._popen.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
     def check_alive(self) -> None:
         """Raise EngineError naming the engine, its exit code and log when the process ended."""
         code = self._popen.poll()
         if code is not None:
+            self._remove_shared_memory()
             raise EngineError(
                 f"{self.kind} engine {self.name} (pid {self._popen.pid}) exited with code {code}; "
                 f"log {self.log_path}, last lines:\n{self.log_tail()}"
             )
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the process group, SIGKILL it after timeout_s."""
-        if self._popen.poll() is not None:
-            return
-        try:
-            os.killpg(self._popen.pid, 15)
-            self._popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self._popen.pid, 9)
-            self._popen.wait(timeout=timeout_s)
-        except ProcessLookupError:
-            pass
+        """SIGTERM the process group, SIGKILL it after timeout_s; then remove its /dev/shm leftovers."""
+        if self._popen.poll() is None:
+            self.note_shared_memory()
+            try:
+                os.killpg(self._popen.pid, 15)
+                self._popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._popen.pid, 9)
+                self._popen.wait(timeout=timeout_s)
+            except ProcessLookupError:
+                pass
+        self._remove_shared_memory()
 
 
 def poll_until_healthy(health: Callable[[float], bool], *, timeout_s: float, poll_s: float, what: str,
@@ -199,6 +244,8 @@ def poll_until_healthy(health: Callable[[float], bool], *, timeout_s: float, pol
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if health(min(30.0, max(deadline - time.monotonic(), 1.0))):
+            if process is not None:
+                process.note_shared_memory()
             return
         time.sleep(poll_s)
     tail = "" if process is None else f"; log {process.log_path}, last lines:\n{process.log_tail()}"
@@ -206,7 +253,8 @@ def poll_until_healthy(health: Callable[[float], bool], *, timeout_s: float, pol
 
 
 def call_while_healthy(call: Callable[[], Any], *, health: Callable[[float], bool], interval_s: float,
-                       max_failures: int, what: str, probe: str, log_hint: str = "") -> Any:
+                       max_failures: int, what: str, probe: str, log_hint: str = "",
+                       on_wait: Callable[[], None] | None = None) -> Any:
     """Run a long request while checking that its server still works; return its answer.
 
     A server that dies closes its sockets and the request fails at once. One that stops
@@ -227,6 +275,7 @@ def call_while_healthy(call: Callable[[], Any], *, health: Callable[[float], boo
         what: the request in the message, e.g. "SGLang engine sglang1: /generate".
         probe: the health endpoint in the message.
         log_hint: appended to the message (where the server's log is).
+        on_wait: called every 0.1 s while the request runs (e.g. to abort it by id).
 
     Raises:
         EngineError: the request's own error, or the server stopped answering.
@@ -243,10 +292,16 @@ def call_while_healthy(call: Callable[[], Any], *, health: Callable[[float], boo
     start = time.monotonic()
     thread.start()
     failures = 0
+    next_check = start + interval_s
     while True:
-        thread.join(interval_s)
+        thread.join(min(interval_s, 0.1) if on_wait is not None else interval_s)
         if not thread.is_alive():
             break
+        if on_wait is not None:
+            on_wait()
+            if time.monotonic() < next_check:
+                continue
+        next_check = time.monotonic() + interval_s
         failures = 0 if health(interval_s) else failures + 1
         if failures >= max_failures and thread.is_alive():
             raise EngineError(f"{what} abandoned after {time.monotonic() - start:.0f}s: {probe} failed {failures} "

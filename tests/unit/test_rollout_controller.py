@@ -50,6 +50,9 @@ class FailingEngine:
     def abort(self):
         pass
 
+    def clear_abort(self):
+        pass
+
 
 def test_a_failing_engine_aborts_the_others_at_once_and_raises(checkpoint):
     good = LocalEngine(checkpoint, name="good")

@@ -15,13 +15,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.config import RolloutConfig
+from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EngineError, SamplingParams, response_seed
 from megatron_dapo.rollout.server_process import ServerProcess, node_address
-from megatron_dapo.rollout.sglang.engine import SGLangEngine, create_weight_update_group, launch_node_engines
+from megatron_dapo.rollout.sglang.engine import (
+    SGLangEngine,
+    create_weight_update_group,
+    launch_node_engines,
+    serializer_for,
+)
+from megatron_dapo.rollout.sglang.protocol import cpu_serialize, sglang_serialize
 from megatron_dapo.rollout.sglang.server import (
     SGLangServerConfig,
     build_launch_command,
     resolve_server_config,
+    server_env,
+    sglang_python,
 )
 
 
@@ -152,8 +161,14 @@ def test_update_weights_from_tensor_payload_and_flush_after_the_last_bucket(fake
     }  # fmt: skip
     assert [r[:2] for r in fake.requests[2:]] == [("POST", "/end_weight_update"), ("GET", "/flush_cache"),
                                                   ("GET", "/flush_cache")]
-    with pytest.raises(ValueError, match=r"tensor 'x' is on cpu; colocated weight updates pass CUDA IPC handles"):
-        _engine(fake).update_weights([("x", torch.ones(1))])
+    with pytest.raises(ValueError, match=r"a bucket mixes devices \['cpu', 'meta'\]"):
+        _engine(fake).update_weights([("x", torch.ones(1)), ("y", torch.ones(1, device="meta"))])
+
+
+def test_the_serializer_follows_the_tensors_device() -> None:
+    """CUDA: SGLang's serializer (IPC handles); CPU: ours, which needs no sglang (DESIGN.md, SGLang on CPU)."""
+    assert serializer_for("cuda") is sglang_serialize
+    assert serializer_for("cpu") is cpu_serialize
 
 
 def test_flattened_buckets_post_one_request_per_dtype_inside_one_session(fake):
@@ -287,22 +302,50 @@ def test_trainer_side_group_meets_sglangs_engine_side_recipe(tmp_path):
 
 
 def test_launch_command_binds_the_node_address_with_a_key_and_memory_saver(tmp_path):
-    config = SGLangServerConfig(model_path="/ckpt/qwen", tp_size=4, base_gpu_id=4, mem_fraction_static=0.55)
+    config = SGLangServerConfig(model_path="/ckpt/qwen", tp_size=4, base_gpu_id=4, mem_fraction_static=0.55,
+                                python="/venv/bin/python")
     resolved = resolve_server_config(config, "engine1")
     assert resolved.host == node_address() != "0.0.0.0"
     assert resolved.api_key != resolve_server_config(config, "engine1").api_key
     assert resolved.log_path.endswith("sglang_engine1.log")
-    command = build_launch_command(resolved, python="/venv/bin/python")
+    command = build_launch_command(resolved)
     assert command == [
         "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/ckpt/qwen",
         "--host", resolved.host, "--port", str(resolved.port), "--nccl-port", str(resolved.nccl_port),
-        "--tp-size", "4", "--base-gpu-id", "4", "--mem-fraction-static", "0.55", "--dtype", "bfloat16",
-        "--random-seed", "0", "--api-key", resolved.api_key, "--skip-tokenizer-init", "--enable-memory-saver",
+        "--tp-size", "4", "--mem-fraction-static", "0.55", "--dtype", "bfloat16",
+        "--random-seed", "0", "--api-key", resolved.api_key, "--skip-tokenizer-init",
+        "--base-gpu-id", "4", "--enable-memory-saver",
     ]  # fmt: skip
-    deterministic = resolve_server_config(SGLangServerConfig(model_path="/m", deterministic=True), "e")
+    deterministic = resolve_server_config(SGLangServerConfig(model_path="/m", deterministic=True, python="/p"), "e")
     assert build_launch_command(deterministic)[-1] == "--enable-deterministic-inference"
     with pytest.raises(ValueError, match=r"mem_fraction_static=1.0 must be in \(0, 1\)"):
         SGLangServerConfig(model_path="/m", mem_fraction_static=1.0)
+
+
+def test_cpu_launch_command_has_the_cpu_flags_and_no_memory_saver():
+    """sglang 0.5.18 on CPU: --enable-memory-saver stops the server (torch_memory_saver needs libcuda),
+    --device cpu is required ("No accelerator ... is available"), the KV pool is given in tokens."""
+    resolved = resolve_server_config(SGLangServerConfig(model_path="/m", device="cpu", max_total_tokens=4096,
+                                                        python="/venv/bin/python", dtype="float32"), "e")
+    command = build_launch_command(resolved)
+    assert "--enable-memory-saver" not in command and "--base-gpu-id" not in command
+    assert command[command.index("--device") + 1] == "cpu"
+    assert command[command.index("--attention-backend") + 1] == "torch_native"
+    assert command[command.index("--max-total-tokens") + 1] == "4096"
+    assert "--disable-overlap-schedule" in command
+    assert server_env(resolved) == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "SGLANG_USE_CPU_ENGINE": "1"}
+    with pytest.raises(ValueError, match="max_total_tokens must be > 0 on a CPU"):
+        SGLangServerConfig(model_path="/m", device="cpu")
+
+
+def test_no_sglang_interpreter_is_one_line_naming_the_install(tmp_path, monkeypatch):
+    monkeypatch.setenv("MEGATRON_DAPO_SGLANG_VENV", str(tmp_path / "none"))
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang imports in this Python: it runs the server")
+    assert sglang_python() is None
+    assert sglang_python(str(tmp_path / "missing" / "python")) is None
+    with pytest.raises(UserError, match=r"SGLang is not installed for this machine; install SGLang: `make install-sglang-cpu`"):
+        resolve_server_config(SGLangServerConfig(model_path="/m"), "e")
 
 
 def test_dead_server_error_names_engine_exit_code_and_log_tail(tmp_path):
@@ -321,7 +364,8 @@ def test_launch_reports_a_server_that_cannot_start(tmp_path):
     # Without sglang installed the real launch path must fail fast and carry the log's reason.
     if importlib.util.find_spec("sglang") is not None:
         pytest.skip("sglang is installed; the GPU tier covers a real launch")
-    config = SGLangServerConfig(model_path=str(tmp_path), host="127.0.0.1", log_path=str(tmp_path / "e0.log"))
+    config = SGLangServerConfig(model_path=str(tmp_path), host="127.0.0.1", log_path=str(tmp_path / "e0.log"),
+                                python=sys.executable)
     with pytest.raises(EngineError, match=r"(?s)SGLang engine e0 \(pid \d+\) exited with code 1.*No module named"):
         SGLangEngine.launch(config, name="e0", startup_timeout_s=60)
 

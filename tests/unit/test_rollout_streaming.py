@@ -40,6 +40,9 @@ class GenerateOnly:
     def abort(self):
         self._engine.abort()
 
+    def clear_abort(self):
+        self._engine.clear_abort()
+
     def shutdown(self):
         self._engine.shutdown()
 

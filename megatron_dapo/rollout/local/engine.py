@@ -340,6 +340,9 @@ class LocalEngine:
         """Make the running generate() return after the current decode step."""
         self._abort.set()
 
+    def clear_abort(self) -> None:
+        """Nothing to clear: each generate()/stream() call starts unaborted (it is one session)."""
+
     def health(self) -> bool:
         """Always healthy while the process lives."""
         return True

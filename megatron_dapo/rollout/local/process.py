@@ -203,6 +203,9 @@ class ProcessEngine:
         if self._dead is None:
             self._send(("abort",))
 
+    def clear_abort(self) -> None:
+        """Nothing to clear: the child starts each generate()/stream() call unaborted (one session)."""
+
     def health(self) -> bool:
         """Whether the child is alive and answers."""
         if self._dead is not None or not self._alive():

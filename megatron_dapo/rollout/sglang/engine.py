@@ -11,6 +11,16 @@ when the server process died.
 What goes over the wire (the endpoints, request bodies, answers, log-prob semantics and
 the weight-update group's rendezvous) is protocol.py; this module re-exports its
 public names.
+
+The client guards the calls a real server dies of (read in sglang 0.5.18 and run against
+its CPU server, DESIGN.md "SGLang's own server, and what it dies of"): nothing but
+resume_memory is sent while the engine is released, release is refused while this client
+has requests in flight, and resume without release is refused, each with an EngineError
+before anything is sent. SGLang's abort stops only what is queued or running at that
+moment, so abort() here is sticky: requests this client would send after it return at
+once with reason "abort", requests in flight that the server registered after the abort
+are aborted by their own ids, and clear_abort() (the controller, when a generation
+session starts) lets requests through again.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from megatron_dapo.rollout.server_process import (
 from megatron_dapo.rollout.sglang.protocol import (
     SGLANG_VERSION_READ,
     build_generate_payload,
+    cpu_serialize,
     create_weight_update_group,
     parse_generate_response,
     sglang_serialize,
@@ -53,6 +64,7 @@ from megatron_dapo.rollout.sglang.server import (
     SGLangServerConfig,
     build_launch_command,
     resolve_server_config,
+    server_env,
 )
 
 if TYPE_CHECKING:
@@ -65,6 +77,7 @@ __all__ = [
     "create_weight_update_group",
     "launch_node_engines",
     "parse_generate_response",
+    "serializer_for",
 ]
 
 
@@ -102,8 +115,8 @@ class SGLangEngine:
             request_timeout_s: timeout of one /generate call.
             control_timeout_s: timeout of other calls (weights, memory, cache).
             num_retries: attempts of idempotent calls on connection errors.
-            serializer: payload -> string for /update_weights_from_tensor; default SGLang's
-                MultiprocessingSerializer (CUDA IPC handles).
+            serializer: payload -> string for /update_weights_from_tensor; default by the
+                tensors' device (serializer_for).
             deterministic: the server runs --enable-deterministic-inference; seeds are sent.
             log_location: where the server's log is when another process owns the server
                 (named in errors; colocated engines on other nodes).
@@ -127,7 +140,7 @@ class SGLangEngine:
         self._request_timeout_s = request_timeout_s
         self._control_timeout_s = control_timeout_s
         self._num_retries = num_retries
-        self._serializer = serializer or sglang_serialize
+        self._serializer = serializer
         self._deterministic = deterministic
         self._log_location = log_location
         self.weight_format: WeightFormat = weight_format or default_weight_format()
@@ -135,6 +148,12 @@ class SGLangEngine:
         self._session_open = False
         self._health_check_interval_s = health_check_interval_s
         self._health_check_failures = health_check_failures
+        self._state_lock = threading.Lock()
+        self._released = False
+        self._inflight: dict[int, list[str]] = {}  # generate call -> its request ids
+        self._stopped = threading.Event()  # abort() came; cleared by clear_abort()
+        self._abort_epoch = 0
+        self._version: int | None = None  # the weight version last set on the server; None = not tracked
 
     @classmethod
     def start(
@@ -159,8 +178,9 @@ class SGLangEngine:
         resolved = resolve_server_config(config, name)
         # The launcher's variables are scrubbed: under torchrun the server would otherwise join
         # the trainer's agent store and hang in its own init_process_group (server_process.py).
-        env = server_environment({**resolved.env, "SGLANG_RETURN_ORIGINAL_LOGPROB": "false"})
-        process = ServerProcess(build_launch_command(resolved), name=name, log_path=resolved.log_path, env=env)
+        env = server_environment(server_env(resolved))
+        process = ServerProcess(build_launch_command(resolved), name=name, log_path=resolved.log_path, env=env,
+                                shm_prefixes=("sglang_", "sem.mp-"))
         return cls(
             f"http://{resolved.host}:{resolved.port}",
             name=name,
@@ -227,6 +247,9 @@ class SGLangEngine:
             except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as err:
                 last_error = err
                 if self.process is not None:
+                    # A scheduler that died takes the server down only after SGLang's own 5 s
+                    # grace: wait for the exit, so the error names the exit code and the log.
+                    self.process.wait_for_exit(timeout_s=0.0 if isinstance(err, TimeoutError) else 10.0)
                     self.process.check_alive()
                 if attempt + 1 < retries:
                     time.sleep(min(2.0**attempt, 10.0))
@@ -255,41 +278,93 @@ class SGLangEngine:
             index_offset: global index of prompts[0].
 
         Returns:
-            ``len(prompts) * n`` results, prompt-major.
+            ``len(prompts) * n`` results, prompt-major. After abort() (until clear_abort())
+            every result is an empty "abort" without a request.
+
+        Raises:
+            EngineError: the engine is released, the server failed, or it answered with
+                weights other than the version last synced.
         """
         check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
         payload = build_generate_payload(
             prompts, params, index_offset=index_offset, rid_prefix=f"{self.name}-{uuid.uuid4().hex[:12]}",
             send_seed=self._deterministic,
         )
-        # Not retried: a resent batch would generate twice; a dead server is reported instead.
-        # A server that stops answering must not hold the request (and every rank) for an hour.
-        response = call_while_healthy(
-            lambda: self._request("POST", "/generate", payload, timeout_s=self._request_timeout_s),
-            health=lambda timeout_s: self.health(timeout_s=timeout_s), interval_s=self._health_check_interval_s,
-            max_failures=self._health_check_failures,
-            what=f"SGLang engine {self.name}: /generate", probe=f"{self.base_url}/health_generate",
-            log_hint=self._log_hint())
-        return parse_generate_response(
+        with self._state_lock:
+            self._refuse_if_released("/generate")
+            if self._stopped.is_set():
+                return [GenerationResult(prompt_index=index_offset + row // params.n, sample_index=row % params.n,
+                                         output_ids=[], logprobs=[], finish_reason="abort")
+                        for row in range(len(payload["rid"]))]
+            call = id(payload)
+            self._inflight[call] = list(payload["rid"])
+            epoch = self._abort_epoch
+        try:
+            # Not retried: a resent batch would generate twice; a dead server is reported instead.
+            # A server that stops answering must not hold the request (and every rank) for an hour.
+            response = call_while_healthy(
+                lambda: self._request("POST", "/generate", payload, timeout_s=self._request_timeout_s),
+                health=lambda timeout_s: self._probe_health(timeout_s), interval_s=self._health_check_interval_s,
+                max_failures=self._health_check_failures,
+                what=f"SGLang engine {self.name}: /generate", probe=f"{self.base_url}/health_generate",
+                log_hint=self._log_hint(), on_wait=self._late_abort(payload["rid"], epoch))
+        finally:
+            with self._state_lock:
+                self._inflight.pop(call, None)
+        results = parse_generate_response(
             response, num_prompts=len(prompts), n=params.n, index_offset=index_offset, engine=self.name
         )
+        self._check_versions(results)
+        return results
+
+    def _late_abort(self, rids: list[str], epoch: int) -> Callable[[], None]:
+        """While a call's rows run: once an abort came after the call started, abort its rows by id.
+
+        abort_all reaches only the rows the server had registered when it arrived; rows
+        registered after it would run to their full length while the batch waits. An id the
+        server does not know yet is ignored there, so the ids are sent again every second
+        until the call returns.
+        """
+        last = [0.0]
+
+        def on_wait() -> None:
+            if self._abort_epoch == epoch or time.monotonic() - last[0] < 1.0:
+                return
+            last[0] = time.monotonic()
+            for rid in rids:
+                self._request("POST", "/abort_request", {"rid": rid}, timeout_s=self._control_timeout_s)
+
+        return on_wait
+
+    def _check_versions(self, results: list[GenerationResult]) -> None:
+        if self._version is None:
+            return
+        stale = [r for r in results if r.weight_versions and r.weight_versions != (self._version,)]
+        if stale:
+            raise EngineError(f"SGLang engine {self.name}: answered with weight version {stale[0].weight_versions} "
+                              f"after the trainer synced version {self._version}{self._log_hint()}")
+
+    def _refuse_if_released(self, what: str) -> None:
+        if self._released:
+            raise EngineError(f"SGLang engine {self.name}: {what} while its memory is released (a released "
+                              "server dies of it); resume_memory() and sync the weights first")
 
     def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Load a bucket through CUDA IPC handles (colocated engines).
+        """Load a bucket through shared memory (colocated engines): CUDA IPC handles for CUDA
+        tensors, named shared-memory files for CPU tensors (serializer_for).
 
         Args:
-            bucket: (hf_name, full CUDA tensor); they must stay alive until this returns,
+            bucket: (hf_name, full tensor); they must stay alive until this returns,
                 which they do because the server has copied them by then.
         """
-        for name, tensor in bucket:
-            if tensor.device.type != "cuda" and self._serializer is sglang_serialize:
-                raise ValueError(
-                    f"SGLang engine {self.name}: tensor {name!r} is on {tensor.device}; colocated weight "
-                    "updates pass CUDA IPC handles, so export the weights on the GPU"
-                )
+        devices = {t.device.type for _, t in bucket}
+        if len(devices) > 1:
+            raise ValueError(f"SGLang engine {self.name}: a bucket mixes devices {sorted(devices)}; export the "
+                             "weights on one device")
+        serializer = self._serializer or serializer_for(devices.pop() if devices else "cpu")
         for load_format, item in encode_bucket(bucket, self.weight_format):
             # One process holds the payload; each TP worker still gets a serialization of its own.
-            self.update_weights_from_serialized([self._serializer(item) for _ in range(self._tp_size)],
+            self.update_weights_from_serialized([serializer(item) for _ in range(self._tp_size)],
                                                 load_format=load_format)
 
     def update_weights_from_serialized(self, serialized: Sequence[str], *, load_format: str | None = None) -> None:
@@ -300,6 +375,8 @@ class SGLangEngine:
                 (the worker cuts its own shard); len == the server's TP size.
             load_format: "flattened_bucket" for a flat buffer, None for (name, tensor) pairs.
         """
+        with self._state_lock:
+            self._refuse_if_released("a weight update")
         if len(serialized) != self._tp_size:
             raise ValueError(
                 f"SGLang engine {self.name}: got {len(serialized)} serialized buckets for tp_size={self._tp_size}; "
@@ -401,15 +478,31 @@ class SGLangEngine:
         if errors:
             raise errors[0]
 
-    def finish_weight_update(self, version: int | None = None) -> None:
-        """Close the weight-update session, then flush the radix cache built on the old weights.
+    def destroy_weight_update_group(self, group_name: str) -> None:
+        """Ask the server to leave the broadcast group (the trainer then calls ``group.shutdown()``:
+        the group is not registered with torch's default world, so destroy_process_group
+        raises KeyError on it)."""
+        self._request("POST", "/destroy_weights_update_group", {"group_name": group_name},
+                      timeout_s=self._control_timeout_s)
 
-        `version` is not sent yet (colocated engines never run ahead of the trainer).
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """Close the weight-update session, flush the radix cache built on the old weights, and
+        set the server's weight version, which every later answer carries and this client checks.
+
+        Args:
+            version: the trainer step that made the weights; None leaves the server's as is.
         """
         if self._session_open:
             self._session_open = False
             self._request("POST", "/end_weight_update", {}, timeout_s=self._control_timeout_s)
         self.flush_cache()
+        if version is not None:
+            # abort_all_requests false: nothing runs during a colocated sync, and an asynchronous
+            # loop's requests must survive the version change.
+            self._request("POST", "/update_weight_version",
+                          {"new_version": str(version), "abort_all_requests": False},
+                          timeout_s=self._control_timeout_s)
+            self._version = version
 
     def flush_cache(self, *, timeout_s: float = 120.0) -> None:
         """GET /flush_cache until it succeeds (SGLang refuses while requests are running).
@@ -428,26 +521,74 @@ class SGLangEngine:
             time.sleep(0.5)
 
     def release_memory(self) -> None:
-        """Release weights, KV cache and CUDA graphs (tags null = all) for training."""
-        self.flush_cache()
-        self._request("POST", "/release_memory_occupation", {"tags": None}, timeout_s=self._control_timeout_s)
+        """Release weights, KV cache and CUDA graphs (tags null = all) for training.
+
+        Raises:
+            EngineError: already released, or this client still has requests in flight
+                (SGLang asserts an idle server and dies otherwise).
+        """
+        with self._state_lock:
+            self._refuse_if_released("release_memory")
+            if self._inflight:
+                raise EngineError(f"SGLang engine {self.name}: release_memory while {len(self._inflight)} generate "
+                                  "call(s) run (the server asserts it is idle and dies); abort and wait for them first")
+            self._released = True  # from here on nothing else may reach the server
+        try:
+            self.flush_cache()  # answers 400 until the scheduler is fully idle
+            self._request("POST", "/release_memory_occupation", {"tags": None}, timeout_s=self._control_timeout_s)
+        except BaseException:
+            with self._state_lock:
+                self._released = False
+            raise
 
     def resume_memory(self) -> None:
-        """Re-allocate the released memory; weights must be synced afterwards."""
+        """Re-allocate the released memory; weights must be synced afterwards.
+
+        Raises:
+            EngineError: the engine is not released (SGLang's resume without a release raises
+                KeyError in the scheduler and the server dies).
+        """
+        with self._state_lock:
+            if not self._released:
+                raise EngineError(f"SGLang engine {self.name}: resume_memory without release_memory (the server "
+                                  "dies of it); release first, or do not resume")
         self._request("POST", "/resume_memory_occupation", {"tags": None}, timeout_s=self._control_timeout_s)
+        with self._state_lock:
+            self._released = False
+
+    @property
+    def released(self) -> bool:
+        """Whether the engine's memory is released (nothing but resume_memory may be sent)."""
+        return self._released
 
     def abort(self) -> None:
-        """Abort every in-flight request; their responses finish with reason "abort"."""
+        """Abort every in-flight request (they finish with reason "abort") and every request sent
+        until clear_abort() (they return at once, never sent)."""
+        with self._state_lock:
+            self._stopped.set()
+            self._abort_epoch += 1
+            if self._released:
+                return  # nothing runs on a released server, and it must not be called
         self._request(
             "POST", "/abort_request", {"abort_all": True}, timeout_s=self._control_timeout_s, retries=self._num_retries
         )
+
+    def clear_abort(self) -> None:
+        """Let requests through again after abort() (a new generation session starts)."""
+        self._stopped.clear()
 
     def health(self, *, timeout_s: float = 30.0) -> bool:
         """Whether /health_generate answers 200 within timeout_s (False on any failure but death).
 
         Raises:
-            EngineError: the owned server process died (with its log tail).
+            EngineError: the owned server process died (with its log tail), or the engine is
+                released (/health_generate generates a token, which a released server dies of).
         """
+        with self._state_lock:
+            self._refuse_if_released("/health_generate")
+        return self._probe_health(timeout_s)
+
+    def _probe_health(self, timeout_s: float) -> bool:
         try:
             self._request("GET", "/health_generate", timeout_s=timeout_s)
         except EngineError:
@@ -469,6 +610,16 @@ class SGLangEngine:
         """Stop the owned server process (no-op for an attached server)."""
         if self.process is not None:
             self.process.stop()
+
+
+def serializer_for(device: str) -> Callable[[WeightPayload], str]:
+    """How a payload of tensors on `device` reaches the server's workers.
+
+    CUDA: SGLang's own serializer, CUDA IPC handles (sglang is installed beside the
+    trainer on GPU machines). CPU: :func:`protocol.cpu_serialize`, named shared-memory
+    files written without sglang (its CPU server lives in an environment of its own).
+    """
+    return sglang_serialize if device == "cuda" else cpu_serialize
 
 
 def launch_node_engines(

@@ -5,7 +5,9 @@ the HTTP calls, retries, health checks and server lifetime) so they can be read 
 SGLang's own request structs and tested without a server. Written against SGLang 0.5.x
 (request shapes read from sgl-project/sglang v0.5.3-0.5.5: ``entrypoints/http_server.py``,
 ``managers/io_struct.py``, ``sampling/sampling_params.py``, ``layers/sampler.py``); sglang
-itself is imported lazily, and only to serialize CUDA IPC handles.
+itself is imported lazily, and only to serialize CUDA IPC handles: CPU payloads are
+serialized without it (:func:`cpu_serialize`), since SGLang's CPU server runs from an
+environment of its own.
 
 Endpoints used (SGLang 0.5.x):
 - POST /generate: ``{"input_ids": [[...]], "sampling_params": [{...}], "return_logprob": true,
@@ -36,12 +38,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import copyreg
 import inspect
-from collections.abc import Sequence
+import io
+import pickle
+import threading
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import torch
 import torch.distributed as dist
+import torch.multiprocessing
 
 from megatron_dapo.rollout.engine import (
     FINISH_REASONS,
@@ -50,11 +60,12 @@ from megatron_dapo.rollout.engine import (
     SamplingParams,
     response_seed,
 )
-from megatron_dapo.rollout.flat_bucket import WeightPayload, to_sglang_wire
+from megatron_dapo.rollout.flat_bucket import FlatBucket, WeightPayload, to_sglang_wire
 
 __all__ = [
     "SGLANG_VERSION_READ",
     "build_generate_payload",
+    "cpu_serialize",
     "create_weight_update_group",
     "parse_generate_response",
     "payload_text",
@@ -147,9 +158,27 @@ def parse_generate_response(
                 output_ids=output_ids,
                 logprobs=[float(lp) for lp, *_ in pairs],
                 finish_reason=reason,
+                weight_versions=_weight_versions(meta, engine, row),
             )
         )
     return results
+
+
+def _weight_versions(meta: dict[str, Any], engine: str, row: int) -> tuple[int, ...]:
+    """The versions a row's tokens were sampled under, from ``meta_info`` (() if the server sends none).
+
+    SGLang 0.5.18 answers one ``weight_version`` string per row, the one the client set with
+    the update (``/update_weight_version``, or "default" before any); this client only ever
+    sets decimal versions, so anything else means another client changed the weights.
+    """
+    version = meta.get("weight_version")
+    if version is None or version == "default":
+        return ()
+    try:
+        return (int(version),)
+    except ValueError:
+        raise EngineError(f"SGLang engine {engine}: row {row} reports weight_version {version!r}, which this "
+                          "trainer never sent; another client updated the server's weights") from None
 
 
 def payload_text(serialized: str | bytes) -> str:
@@ -184,6 +213,92 @@ def sglang_serialize(payload: WeightPayload) -> str:
 
     monkey_patch_torch_reductions()
     return payload_text(MultiprocessingSerializer.serialize(to_sglang_wire(payload), output_str=True))
+
+
+class _SGLangFlattenedTensorMetadata:
+    """Stands for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata in a pickle.
+
+    The server unpickles it as that class (a dataclass whose fields are, in order, name,
+    shape, dtype, start_idx, end_idx, numel; sglang 0.5.1-0.5.23), the only metadata class
+    its SafeUnpickler allows; the trainer need not import sglang to write it.
+    """
+
+
+SGLANG_METADATA_GLOBAL = b"sglang.srt.weight_sync.tensor_bucket\nFlattenedTensorMetadata\n"
+
+
+class _Metadata:
+    __slots__ = ("args",)
+
+    def __init__(self, args: tuple[Any, ...]) -> None:
+        self.args = args
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _SGLangFlattenedTensorMetadata, self.args
+
+
+class _WirePickler(pickle._Pickler):  # type: ignore[misc,name-defined]
+    """ForkingPickler's reductions (torch tensors as shared memory) in the pure-Python pickler,
+    whose save_global can name a class this process does not import."""
+
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=pickle.DEFAULT_PROTOCOL)
+        self.dispatch_table = copyreg.dispatch_table.copy()
+        self.dispatch_table.update(ForkingPickler._extra_reducers)
+
+    def save_global(self, obj: Any, name: str | None = None) -> None:
+        if obj is _SGLangFlattenedTensorMetadata:
+            self.write(pickle.GLOBAL + SGLANG_METADATA_GLOBAL)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+_SHARING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _file_system_sharing() -> Iterator[None]:
+    """CPU tensors travel as named shared-memory files while this is active.
+
+    torch's default CPU strategy (file_descriptor) passes descriptors through a socket
+    whose authentication key is this process's: SGLang's scheduler, another process
+    tree, fails the handshake ("AuthenticationError: digest sent was rejected") and the
+    whole server dies (sglang 0.5.18 on CPU). Named files need no handshake. The files
+    live as long as a process holds the storage, as with descriptors.
+    """
+    with _SHARING_LOCK:
+        before = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        try:
+            yield
+        finally:
+            torch.multiprocessing.set_sharing_strategy(before)
+
+
+def cpu_serialize(payload: WeightPayload) -> str:
+    """What SGLang's MultiprocessingSerializer writes for a payload of CPU tensors, without sglang.
+
+    ``MultiprocessingSerializer.serialize(obj, output_str=True)`` is ForkingPickler + base64
+    (sglang srt/utils/common.py); the tensors go as shared-memory files the server maps
+    (`_file_system_sharing`), the flat buffer's metadata as sglang's own class.
+
+    Args:
+        payload: a flat buffer of a bucket, or its (hf_name, full tensor) pairs, on the CPU.
+
+    Returns:
+        The base64 string one TP worker deserializes.
+    """
+    if isinstance(payload, FlatBucket):
+        wire: Any = {"flattened_tensor": payload.tensor,
+                     "metadata": [_Metadata((e.name, e.shape, e.dtype, e.start_idx, e.end_idx, e.numel))
+                                  for e in payload.entries]}
+    else:
+        wire = list(payload)
+    buffer = io.BytesIO()
+    with _file_system_sharing():
+        _WirePickler(buffer).dump(wire)
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def create_weight_update_group(

@@ -12,10 +12,25 @@ The flags that matter for RL and why:
 - ``--base-gpu-id`` / ``--tp-size``: engines take consecutive GPUs of the node.
 The process writes stdout and stderr to one log file per engine; when it dies, the error
 names the engine, its exit code and the log's last lines.
+
+On a CPU (``device="cpu"``, read on sglang 0.5.18 with its CPU kernel package) the same
+server runs with ``--device cpu`` and SGLANG_USE_CPU_ENGINE=1, and differs in four flags
+(DESIGN.md, "SGLang on CPU"): no ``--enable-memory-saver`` (torch_memory_saver loads
+libcuda and the server does not start), ``--attention-backend torch_native`` (the CPU
+kernels' attention needs AMX), ``--disable-overlap-schedule``, and
+``--skip-server-warmup`` (the warm-up request is text through the model's tokenizer, which
+a ``--skip-tokenizer-init`` server does not have; a failed warm-up takes the server down).
+The KV pool is sized in tokens (``--max-total-tokens``), not as a share of host memory.
+
+Which Python runs the server: SGLang's CPU form pins its own transformers, so on a CPU
+machine it lives in a virtual environment of its own (``make install-sglang-cpu``), found
+by :func:`sglang_python`.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -23,7 +38,35 @@ from pathlib import Path
 
 from megatron_dapo.rollout.server_process import free_port, node_address
 
-__all__ = ["SGLangServerConfig", "build_launch_command", "resolve_server_config"]
+__all__ = ["DEFAULT_CPU_VENV", "SGLangServerConfig", "build_launch_command", "resolve_server_config",
+           "server_env", "sglang_python"]
+
+DEFAULT_CPU_VENV = Path.home() / ".cache" / "megatron-dapo" / "venvs" / "sglang-cpu"
+"""Where `make install-sglang-cpu` puts SGLang's CPU environment (MEGATRON_DAPO_SGLANG_VENV overrides)."""
+
+INSTALL_HINT = ("install SGLang: `make install-sglang-cpu` on a CPU machine (its own environment), "
+                "`pip install -e .[gpu]` on a GPU machine, or point rollout.sglang.python at an interpreter "
+                "that has sglang")
+
+
+def sglang_python(explicit: str | None = None) -> str | None:
+    """The interpreter that runs SGLang's server, or None when none is installed.
+
+    Args:
+        explicit: rollout.sglang.python; used as given (it must exist).
+
+    Returns:
+        `explicit`; else this Python when it imports sglang (GPU machines, the [gpu] extra);
+        else the CPU environment of `make install-sglang-cpu`
+        ($MEGATRON_DAPO_SGLANG_VENV or DEFAULT_CPU_VENV) when it exists.
+    """
+    if explicit:
+        return explicit if Path(explicit).exists() else None
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    venv = Path(os.environ.get("MEGATRON_DAPO_SGLANG_VENV", DEFAULT_CPU_VENV))
+    python = venv / "bin" / "python"
+    return str(python) if python.exists() else None
 
 @dataclass(kw_only=True, slots=True)
 class SGLangServerConfig:
@@ -54,6 +97,13 @@ class SGLangServerConfig:
     deterministic: bool = False
     """--enable-deterministic-inference: batch-invariant kernels and per-request seeds
     (reproducible rollouts, slower)."""
+    device: str = "cuda"
+    """cuda, or cpu: SGLang's CPU engine (module docstring: the flags that differ)."""
+    max_total_tokens: int = 0
+    """KV-cache pool in tokens (--max-total-tokens); 0 = SGLang's own sizing from mem_fraction_static
+    (GPUs). A CPU server needs it: its pool would otherwise be a share of host memory."""
+    python: str = ""
+    """Interpreter that runs the server; empty = :func:`sglang_python`."""
     extra_args: tuple[str, ...] = ()
     """Further launch_server flags, passed through verbatim."""
     env: dict[str, str] = field(default_factory=dict)
@@ -64,6 +114,10 @@ class SGLangServerConfig:
             raise ValueError(f"SGLangServerConfig.tp_size={self.tp_size} must be >= 1")
         if self.base_gpu_id < 0:
             raise ValueError(f"SGLangServerConfig.base_gpu_id={self.base_gpu_id} must be >= 0")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"SGLangServerConfig.device={self.device!r} must be cuda or cpu")
+        if self.device == "cpu" and self.max_total_tokens <= 0:
+            raise ValueError("SGLangServerConfig.max_total_tokens must be > 0 on a CPU (rollout.sglang.max_total_tokens)")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(
                 f"SGLangServerConfig.mem_fraction_static={self.mem_fraction_static} must be in (0, 1) "
@@ -71,36 +125,50 @@ class SGLangServerConfig:
             )
 
 
-def build_launch_command(config: SGLangServerConfig, *, python: str = sys.executable) -> list[str]:
+def build_launch_command(config: SGLangServerConfig) -> list[str]:
     """The ``python -m sglang.launch_server`` command line of one engine.
 
     Args:
-        config: a config with host, port, nccl_port and api_key already resolved.
-        python: interpreter to run SGLang with.
+        config: a config resolved by :func:`resolve_server_config` (host, ports, key, python).
 
     Returns:
         argv list (no shell).
     """
-    assert config.host and config.port and config.nccl_port and config.api_key, "resolve the config first"
+    assert config.host and config.port and config.nccl_port and config.api_key and config.python, \
+        "resolve the config first"
+    if config.device == "cpu":
+        device_args = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
+                       "--skip-server-warmup", "--max-total-tokens", str(config.max_total_tokens)]
+    else:
+        # Lets /release_memory_occupation hand weights + KV cache back to Megatron.
+        device_args = ["--base-gpu-id", str(config.base_gpu_id), "--enable-memory-saver",
+                       *(["--max-total-tokens", str(config.max_total_tokens)] if config.max_total_tokens else [])]
     return [
-        python, "-m", "sglang.launch_server",
+        config.python, "-m", "sglang.launch_server",
         "--model-path", config.model_path,
         "--host", config.host,
         "--port", str(config.port),
         "--nccl-port", str(config.nccl_port),
         "--tp-size", str(config.tp_size),
-        "--base-gpu-id", str(config.base_gpu_id),
         "--mem-fraction-static", str(config.mem_fraction_static),
         "--dtype", config.dtype,
         "--random-seed", str(config.random_seed),
         "--api-key", config.api_key,
         # Token ids in and out: the trainer owns tokenization, responses are never re-tokenized.
         "--skip-tokenizer-init",
-        # Lets /release_memory_occupation hand weights + KV cache back to Megatron.
-        "--enable-memory-saver",
+        *device_args,
         *(["--enable-deterministic-inference"] if config.deterministic else []),
         *config.extra_args,
     ]  # fmt: skip
+
+
+def server_env(config: SGLangServerConfig) -> dict[str, str]:
+    """Environment variables the server needs beyond the user's (config.env wins)."""
+    # Log-probs of the sampling distribution softmax(logits / T), our contract (DESIGN.md).
+    env = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false"}
+    if config.device == "cpu":
+        env["SGLANG_USE_CPU_ENGINE"] = "1"
+    return {**env, **config.env}
 
 
 def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServerConfig:
@@ -114,6 +182,11 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         A new config with every launch field set.
     """
     host = config.host or node_address()
+    python = config.python or sglang_python()
+    if python is None:
+        from megatron_dapo.errors import UserError
+
+        raise UserError(f"rollout.engine=sglang: SGLang is not installed for this machine; {INSTALL_HINT}")
     return SGLangServerConfig(
         model_path=config.model_path,
         tp_size=config.tp_size,
@@ -127,6 +200,9 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         random_seed=config.random_seed,
         log_path=config.log_path or str(Path.cwd() / f"sglang_{name}.log"),
         deterministic=config.deterministic,
+        device=config.device,
+        max_total_tokens=config.max_total_tokens,
+        python=python,
         extra_args=config.extra_args,
         env=dict(config.env),
     )

@@ -306,7 +306,6 @@ class VLLMEngine:
             ``len(prompts) * n`` results, prompt-major.
         """
         check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
-        self._aborted.clear()
         call_id = uuid.uuid4().hex[:12]
         stop = list(dict.fromkeys([*params.stop_token_ids, *self._eos_ids]))
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
@@ -386,11 +385,17 @@ class VLLMEngine:
     def abort(self) -> None:
         """Abort every in-flight request; their responses finish with reason "abort".
 
-        Requests of the running generate() that wait behind the concurrency bound are not
-        sent; they finish with reason "abort" and no tokens.
+        Requests of the running generate() that wait behind the concurrency bound, and every
+        request made until clear_abort(), are not sent: they finish with reason "abort" and no
+        tokens (vLLM's abort reaches only what it is running, so a partial rollout's next
+        continuation would otherwise run to its full length after the batch is full).
         """
         self._aborted.set()
         self._post("/abort_requests", {})
+
+    def clear_abort(self) -> None:
+        """Requests made from now on run again (abort() also stops those sent after it, until this)."""
+        self._aborted.clear()
 
     def health(self, *, timeout_s: float = 30.0) -> bool:
         """Whether GET /health answers 200 (False on any failure but death).
