@@ -121,9 +121,10 @@ class Run:
         export = self.adapter.export_hf(self.actor.model, self.dims)
         bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
         if self.colocated is not None:
-            # Each engine's own ranks feed it through CUDA IPC (rollout/sglang/colocated.py); the
-            # gathered export buffers go back to the driver before the engines generate.
-            stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes)
+            # Each engine's own ranks feed it through shared memory (CUDA IPC on GPUs;
+            # rollout/sglang/colocated.py); the gathered export buffers go back to the driver
+            # before the engines generate.
+            stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes, version=version)
             release_cached_memory(self.dims.device)
             return stats
         # The controller forwards each bucket to its engines and keeps it for an engine it may restart.
@@ -278,7 +279,8 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
               control=control)
     # Collective: engines the ranks own (colocated SGLang: each node's leader ranks start theirs).
     run.colocated = launch_rank_engines(cfg, hf_dir, rank=env.rank, world_size=env.world_size,
-                                        local_rank=env.local_rank, log_dir=output_dir / "engine_logs")
+                                        local_rank=env.local_rank, log_dir=output_dir / "engine_logs",
+                                        device=dims.device, dtype=model_dtype(cfg, dims.device))
     _on_controller(lambda: _build_controller(run, hf_dir, sources))
 
     if resume_from is not None:
@@ -299,15 +301,20 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
     return run
 
 
+def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The actor's parameter dtype (model.dtype: auto = bf16 on GPU, fp32 on CPU); the engines serve the same."""
+    if cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
 def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parallel.ParallelDims,
                 optim: OptimConfig | None = None, *, shared_prompts: bool | None = None) -> MegatronActor:
     """The Megatron actor of this rank, loaded from an HF checkpoint, with the run's optimizer.
 
     shared_prompts: None = trainer.shared_prompts.
     """
-    dtype = torch.float32
-    if cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and dims.device.type == "cuda"):
-        dtype = torch.bfloat16
+    dtype = model_dtype(cfg, dims.device)
     optim = optim or cfg.optim
     return MegatronActor(
         adapter=adapter, dims=dims,

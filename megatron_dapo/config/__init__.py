@@ -27,7 +27,13 @@ from megatron_dapo.config.fields import ConfigError, _FieldError
 from megatron_dapo.config.loader import from_dict, load_config, parse_override, to_dict, to_yaml
 from megatron_dapo.config.model import ModelConfig, ParallelConfig, ScratchModelConfig, SFTWarmStartConfig
 from megatron_dapo.config.reward import OverlongBufferConfig, RewardConfig
-from megatron_dapo.config.rollout import ENGINE_NAMES, EngineName, RolloutConfig, ValKwargsConfig
+from megatron_dapo.config.rollout import (
+    ENGINE_NAMES,
+    EngineName,
+    RolloutConfig,
+    SGLangConfig,
+    ValKwargsConfig,
+)
 from megatron_dapo.config.training import LoggingConfig, OptimConfig, TrainerConfig
 
 __all__ = [
@@ -50,6 +56,7 @@ __all__ = [
     "RolloutConfig",
     "RolloutCorrectionConfig",
     "SFTWarmStartConfig",
+    "SGLangConfig",
     "ScratchModelConfig",
     "TrainerConfig",
     "ValKwargsConfig",

@@ -40,6 +40,24 @@ def _sampling_checks(n: int, temperature: float, top_p: float, top_k: int) -> No
 
 
 @dataclass(kw_only=True, slots=True)
+class SGLangConfig:
+    """SGLang servers (rollout.engine=sglang)."""
+
+    python: str | None = None
+    """Interpreter that runs the server; null = this Python if it imports sglang (GPU machines,
+    the [gpu] extra), else the environment `make install-sglang-cpu` made
+    (~/.cache/megatron-dapo/venvs/sglang-cpu, or $MEGATRON_DAPO_SGLANG_VENV)."""
+    max_total_tokens: int | None = None
+    """KV-cache pool in tokens (--max-total-tokens); null = SGLang sizes it from
+    rollout.gpu_memory_utilization on GPUs, 65536 on a CPU (a share of host memory there
+    would be gigabytes)."""
+
+    def __post_init__(self) -> None:
+        _check(self.max_total_tokens is None or self.max_total_tokens > 0, "max_total_tokens",
+               "must be > 0, or null for the default")
+
+
+@dataclass(kw_only=True, slots=True)
 class RolloutConfig:
     """Generation engines."""
 
@@ -84,6 +102,8 @@ class RolloutConfig:
     """A generating engine process that answers nothing for this long is killed as hung (then restarted)."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)
     """Sampling for evaluation."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang servers' interpreter and KV pool (rollout.engine=sglang)."""
 
     def __post_init__(self) -> None:
         _sampling_checks(self.n, self.temperature, self.top_p, self.top_k)

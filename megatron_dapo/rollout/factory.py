@@ -20,7 +20,6 @@ it scores the actor's tensors without a server, whatever the run's engine.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,12 +37,8 @@ if TYPE_CHECKING:
     from megatron_dapo.rollout.local.engine import LocalEngine
     from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 
-__all__ = ["ENGINE_NAMES", "FAMILIES", "SGLANG_DEFAULT_VENV", "EngineFamily", "EvalEngineArgs", "check_engine",
+__all__ = ["ENGINE_NAMES", "FAMILIES", "EngineFamily", "EvalEngineArgs", "check_engine",
            "check_installed", "eval_engine", "launch_rank_engines", "training_engines"]
-
-SGLANG_DEFAULT_VENV = Path("~/.cache/megatron-dapo/venvs/sglang-cpu")
-"""Where the SGLang CPU server's own virtual environment is installed by default."""
-
 
 @dataclass(kw_only=True, slots=True)
 class EvalEngineArgs:
@@ -103,20 +98,24 @@ def _sglang_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None,
 
 
 def _sglang_launch(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,
-                   log_dir: Path) -> ColocatedEngines:
+                   log_dir: Path, device: torch.device, dtype: torch.dtype) -> ColocatedEngines:
     from megatron_dapo.rollout.sglang.colocated import launch_colocated_engines
 
     return launch_colocated_engines(cfg.rollout, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank,
-                                    log_dir=log_dir)
+                                    log_dir=log_dir, device=device.type, dtype=str(dtype).removeprefix("torch."))
 
 
 def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:
-    from megatron_dapo.rollout.sglang.engine import SGLangEngine
-    from megatron_dapo.rollout.sglang.server import SGLangServerConfig
+    import torch
 
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig
+
+    on_cpu = not torch.cuda.is_available()
     config = SGLangServerConfig(model_path=str(args.hf_dir), tp_size=args.tensor_parallel_size,
                                 mem_fraction_static=args.gpu_memory_utilization, deterministic=True,
-                                log_path=str(args.log_dir / "sglang_eval0.log"))
+                                log_path=str(args.log_dir / "sglang_eval0.log"), device="cpu" if on_cpu else "cuda",
+                                dtype="float32" if on_cpu else "bfloat16", max_total_tokens=CPU_KV_TOKENS if on_cpu else 0)
     return SGLangEngine.launch(config, name="eval0", vocab_size=args.vocab_size)
 
 
@@ -144,18 +143,15 @@ def _local_installed(rollout: RolloutConfig | None, where: str) -> None:
 
 
 def _sglang_installed(rollout: RolloutConfig | None, where: str) -> None:
-    # SGLang runs either in this interpreter (GPU images) or from its own virtual environment
-    # (the CPU build; rollout.sglang.python, or the default venv).
-    if find_spec("sglang") is not None:
-        return
-    configured = getattr(getattr(rollout, "sglang", None), "python", None)
-    python = Path(configured).expanduser() if configured else SGLANG_DEFAULT_VENV.expanduser() / "bin" / "python"
-    if python.is_file() and os.access(python, os.X_OK):
-        return
-    source = f"rollout.sglang.python={configured!r} does not exist" if configured else (
-        f"neither importable in {sys.executable} nor installed in {SGLANG_DEFAULT_VENV}")
-    raise UserError(f"{where}=sglang: SGLang is {source}; install it (`pip install -e .[gpu]` on GPUs) or pick "
-                    f"another engine ({where}=local)")
+    # SGLang runs in this interpreter (GPU images) or from an environment of its own (the CPU
+    # build): the one rule of which is rollout/sglang/server.sglang_python.
+    from megatron_dapo.rollout.sglang.server import INSTALL_HINT, sglang_python
+
+    configured = rollout.sglang.python if rollout is not None else None
+    if sglang_python(configured) is None:
+        what = (f"not at rollout.sglang.python={configured!r}" if configured
+                else f"neither importable in {sys.executable} nor installed by `make install-sglang-cpu`")
+        raise UserError(f"{where}=sglang: SGLang is {what}; {INSTALL_HINT}, or pick another engine ({where}=local)")
 
 
 def _vllm_installed(rollout: RolloutConfig | None, where: str) -> None:
@@ -188,12 +184,16 @@ def check_installed(name: str, rollout: RolloutConfig | None = None, *, where: s
 
 
 def launch_rank_engines(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,
-                        log_dir: Path) -> ColocatedEngines | None:
-    """Collective (every rank): start the engines the job's ranks own; None for families the controller starts."""
+                        log_dir: Path, device: torch.device, dtype: torch.dtype) -> ColocatedEngines | None:
+    """Collective (every rank): start the engines the job's ranks own; None for families the controller starts.
+
+    device and dtype are the actor's: the engines run beside it and serve its weights.
+    """
     launch = FAMILIES[cfg.rollout.engine].launch_on_ranks
     if launch is None:
         return None
-    return launch(cfg, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank, log_dir=log_dir)
+    return launch(cfg, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank, log_dir=log_dir,
+                  device=device, dtype=dtype)
 
 
 def training_engines(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,

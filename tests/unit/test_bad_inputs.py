@@ -405,6 +405,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, shared,
     monkeypatch.chdir(d)
     monkeypatch.setenv("HOME", str(d))
     monkeypatch.delenv("MEGATRON_DAPO_CACHE", raising=False)
+    monkeypatch.delenv("MEGATRON_DAPO_SGLANG_VENV", raising=False)
     files = {"c.yaml": "trainer: {seed: 1}\n", **files}
     for name, content in files.items():
         if name.startswith("$"):

@@ -135,8 +135,8 @@ class LeaderEngine(Protocol):
         """Load one payload, one serialized entry per engine TP rank, in TP-rank order."""
         ...
 
-    def finish_weight_update(self) -> None:
-        """Drop caches computed with the old weights."""
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """Drop caches computed with the old weights; set the weights' version."""
         ...
 
     def release_memory(self) -> None:
@@ -282,7 +282,8 @@ class ColocatedEngines:
     # ------------------------------------------------------------------ weight sync
 
     def sync_weights(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        version: int | None = None,
     ) -> WeightSyncStats:
         """Collective: stream the export into every engine, bucket by bucket (module docstring).
 
@@ -290,6 +291,7 @@ class ColocatedEngines:
             named_tensors: the adapter's export_hf generator: every full tensor on every
                 rank, consumed fully here.
             bucket_bytes: budget per bucket (rollout.update_weights_bucket_megabytes).
+            version: the weights' version (the step that made them); every engine answers with it after.
 
         Returns:
             Bytes, tensors and buckets this rank's engine received, seconds, the bucket peak.
@@ -313,7 +315,7 @@ class ColocatedEngines:
                 # Blocks shared over IPC wait in torch's limbo until the server let go of them.
                 torch.cuda.ipc_collect()
         if failure is None and self.engine is not None:
-            failure = _call(self.engine.finish_weight_update)
+            failure = _call(functools.partial(self.engine.finish_weight_update, version=version))
         self._raise_if_any_failed(failure, "weight sync")
         return WeightSyncStats(num_bytes=num_bytes, num_tensors=num_tensors, num_buckets=num_buckets,
                                seconds=time.perf_counter() - start, peak_bucket_bytes=meter.peak_bytes)
@@ -424,6 +426,8 @@ def launch_colocated_engines(
     log_dir: str | Path | None = None,
     startup_timeout_s: float = 900.0,
     serializer: Serializer | None = None,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
 ) -> ColocatedEngines:
     """Collective: start SGLang engines on the GPUs of every node and connect the controller to all.
 
@@ -435,23 +439,29 @@ def launch_colocated_engines(
         local_rank: rank on this node (= its GPU).
         log_dir: directory of the engine logs (sglang<e>.log); None = the cwd of each leader.
         startup_timeout_s: how long a server may take to load.
-        serializer: override of :func:`serialize_cuda_ipc`.
+        serializer: override of the device's serializer (engine.serializer_for).
+        device: the actor's device type: "cuda", or "cpu" (SGLang's CPU engine, one server per
+            rank group as on GPUs; server.py has the flags that differ).
+        dtype: the servers' weight dtype, the actor's ("float32", "bfloat16").
 
     Returns:
         This rank's ColocatedEngines; on the controller ``clients`` holds every engine.
     """
+    from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
     from megatron_dapo.rollout.server_process import node_address
-    from megatron_dapo.rollout.sglang.engine import SGLangEngine
-    from megatron_dapo.rollout.sglang.server import SGLangServerConfig, resolve_server_config
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine, serializer_for
+    from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, resolve_server_config
 
     placement = plan_placement(world_size=world_size, gpus_per_node=ranks_per_node_from_env(world_size),
                                engine_tp=config.tensor_model_parallel_size)
     host = config.host or node_address()
 
     def start(slot: EngineSlot) -> tuple[LeaderEngine, EngineInfo]:
+        kv_tokens = config.sglang.max_total_tokens or (CPU_KV_TOKENS if device == "cpu" else 0)
         server = resolve_server_config(SGLangServerConfig(
             model_path=str(model_path), tp_size=slot.tp_size, base_gpu_id=slot.base_gpu_id,
-            mem_fraction_static=config.gpu_memory_utilization, host=host,
+            mem_fraction_static=config.gpu_memory_utilization, host=host, dtype=dtype, device=device,
+            max_total_tokens=kv_tokens, python=config.sglang.python or "",
             log_path=str(Path(log_dir) / f"{slot.name}.log") if log_dir is not None else "",
         ), slot.name)  # fmt: skip
         engine = SGLangEngine.launch(server, name=slot.name, startup_timeout_s=startup_timeout_s,
@@ -468,5 +478,8 @@ def launch_colocated_engines(
                             request_timeout_s=config.request_timeout_s, deterministic=info.deterministic,
                             log_location=f"{info.host}:{info.log_path} (owned by rank {info.leader_rank})")
 
+    # CPU payloads are written by our own serializer, which always speaks the flattened format
+    # (sglang >= 0.5.1 reads it); CUDA follows the sglang installed beside the trainer.
     return ColocatedEngines.create(placement, rank=rank, local_rank=local_rank, start_engine=start,
-                                   make_client=client, serializer=serializer)
+                                   make_client=client, serializer=serializer or serializer_for(device),
+                                   weight_format=FLATTENED_BUCKET if device == "cpu" else None)

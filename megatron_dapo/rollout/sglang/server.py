@@ -38,11 +38,23 @@ from pathlib import Path
 
 from megatron_dapo.rollout.server_process import free_port, node_address
 
-__all__ = ["DEFAULT_CPU_VENV", "SGLangServerConfig", "build_launch_command", "resolve_server_config",
-           "server_env", "sglang_python"]
+__all__ = [
+    "SGLangServerConfig",
+    "build_launch_command",
+    "default_cpu_venv",
+    "resolve_server_config",
+    "server_env",
+    "sglang_python",
+]
 
-DEFAULT_CPU_VENV = Path.home() / ".cache" / "megatron-dapo" / "venvs" / "sglang-cpu"
-"""Where `make install-sglang-cpu` puts SGLang's CPU environment (MEGATRON_DAPO_SGLANG_VENV overrides)."""
+def default_cpu_venv() -> Path:
+    """Where `make install-sglang-cpu` puts SGLang's CPU environment: $MEGATRON_DAPO_SGLANG_VENV, else
+    ~/.cache/megatron-dapo/venvs/sglang-cpu (scripts/install_sglang_cpu.sh uses the same rule)."""
+    return Path(os.environ.get("MEGATRON_DAPO_SGLANG_VENV") or Path.home() / ".cache/megatron-dapo/venvs/sglang-cpu")
+
+CPU_KV_TOKENS = 65536
+"""A CPU server's KV pool when rollout.sglang.max_total_tokens is null (64k tokens of the tiny
+model are a few hundred MB; a share of host memory, SGLang's own sizing, would be gigabytes)."""
 
 INSTALL_HINT = ("install SGLang: `make install-sglang-cpu` on a CPU machine (its own environment), "
                 "`pip install -e .[gpu]` on a GPU machine, or point rollout.sglang.python at an interpreter "
@@ -57,15 +69,13 @@ def sglang_python(explicit: str | None = None) -> str | None:
 
     Returns:
         `explicit`; else this Python when it imports sglang (GPU machines, the [gpu] extra);
-        else the CPU environment of `make install-sglang-cpu`
-        ($MEGATRON_DAPO_SGLANG_VENV or DEFAULT_CPU_VENV) when it exists.
+        else the CPU environment of `make install-sglang-cpu` (default_cpu_venv) when it exists.
     """
     if explicit:
         return explicit if Path(explicit).exists() else None
     if importlib.util.find_spec("sglang") is not None:
         return sys.executable
-    venv = Path(os.environ.get("MEGATRON_DAPO_SGLANG_VENV", DEFAULT_CPU_VENV))
-    python = venv / "bin" / "python"
+    python = default_cpu_venv() / "bin" / "python"
     return str(python) if python.exists() else None
 
 @dataclass(kw_only=True, slots=True)
