@@ -19,6 +19,10 @@ schedules on CPU tensors with gloo (DESIGN.md, "Megatron-Core on CPU"):
 - the backward functions of megatron's tensor-parallel linear layers and mappings
   re-entering the mode too: under sequence parallelism they allocate communication
   buffers on the "current CUDA device" inside the backward pass.
+- the MoE all-to-all token dispatcher's split sizes made lists on CPU as on CUDA
+  (``maybe_move_tensor_to_cpu(..., as_numpy=True)`` converts only CUDA tensors), and its
+  uneven all-gather / reduce-scatter over expert TP ranks padded to equal sizes (gloo
+  refuses lists of tensors of different sizes; NCCL takes them).
 
 This is the ``device: cpu`` product feature (laptop debugging, CI on the real stack). It
 refuses to install while CUDA is usable, so a GPU run can never be silently remapped.
@@ -319,6 +323,64 @@ def _patch_megatron_tensor_parallel_backward() -> None:
             function.backward = staticmethod(_under_cpu_mode(function.backward))
 
 
+def _patch_megatron_moe_splits() -> None:
+    # megatron-core 0.16.1's alltoall token dispatcher counts tokens per EP rank in tensors
+    # and passes them to all_to_all_single after maybe_move_tensor_to_cpu(as_numpy=True),
+    # which converts only CUDA tensors; CPU ones stay tensors, which all_to_all_single
+    # refuses as split sizes. Give CPU tensors the numpy conversion CUDA ones get.
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = move
+
+
+def _patch_megatron_uneven_gather() -> None:
+    # With expert tensor parallelism the MoE dispatcher gathers and reduce-scatters tokens
+    # over the TP group in per-rank counts (mappings._gather_along_first_dim with
+    # output_split_sizes, _reduce_scatter_along_first_dim with input_split_sizes), through
+    # list collectives of tensors of different sizes, which gloo refuses ("invalid tensor
+    # size"). The same results through equal-size collectives of zero-padded blocks.
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def gather_uneven(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
+                      use_global_buffer: bool = False) -> torch.Tensor:
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        most = max(sizes)
+        padded = input_.new_zeros((most, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        out = input_.new_empty((most * len(sizes), *input_.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[i * most: i * most + n] for i, n in enumerate(sizes)])
+
+    def reduce_scatter_uneven(input_: torch.Tensor, group: Any, input_split_sizes: Any = None,
+                              use_global_buffer: bool = False) -> torch.Tensor:
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in input_split_sizes]
+        most = max(sizes)
+        padded = input_.new_zeros((most * len(sizes), *input_.shape[1:]))
+        for i, chunk in enumerate(input_.split(sizes)):
+            padded[i * most: i * most + chunk.shape[0]] = chunk
+        out = input_.new_empty((most, *input_.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=group)
+        return out[: sizes[group.rank()]].clone()
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+
+
 def _install_cpu_layer() -> None:
     global _cpu_mode
     if _cpu_mode is None:
@@ -328,6 +390,8 @@ def _install_cpu_layer() -> None:
         _cpu_mode = _CudaToCpuMode()
         _patch_megatron_recompute()
         _patch_megatron_tensor_parallel_backward()
+        _patch_megatron_moe_splits()
+        _patch_megatron_uneven_gather()
     # Torch function modes live on a per-thread stack, so every thread that builds or
     # moves megatron tensors needs its own push; it stays entered for the thread's life
     # because megatron creates CUDA tensors at arbitrary depth.

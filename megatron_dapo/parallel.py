@@ -48,7 +48,10 @@ class ParallelDims:
     """Sizes, ranks and process groups of the Megatron layout; built by initialize_model_parallel.
 
     The global layout is world = dp * cp * pp * tp (megatron order "tp-cp-ep-dp-pp": TP
-    ranks are adjacent, PP is outermost).
+    ranks are adjacent, PP is outermost). Mixture-of-experts layers lay the same ranks out
+    a second way, world = edp * ep * etp * pp (megatron's expert grid "tp-ep-dp-pp"): an
+    expert-parallel group holds every expert of a layer once, spread over ep ranks of
+    one pipeline stage, and an expert's weights are sharded over etp ranks.
     """
 
     world_size: int
@@ -89,6 +92,18 @@ class ParallelDims:
     """First and last pipeline stage (tied embeddings' gradient sync); None on middle stages."""
     pp_global_ranks: tuple[int, ...]
     """Global rank of each pipeline stage in this rank's pipeline group, by stage."""
+    ep: int = 1
+    """Expert-parallel size (MoE layers): each rank holds num_experts / ep experts."""
+    etp: int = 1
+    """Expert tensor-parallel size: how many ranks shard one expert's weights."""
+    ep_rank: int = 0
+    """Rank in the expert-parallel group."""
+    etp_rank: int = 0
+    """Rank in the expert tensor-parallel group."""
+    ep_group: dist.ProcessGroup | None = None
+    """Expert-parallel group (the token dispatcher's all-to-all); None without experts."""
+    etp_group: dist.ProcessGroup | None = None
+    """Expert tensor-parallel group; None without experts."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -240,6 +255,9 @@ def initialize_model_parallel(
     num_attention_heads: int | None = None,
     num_query_groups: int | None = None,
     num_layers: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    num_experts: int | None = None,
 ) -> ParallelDims:
     """Build Megatron's parallel groups for world = dp * cp * pp * tp and seed every RNG.
 
@@ -256,12 +274,16 @@ def initialize_model_parallel(
         num_attention_heads: if given, checked to be divisible by tp.
         num_query_groups: if given (KV heads), checked to be divisible by tp.
         num_layers: if given, checked to be divisible by pp.
+        ep: expert-parallel size (MoE models); ep * etp must divide world / pp.
+        etp: expert tensor-parallel size; None = tp (megatron's default).
+        num_experts: if given, checked to be divisible by ep.
 
     Returns:
         The ParallelDims of this rank.
     """
     global _dims
     env = init_distributed()
+    etp = tp if etp is None else etp
     validate_layout(
         world_size=env.world_size,
         tp=tp,
@@ -271,11 +293,18 @@ def initialize_model_parallel(
         num_attention_heads=num_attention_heads,
         num_query_groups=num_query_groups,
         num_layers=num_layers,
+        ep=ep,
+        etp=etp,
+        num_experts=num_experts,
     )
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    expert_kwargs = {}
+    if ep > 1 or etp != tp:  # the dense call stays exactly what it was
+        expert_kwargs = {"expert_model_parallel_size": ep, "expert_tensor_parallel_size": etp}
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        **expert_kwargs,
     )
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -299,6 +328,12 @@ def initialize_model_parallel(
         mp_group=parallel_state.get_model_parallel_group(),
         embedding_group=parallel_state.get_embedding_group(check_initialized=False),
         pp_global_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+        ep=ep,
+        etp=etp,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        ep_group=parallel_state.get_expert_model_parallel_group(),
+        etp_group=parallel_state.get_expert_tensor_parallel_group(),
     )
     seed_everything(seed, pp_rank=pp_rank)
     return _dims
@@ -314,11 +349,25 @@ def validate_layout(
     num_attention_heads: int | None = None,
     num_query_groups: int | None = None,
     num_layers: int | None = None,
+    ep: int = 1,
+    etp: int | None = None,
+    num_experts: int | None = None,
 ) -> None:
     """Raise a one-line ValueError for a layout Megatron cannot build; see initialize_model_parallel."""
-    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
+    etp = tp if etp is None else etp
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("etp", etp)):
         if value < 1:
             raise ValueError(f"parallel size {name}={value} must be >= 1")
+    if (ep > 1 or etp != tp) and world_size % (ep * etp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by ep*etp*pp = {ep}*{etp}*{pp} = {ep * etp * pp}: "
+            "expert-parallel groups hold ep x etp ranks of one pipeline stage; change ep or etp"
+        )
+    if num_experts is not None and num_experts % ep != 0:
+        raise ValueError(
+            f"num_experts={num_experts} is not divisible by expert_model_parallel_size={ep}; "
+            f"pick ep among the divisors of {num_experts}"
+        )
     if world_size % (tp * pp * cp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp}; "

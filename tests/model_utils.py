@@ -1,4 +1,4 @@
-"""Tiny random HF checkpoints (Qwen2, Llama) made with transformers, and their reference log-probs.
+"""Tiny random HF checkpoints (Qwen2, Llama, Qwen3, Qwen3-MoE) made with transformers, and their reference log-probs.
 
 Shared by the model, actor and weight-sync tests. vocab_size=100 is deliberately not a
 multiple of 128 so Megatron's vocab padding is exercised at every TP size.
@@ -19,6 +19,17 @@ TINY_SHAPE = {
     "max_position_embeddings": 128,
 }
 
+TINY_MOE_SHAPE = {
+    # 4 experts of width 32, top-2, renormalised; layer 1 dense (mlp_only_layers) so a
+    # model mixes sparse and dense MLPs; head_dim 32 != hidden / heads, as in Qwen3.
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "mlp_only_layers": [1],
+    "head_dim": 32,
+}
+
 
 def make_tiny_checkpoint(
     directory: str | Path,
@@ -28,6 +39,7 @@ def make_tiny_checkpoint(
     tie_word_embeddings: bool = False,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    moe: dict | None = None,
 ) -> Path:
     """Save a randomly initialised tiny HF model (config.json + model.safetensors).
 
@@ -36,23 +48,37 @@ def make_tiny_checkpoint(
 
     Args:
         directory: where to save (created).
-        family: "qwen2" or "llama".
+        family: "qwen2", "llama", "qwen3" or "qwen3_moe".
         num_layers: num_hidden_layers.
         tie_word_embeddings: share lm_head with the embeddings.
         seed: torch seed for the weights.
         dtype: stored dtype.
+        moe: Qwen3-MoE config fields over TINY_MOE_SHAPE (qwen3_moe only).
 
     Returns:
         The directory.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     config_cls, model_cls = {
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
     }[family]
+    extra = dict(TINY_MOE_SHAPE, **(moe or {})) if family == "qwen3_moe" else {}
     config = config_cls(
-        **TINY_SHAPE, num_hidden_layers=num_layers, tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-5
+        **TINY_SHAPE, num_hidden_layers=num_layers, tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-5,
+        **extra,
     )
     torch.manual_seed(seed)
     model = model_cls(config)

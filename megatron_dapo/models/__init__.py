@@ -15,8 +15,11 @@ from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint, read_hf_config
 from megatron_dapo.models.llama import LlamaAdapter
 from megatron_dapo.models.qwen2 import Qwen2Adapter
+from megatron_dapo.models.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
 
-ADAPTERS: dict[str, type[DecoderAdapter]] = {"qwen2": Qwen2Adapter, "llama": LlamaAdapter}
+ADAPTERS: dict[str, type[DecoderAdapter]] = {
+    "qwen2": Qwen2Adapter, "llama": LlamaAdapter, "qwen3": Qwen3Adapter, "qwen3_moe": Qwen3MoeAdapter,
+}
 
 __all__ = [
     "ADAPTERS",
@@ -26,6 +29,8 @@ __all__ = [
     "LlamaAdapter",
     "ModelAdapter",
     "Qwen2Adapter",
+    "Qwen3Adapter",
+    "Qwen3MoeAdapter",
     "adapter_for",
     "read_hf_config",
     "te_available",
@@ -40,7 +45,7 @@ def adapter_for(source: str | Path | dict[str, Any]) -> DecoderAdapter:
         source: HF checkpoint directory, or config.json already parsed into a dict.
 
     Returns:
-        A Qwen2Adapter or LlamaAdapter bound to the parsed config.
+        The family's adapter (Qwen2Adapter, LlamaAdapter, Qwen3Adapter, Qwen3MoeAdapter) bound to the parsed config.
     """
     if isinstance(source, dict):
         raw, where = source, "the given config"

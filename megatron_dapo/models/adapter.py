@@ -2,8 +2,9 @@
 
 Used by the actor (build + load the initial checkpoint), by weight sync to the rollout
 engines (step 7 of the RL loop: ``export_hf`` streams HF-named full tensors) and by the
-checkpoint converter. Families (Qwen2, Llama) differ only in how config.json is read;
-the tensor layout logic lives in mapping.py.
+checkpoint converter. Families (Qwen2, Llama, Qwen3, Qwen3-MoE) differ in how config.json
+is read; QK-norm and experts are switched on by the parsed config (moe.py); the tensor
+layout logic lives in mapping.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint
+from megatron_dapo.models.moe import ensure_router_fallback, mark_expert_parameters, moe_config_kwargs
 from megatron_dapo.models.sdpa_attention import SdpaDotProductAttention
 from megatron_dapo.models.shared_prompts import enable_token_positions
 from megatron_dapo.parallel import ParallelDims
@@ -47,6 +49,8 @@ class ModelAdapter(Protocol):
         sequence_parallel: bool = False,
         cp: int = 1,
         cp_comm_type: str = "p2p",
+        ep: int = 1,
+        etp: int | None = None,
     ) -> TransformerConfig: ...
 
     def layer_spec(self, use_te: bool) -> ModuleSpec: ...
@@ -87,17 +91,35 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def _local_block_spec(layer_spec: ModuleSpec, config: TransformerConfig, num_layers: int) -> ModuleSpec:
-    """The local layer spec as a whole-block spec whose norms (input, pre-MLP, final) allow SP."""
+class HeadRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm over one attention head's channels: Qwen3's q_norm / k_norm on the local spec.
+
+    megatron-core 0.16.1's local spec builds QK norms with WrappedTorchNorm, which refuses
+    sequence parallelism although a per-head norm does not care how tokens are split. The
+    weight's gradient is a partial sum over this TP rank's heads; finalize_model_grads
+    all-reduces it over TP (it does so for every parameter named q_layernorm / k_layernorm
+    when config.qk_layernorm is set).
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: Any) -> None:
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+
+
+def _local_block_spec(layer_specs: list[ModuleSpec], config: TransformerConfig) -> ModuleSpec:
+    """Local layer specs (one per layer of the stage) as a block spec whose norms (input, pre-MLP, final) allow SP."""
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
 
-    layer = copy.deepcopy(layer_spec)
-    for name in ("input_layernorm", "pre_mlp_layernorm"):
-        if getattr(layer.submodules, name) is not IdentityOp:
-            setattr(layer.submodules, name, SequenceParallelRMSNorm)
+    copies: dict[int, ModuleSpec] = {}
+    for spec in layer_specs:
+        if id(spec) in copies:
+            continue
+        layer = copies[id(spec)] = copy.deepcopy(spec)
+        for name in ("input_layernorm", "pre_mlp_layernorm"):
+            if getattr(layer.submodules, name) is not IdentityOp:
+                setattr(layer.submodules, name, SequenceParallelRMSNorm)
     return ModuleSpec(module=TransformerBlock, submodules=TransformerBlockSubmodules(
-        layer_specs=[layer] * num_layers, layer_norm=SequenceParallelRMSNorm))
+        layer_specs=[copies[id(spec)] for spec in layer_specs], layer_norm=SequenceParallelRMSNorm))
 
 
 def te_available() -> bool:
@@ -207,6 +229,8 @@ class DecoderAdapter:
     """Parsed config.json."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocab to a multiple of this times tp."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of megatron's switch load-balancing loss on every MoE layer (0 = off); MoE models only."""
 
     architectures: ClassVar[tuple[str, ...]] = ()
 
@@ -220,6 +244,8 @@ class DecoderAdapter:
         sequence_parallel: bool = False,
         cp: int = 1,
         cp_comm_type: str = "p2p",
+        ep: int = 1,
+        etp: int | None = None,
     ) -> TransformerConfig:
         """Megatron TransformerConfig that reproduces the HF model.
 
@@ -232,6 +258,8 @@ class DecoderAdapter:
             cp: context-parallel size (TE attention only).
             cp_comm_type: how CP attention exchanges K/V: "p2p" (ring), "all_gather", "a2a"
                 or "a2a+p2p" (TE's names).
+            ep: expert-parallel size (MoE models).
+            etp: expert tensor-parallel size; None = tp (megatron's default).
 
         Returns:
             The TransformerConfig.
@@ -252,6 +280,9 @@ class DecoderAdapter:
             }
         elif recompute == "selective":
             recompute_kwargs = {"recompute_granularity": "selective"}
+        family_kwargs = moe_config_kwargs(hf, ep=ep, etp=etp, aux_loss_coeff=self.moe_aux_loss_coeff)
+        if hf.qk_norm:
+            family_kwargs["qk_layernorm"] = True
         return TransformerConfig(
             num_layers=hf.num_layers,
             hidden_size=hf.hidden_size,
@@ -278,29 +309,83 @@ class DecoderAdapter:
             fp16=dtype == torch.float16,
             attention_softmax_in_fp32=True,
             **recompute_kwargs,
+            **family_kwargs,
         )
 
-    def layer_spec(self, use_te: bool) -> ModuleSpec:
+    def layer_spec(self, use_te: bool, *, moe: bool = False) -> ModuleSpec:
         """Transformer Engine layer spec (fused norms, GPU) or the local megatron-core spec (CPU-capable).
 
         Args:
             use_te: pick the TE spec; needs transformer_engine and CUDA.
+            moe: the layer's MLP is a mixture of experts (TE: grouped GEMM experts;
+                local: megatron's SequentialMLP).
 
         Returns:
             The layer ModuleSpec.
         """
         from megatron.core.models.gpt import gpt_layer_specs
 
+        num_experts = self.hf.num_experts if moe else None
         if use_te:
             if not te_available():
                 raise ValueError(
                     "use_te=True but transformer_engine is not importable or CUDA is absent; use use_te=False"
                 )
-            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
-        spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+            if not (self.hf.qk_norm or moe):
+                return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+            return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                num_experts=num_experts, moe_grouped_gemm=moe, qk_layernorm=self.hf.qk_norm)
+        if not (self.hf.qk_norm or moe):
+            spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        else:
+            spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=self.hf.qk_norm,
+                                                            normalization="RMSNorm")
+        if self.hf.qk_norm:
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm = attention.k_layernorm = HeadRMSNorm
         # Fused SDPA instead of megatron's unfused local attention (models/sdpa_attention.py).
         spec.submodules.self_attention.submodules.core_attention = SdpaDotProductAttention
         return spec
+
+    def stage_spec(self, config: TransformerConfig, use_te: bool, dims: ParallelDims) -> ModuleSpec:
+        """The spec GPTModel builds this pipeline stage from: one layer spec, or a block of per-layer specs.
+
+        A dense model is one layer spec repeated (a block spec with SP-capable norms under
+        sequence parallelism on the local spec). An MoE model lists its stage's layers,
+        each sparse or dense as config.json says.
+
+        Args:
+            config: the stage's TransformerConfig.
+            use_te: the TE spec (else the local one).
+            dims: the layout (pipeline stage and size).
+
+        Returns:
+            A layer ModuleSpec or a TransformerBlock ModuleSpec.
+        """
+        per_stage = self.hf.num_layers // dims.pp
+        if not self.hf.is_moe:
+            spec = self.layer_spec(use_te)
+            if config.sequence_parallel and not use_te:
+                spec = _local_block_spec([spec] * per_stage, config)
+            return spec
+        from megatron.core.transformer.transformer_block import (
+            LayerNormImpl,
+            TransformerBlock,
+            TransformerBlockSubmodules,
+        )
+
+        dense, sparse = self.layer_spec(use_te), self.layer_spec(use_te, moe=True)
+        first = dims.pp_rank * per_stage
+        layers = [sparse if i in self.hf.moe_layers else dense for i in range(first, first + per_stage)]
+        if config.sequence_parallel and not use_te:
+            return _local_block_spec(layers, config)
+        final_norm: Any = LayerNormImpl
+        if use_te:
+            from megatron.core.extensions.transformer_engine import TENorm
+
+            final_norm = TENorm
+        return ModuleSpec(module=TransformerBlock,
+                          submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm))
 
     def padded_vocab_size(self, tp: int) -> int:
         """Vocab rows Megatron allocates: V padded to a multiple of make_vocab_size_divisible_by * tp."""
@@ -347,7 +432,8 @@ class DecoderAdapter:
                     f"{name}={value} is not divisible by tp={dims.tp}; pick tp among its divisors"
                 )
         config = self.transformer_config(dtype=dtype, tp=dims.tp, pp=dims.pp, recompute=recompute,
-                                         sequence_parallel=sequence_parallel, cp=dims.cp, cp_comm_type=cp_comm_type)
+                                         sequence_parallel=sequence_parallel, cp=dims.cp, cp_comm_type=cp_comm_type,
+                                         ep=dims.ep, etp=dims.etp)
         config.perform_initialization = init_weights
         use_te = te_available() if use_te is None else use_te
         fusions = kernel_fusions(use_te=use_te,
@@ -355,9 +441,10 @@ class DecoderAdapter:
                                  triton=importlib.util.find_spec("triton") is not None)
         for flag, value in fusions.items():
             setattr(config, flag, value)
-        spec: ModuleSpec = self.layer_spec(use_te)
-        if config.sequence_parallel and not use_te:
-            spec = _local_block_spec(spec, config, num_layers=self.hf.num_layers // dims.pp)
+        if self.hf.is_moe:
+            config.moe_grouped_gemm = use_te  # TEGroupedMLP on the TE spec, SequentialMLP on the local one
+            ensure_router_fallback()
+        spec = self.stage_spec(config, use_te, dims)
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
@@ -370,6 +457,8 @@ class DecoderAdapter:
             rotary_base=self.hf.rope_theta,
         )
         _mark_tensor_parallel_weights(model)
+        if self.hf.is_moe:
+            mark_expert_parameters(model)
         if not use_te:  # the local spec's attention runs shared-prompt micro-batches
             enable_token_positions(model)
         # Every parameter in the model dtype, as Megatron-LM's Float16Module makes it: torch's
@@ -382,15 +471,18 @@ class DecoderAdapter:
                 param.data = param.data.to(dtype)
         return model.to(dims.device)
 
-    def _maps(self, gpt: GPTModel) -> list[mapping.TensorMap]:
+    def _maps(self, gpt: GPTModel, dims: ParallelDims | None = None) -> list[mapping.TensorMap]:
         layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(gpt.decoder.layers)}
-        return mapping.tensor_maps(list(gpt.named_parameters()), layer_numbers, self.hf.tie_word_embeddings)
+        expert_offset = dims.ep_rank * (self.hf.num_experts // dims.ep) if dims is not None and self.hf.is_moe else 0
+        return mapping.tensor_maps(list(gpt.named_parameters()), layer_numbers, self.hf.tie_word_embeddings,
+                                   expert_offset=expert_offset)
 
     def load_hf(self, model: Any, checkpoint: HFCheckpoint | str | Path, dims: ParallelDims) -> None:
         """Copy HF weights into this rank's shard of the model, reading only the slices it holds.
 
         Call it before the optimizer is built (the distributed optimizer keeps its own
-        fp32 copies of the parameters). No collectives: every rank reads on its own.
+        fp32 copies of the parameters). No collectives: every rank reads on its own (an
+        expert-parallel rank only its own experts).
 
         Args:
             model: this stage's GPTModel (or a DDP wrapper / one-chunk list).
@@ -404,8 +496,11 @@ class DecoderAdapter:
         padded = self.padded_vocab_size(dims.tp)
         mismatched = []
         with torch.no_grad():
-            for tm in self._maps(gpt):
-                shard = mapping.load_shard(tm, ckpt, self.hf, dims.tp, dims.tp_rank, padded)
+            for tm in self._maps(gpt, dims):
+                if tm.expert is None:
+                    shard = mapping.load_shard(tm, ckpt, self.hf, dims.tp, dims.tp_rank, padded)
+                else:
+                    shard = mapping.load_shard(tm, ckpt, self.hf, dims.etp, dims.etp_rank, padded)
                 param = params[tm.mcore_name]
                 if shard.shape != param.shape:
                     mismatched.append(
@@ -431,6 +526,12 @@ class DecoderAdapter:
         views of the parameters: treat them as read-only and consume them before the next
         optimizer step.
 
+        Mixture-of-experts layers: after the layer's other tensors, expert by expert in
+        global order, each expert's gate/up/down. The expert's owner (its EP rank) gathers
+        it over expert TP and broadcasts it to the EP group, then the stage to the other
+        stages, so every rank of the EP x TP x PP layout receives it and at most one
+        expert's tensors exist at a time beyond the model (never a whole layer's experts).
+
         Args:
             model: this stage's GPTModel (or wrapper / one-chunk list).
             dims: the layout the model was built for.
@@ -441,19 +542,32 @@ class DecoderAdapter:
         gpt = unwrap_model(model)
         params = dict(gpt.named_parameters())
         shapes = mapping.expected_hf_shapes(self.hf)
-        local = [tm for tm in self._maps(gpt) if not tm.mirror]
+        local = [tm for tm in self._maps(gpt, dims) if not tm.mirror]
         dtype = next(iter(params.values())).dtype
+        owner = {}  # expert map -> global rank of its EP owner in this rank's EP group
+        if dims.ep > 1:
+            ep_ranks = dist.get_process_group_ranks(dims.ep_group)
+            per_rank: list[list[mapping.TensorMap]] = [[] for _ in range(dims.ep)]
+            dist.all_gather_object(per_rank, [tm for tm in local if tm.expert is not None], group=dims.ep_group)
+            experts = [(tm, ep_ranks[r]) for r, maps in enumerate(per_rank) for tm in maps]
+            owner = {tm.mcore_name + f"@{tm.expert}": src for tm, src in experts}
+            local = sorted([tm for tm in local if tm.expert is None] + [tm for tm, _ in experts],
+                           key=lambda m: m.sort_key)
         stage_maps: list[list[mapping.TensorMap]] = [local]
         if dims.pp > 1:
             stage_maps = [[] for _ in range(dims.pp)]
             dist.all_gather_object(stage_maps, local, group=dims.pp_group)
         for stage, maps in enumerate(stage_maps):
             for tm in maps:
-                if stage == dims.pp_rank:
+                src = owner.get(tm.mcore_name + f"@{tm.expert}") if stage == dims.pp_rank else None
+                if stage == dims.pp_rank and (src is None or src == dims.rank):
                     tensors = self._gather_hf(tm, params[tm.mcore_name].detach(), dims)
                 else:
                     tensors = [torch.empty(shapes[n], dtype=dtype, device=dims.device) for n in tm.hf_names]
                 for name, tensor in zip(tm.hf_names, tensors, strict=True):
+                    if src is not None:
+                        tensor = tensor.contiguous()
+                        dist.broadcast(tensor, src=src, group=dims.ep_group)
                     if dims.pp > 1:
                         tensor = tensor.contiguous()
                         dist.broadcast(tensor, src=dims.pp_global_ranks[stage], group=dims.pp_group)
@@ -462,9 +576,10 @@ class DecoderAdapter:
     def _gather_hf(
         self, tm: mapping.TensorMap, local: torch.Tensor, dims: ParallelDims
     ) -> list[torch.Tensor]:
-        if tm.kind == "replicated" or dims.tp == 1:
+        size, group = (dims.tp, dims.tp_group) if tm.expert is None else (dims.etp, dims.etp_group)
+        if tm.kind == "replicated" or size == 1:
             shards = [local]
         else:
-            shards = [torch.empty_like(local) for _ in range(dims.tp)]
-            dist.all_gather(shards, local.contiguous(), group=dims.tp_group)
+            shards = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(shards, local.contiguous(), group=group)
         return mapping.hf_from_shards(tm, shards, self.hf)

@@ -20,7 +20,7 @@ class HFModelConfig:
     """Architecture hyper-parameters read from config.json."""
 
     family: str
-    """Adapter family: "qwen2" or "llama"."""
+    """Adapter family: a key of models.ADAPTERS ("qwen2", "llama", "qwen3", "qwen3_moe")."""
     architecture: str
     """HF architecture class name, e.g. "Qwen2ForCausalLM"."""
     vocab_size: int
@@ -47,6 +47,19 @@ class HFModelConfig:
     """Whether lm_head shares the embedding matrix."""
     qkv_bias: bool
     """Whether q/k/v projections have biases (Qwen2: yes)."""
+    qk_norm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3's q_norm / k_norm)."""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """SwiGLU width of one expert."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities to sum to 1 (else the full softmax's values)."""
+    moe_layers: tuple[int, ...] = ()
+    """0-based indices of the layers whose MLP is a mixture of experts; the others are dense
+    (intermediate_size), from decoder_sparse_step and mlp_only_layers."""
 
     def __post_init__(self) -> None:
         if self.num_attention_heads % self.num_kv_heads != 0:
@@ -54,10 +67,20 @@ class HFModelConfig:
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads} in config.json; the config is corrupt"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise UserError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}] "
+                "in config.json; the config is corrupt"
+            )
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return self.num_experts > 0 and bool(self.moe_layers)
 
 
 def parse_decoder_config(
-    raw: dict[str, Any], source: str, *, family: str, qkv_bias: bool, problems: list[str]
+    raw: dict[str, Any], source: str, *, family: str, qkv_bias: bool, problems: list[str], **extra: Any
 ) -> HFModelConfig:
     """Build an HFModelConfig from config.json fields shared by Llama-style decoders.
 
@@ -67,6 +90,7 @@ def parse_decoder_config(
         family: adapter family name.
         qkv_bias: whether the family has q/k/v biases.
         problems: unsupported features found by the family parser; extended here.
+        **extra: family fields of HFModelConfig (qk_norm, the MoE shape).
 
     Returns:
         The parsed config; raises ValueError listing every problem instead.
@@ -111,4 +135,5 @@ def parse_decoder_config(
         max_position_embeddings=raw.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
+        **extra,
     )

@@ -13,6 +13,15 @@ tensors from all TP shards (export). Layouts that differ from HF:
   are zeros on load and dropped on export).
 Layernorm weights are replicated. The Transformer Engine spec stores the two per-layer
 norms inside linear_qkv / linear_fc1 (``layer_norm_weight``); both namings are mapped.
+
+Mixture-of-experts layers (Qwen3-MoE) add the router (``mlp.router.weight`` <->
+``mlp.gate.weight``, [E, H], replicated), QK-norm weights ([d], replicated) and the experts.
+An expert's fc1/fc2 are sharded like a dense MLP's, but over the expert tensor-parallel
+group (ETP), and each expert lives on one expert-parallel (EP) rank: rank r holds experts
+[r*E/ep, (r+1)*E/ep) as local experts 0..E/ep-1. The local spec (SequentialMLP) names them
+``mlp.experts.local_experts.{j}.linear_fc1.weight``, the TE spec (TEGroupedMLP)
+``mlp.experts.linear_fc1.weight{j}``; both are mapped. HF stores one tensor per expert and
+projection (``mlp.experts.{e}.gate_proj.weight`` ...), so an expert is exported alone.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint
 
-KINDS = ("replicated", "vocab", "row", "qkv", "fc1")
+KINDS = ("replicated", "vocab", "row", "qkv", "fc1", "expert_fc1", "expert_row")
 
 _LAYER_PATTERNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     # (megatron suffix regex, kind, HF names relative to model.layers.{i}.)
@@ -53,8 +62,17 @@ _LAYER_PATTERNS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     (r"self_attention\.linear_proj\.weight", "row", ("self_attn.o_proj.weight",)),
     (r"mlp\.linear_fc1\.weight", "fc1", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     (r"mlp\.linear_fc2\.weight", "row", ("mlp.down_proj.weight",)),
+    (r"self_attention\.q_layernorm\.weight", "replicated", ("self_attn.q_norm.weight",)),
+    (r"self_attention\.k_layernorm\.weight", "replicated", ("self_attn.k_norm.weight",)),
+    (r"mlp\.router\.weight", "replicated", ("mlp.gate.weight",)),
 )
 _LAYER_RE = re.compile(r"decoder\.layers\.(\d+)\.(.+)")
+_EXPERT_RE = re.compile(
+    r"mlp\.experts\.(?:local_experts\.(?P<seq>\d+)\.linear_(?P<fc>fc1|fc2)\.weight"
+    r"|linear_(?P<gfc>fc1|fc2)\.weight(?P<grouped>\d+))"
+)
+_EXPERT_POSITION = len(_LAYER_PATTERNS)
+"""Experts come after every other tensor of their layer in the export order."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -67,10 +85,12 @@ class TensorMap:
     """HF tensors it is made of (3 for qkv, 2 for fc1, else 1)."""
     kind: str
     """One of KINDS: how it is sharded over TP and fused."""
-    sort_key: tuple[int, int]
-    """(global position, index in layer): orders exports identically on every stage."""
+    sort_key: tuple[int, ...]
+    """(global position, index in layer[, expert, projection]): orders exports identically on every stage."""
     mirror: bool = False
     """True for the last stage's copy of tied embeddings: loaded, never exported."""
+    expert: int | None = None
+    """Global expert index for an expert's fc1/fc2 (held by one EP rank); None otherwise."""
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -116,10 +136,25 @@ def expected_hf_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_proj.bias"] = (hf.num_kv_heads * d,)
             shapes[p + "self_attn.v_proj.bias"] = (hf.num_kv_heads * d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, hf.num_attention_heads * d)
+        if hf.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if i in hf.moe_layers:
+            shapes[p + "mlp.gate.weight"] = (hf.num_experts, h)
+            for e in range(hf.num_experts):
+                for name, shape in expert_shapes(hf).items():
+                    shapes[f"{p}mlp.experts.{e}.{name}"] = shape
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (f, h)
         shapes[p + "mlp.up_proj.weight"] = (f, h)
         shapes[p + "mlp.down_proj.weight"] = (h, f)
     return shapes
+
+
+def expert_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensors of one expert (names relative to ``model.layers.{i}.mlp.experts.{e}.``)."""
+    h, f = hf.hidden_size, hf.moe_intermediate_size
+    return {"gate_proj.weight": (f, h), "up_proj.weight": (f, h), "down_proj.weight": (h, f)}
 
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
@@ -165,7 +200,8 @@ def check_checkpoint(hf: HFModelConfig, ckpt: HFCheckpoint) -> None:
 
 
 def tensor_maps(
-    named_params: list[tuple[str, torch.Tensor]], layer_numbers: dict[int, int], tied: bool
+    named_params: list[tuple[str, torch.Tensor]], layer_numbers: dict[int, int], tied: bool,
+    expert_offset: int = 0,
 ) -> list[TensorMap]:
     """Map every local Megatron parameter to HF names.
 
@@ -173,6 +209,7 @@ def tensor_maps(
         named_params: ``model.named_parameters()`` of the unwrapped GPTModel.
         layer_numbers: local layer index -> global 0-based layer index.
         tied: share_embeddings_and_output_weights.
+        expert_offset: global index of this EP rank's local expert 0 (ep_rank * E / ep).
 
     Returns:
         One TensorMap per parameter, sorted in global export order.
@@ -198,6 +235,20 @@ def tensor_maps(
             maps.append(
                 TensorMap(mcore_name=name, hf_names=(hf_name,), kind="vocab", sort_key=(last, 1), mirror=tied)
             )
+        elif (match := _LAYER_RE.fullmatch(name)) is not None and (
+            expert_match := _EXPERT_RE.fullmatch(match.group(2))
+        ) is not None:
+            layer = layer_numbers[int(match.group(1))]
+            local = expert_match.group("seq") or expert_match.group("grouped")
+            expert = expert_offset + int(local)
+            fc = expert_match.group("fc") or expert_match.group("gfc")
+            prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+            if fc == "fc1":
+                maps.append(TensorMap(mcore_name=name, hf_names=(prefix + "gate_proj.weight", prefix + "up_proj.weight"),
+                                      kind="expert_fc1", sort_key=(layer, _EXPERT_POSITION, expert, 0), expert=expert))
+            else:
+                maps.append(TensorMap(mcore_name=name, hf_names=(prefix + "down_proj.weight",), kind="expert_row",
+                                      sort_key=(layer, _EXPERT_POSITION, expert, 1), expert=expert))
         elif (match := _LAYER_RE.fullmatch(name)) is not None:
             layer = layer_numbers[int(match.group(1))]
             for position, (pattern, kind, suffixes) in enumerate(_LAYER_PATTERNS):
@@ -214,7 +265,8 @@ def tensor_maps(
     if unknown:
         raise UserError(
             f"Megatron parameters {unknown} have no HF counterpart; the model was built with options the "
-            "adapter does not map (e.g. add_bias_linear or MoE): build it with the adapter's transformer_config"
+            "adapter does not map (e.g. add_bias_linear or shared experts): build it with the adapter's "
+            "transformer_config"
         )
     return sorted(maps, key=lambda m: m.sort_key)
 
@@ -234,8 +286,12 @@ def load_shard(
 
     Returns:
         The local shard in Megatron layout, e.g. qkv: [(nq + 2*nkv) * d / tp, H],
-        fc1: [2 * F / tp, H], vocab: [Vp / tp, H].
+        fc1: [2 * F / tp, H], vocab: [Vp / tp, H]. For the expert kinds, tp and tp_rank
+        are the expert tensor-parallel size and rank: expert_fc1 [2 * F_moe / etp, H],
+        expert_row [H, F_moe / etp].
     """
+    if tm.kind in ("expert_fc1", "expert_row"):
+        return _load_expert_shard(tm, ckpt, tp, tp_rank)
     if tm.kind == "replicated":
         return ckpt.read(tm.hf_names[0])
     if tm.kind == "row":
@@ -274,6 +330,16 @@ def load_shard(
     return fused.reshape(-1, *trailing)
 
 
+def _load_expert_shard(tm: TensorMap, ckpt: HFCheckpoint, etp: int, etp_rank: int) -> torch.Tensor:
+    """One expert's fc1 ([gate; up] rows of this ETP rank) or fc2 (its columns)."""
+    if tm.kind == "expert_row":
+        cols = ckpt.shapes[tm.hf_names[0]][1] // etp
+        return ckpt.read(tm.hf_names[0], dim=1, start=etp_rank * cols, stop=(etp_rank + 1) * cols)
+    rows = ckpt.shapes[tm.hf_names[0]][0] // etp
+    gate, up = (ckpt.read(n, start=etp_rank * rows, stop=(etp_rank + 1) * rows) for n in tm.hf_names)
+    return torch.cat([gate, up], dim=0)
+
+
 def hf_from_shards(tm: TensorMap, shards: list[torch.Tensor], hf: HFModelConfig) -> list[torch.Tensor]:
     """Rebuild the HF tensors of one Megatron parameter from its TP shards (in TP rank order).
 
@@ -287,11 +353,11 @@ def hf_from_shards(tm: TensorMap, shards: list[torch.Tensor], hf: HFModelConfig)
     """
     if tm.kind == "replicated":
         return [shards[0]]
-    if tm.kind == "row":
+    if tm.kind in ("row", "expert_row"):
         return [torch.cat(shards, dim=1)]
     if tm.kind == "vocab":
         return [torch.cat(shards, dim=0)[: hf.vocab_size]]
-    if tm.kind == "fc1":
+    if tm.kind in ("fc1", "expert_fc1"):
         halves = [s.chunk(2, dim=0) for s in shards]
         return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
     assert tm.kind == "qkv", tm.kind

@@ -69,14 +69,18 @@ def _batch_tensors() -> dict[str, torch.Tensor]:
             "noise_ref": 0.2 * torch.randn(len(LENGTHS), width, generator=gen)}
 
 
-def _hf_reference(directory: Path) -> dict[str, object]:
-    """float64 transformers: token log-probs, old/ref log-probs, and the whole-batch loss gradient."""
+def _hf_reference(directory: Path, **load_kwargs: object) -> dict[str, object]:
+    """float64 transformers: token log-probs, old/ref log-probs, and the whole-batch loss gradient.
+
+    load_kwargs go to from_pretrained (MoE models need experts_implementation="eager" in float64).
+    """
     from transformers import AutoModelForCausalLM
 
     from megatron_dapo.algo import agg_loss, compute_policy_loss, kl_penalty
 
     t = _batch_tensors()
-    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float64, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float64, attn_implementation="eager",
+                                                 **load_kwargs)
     num_seqs, width = t["input_ids"].shape
     log_probs = torch.zeros(num_seqs, width, dtype=torch.float64)
     entropy = torch.zeros(num_seqs, width, dtype=torch.float64)

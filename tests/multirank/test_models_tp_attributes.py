@@ -30,7 +30,7 @@ LENGTHS = [20, 17, 15, 12, 9, 6]
 PROMPT_LENGTHS = [5, 4, 6, 3, 4, 2]
 # clip 0.05 is below this batch's grad norm, so a wrong norm also changes the step.
 ADAM = {"lr": 1e-3, "weight_decay": 0.1, "clip_grad": 0.05}
-_EXPECTED_DIM = {"vocab": 0, "qkv": 0, "fc1": 0, "row": 1}
+_EXPECTED_DIM = {"vocab": 0, "qkv": 0, "fc1": 0, "row": 1, "expert_fc1": 0, "expert_row": 1}
 
 
 def _batch() -> dict[str, torch.Tensor]:
