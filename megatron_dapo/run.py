@@ -12,6 +12,8 @@ sync, checkpointing).
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import os
 import shutil
@@ -255,12 +257,15 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
             raise SharedUserError(str(e)) from None
     hf_dir = Path(sources["hf_dir"])
     adapter = adapter_for(hf_dir)
+    if cfg.model.moe_aux_loss_coeff:
+        adapter = dataclasses.replace(adapter, moe_aux_loss_coeff=cfg.model.moe_aux_loss_coeff)
     hf = adapter.hf
     p = cfg.parallel
     dims = parallel.initialize_model_parallel(
         p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.context_parallel_size,
         seed=cfg.trainer.seed, num_attention_heads=hf.num_attention_heads,
-        num_query_groups=hf.num_kv_heads, num_layers=hf.num_layers)
+        num_query_groups=hf.num_kv_heads, num_layers=hf.num_layers,
+        ep=p.expert_model_parallel_size, etp=p.expert_tensor_parallel_size, num_experts=hf.num_experts or None)
 
     control = parallel.build_control_groups(dims, cfg.trainer.controller_wait_timeout_minutes)
 

@@ -1,6 +1,7 @@
 """Check that our Megatron model of an HF checkpoint computes what transformers computes.
 
     torchrun --nproc-per-node 2 tools/check_parity.py --hf-checkpoint DIR --tp 2 --pp 1 [--sequence-parallel]
+    torchrun --nproc-per-node 4 tools/check_parity.py --hf-checkpoint QWEN3_MOE_DIR --tp 2 --ep 2
 
 Every rank builds its shard of the Megatron model in the given layout and loads the
 checkpoint into it; the same random tokens go through it; global rank 0 then loads the
@@ -28,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert-parallel size (mixture-of-experts models; divides the number of experts)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="build the model with Megatron sequence parallelism (needs --tp > 1)")
     parser.add_argument(
@@ -78,7 +81,11 @@ def run(args: argparse.Namespace) -> int:
         num_attention_heads=adapter.hf.num_attention_heads,
         num_query_groups=adapter.hf.num_kv_heads,
         num_layers=adapter.hf.num_layers,
+        ep=args.ep,
+        num_experts=adapter.hf.num_experts or None,
     )
+    if args.ep > 1 and not adapter.hf.is_moe:
+        raise ValueError(f"--ep {args.ep}: {adapter.hf.architecture} has no experts; use --ep 1")
     env = parallel.init_distributed(args.device)
     dims = parallel.initialize_model_parallel(
         args.tp,
@@ -86,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
         num_attention_heads=adapter.hf.num_attention_heads,
         num_query_groups=adapter.hf.num_kv_heads,
         num_layers=adapter.hf.num_layers,
+        ep=args.ep,
+        num_experts=adapter.hf.num_experts or None,
     )
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, adapter.hf.vocab_size, (args.batch_size, args.num_tokens), generator=generator)
@@ -93,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = adapter.build_model(dims, dtype=dtype, init_weights=False, sequence_parallel=args.sequence_parallel)
     adapter.load_hf(model, args.hf_checkpoint, dims)
+    model.eval()
     ours = full_vocab_log_probs(model, dims, tokens, adapter.hf.vocab_size)
     del model
     # Rank 0 may not hold the last stage: the first (last stage, tp 0, dp 0) rank sends to it.
@@ -115,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     max_diff, mean_kl = compare_log_probs(reference, ours, tokens)
     verdict = "PASS" if max_diff <= tolerance else "FAIL"
     print(
-        f"{verdict} tp={args.tp} pp={args.pp} sp={int(args.sequence_parallel)} dtype={args.dtype} tokens={args.batch_size}x{args.num_tokens}: "
+        f"{verdict} tp={args.tp} pp={args.pp} ep={args.ep} sp={int(args.sequence_parallel)} dtype={args.dtype} tokens={args.batch_size}x{args.num_tokens}: "
         f"max |delta log p(next token)| = {max_diff:.3e} (tolerance {tolerance:.1e}), mean KL = {mean_kl:.3e}",
         flush=True,
     )

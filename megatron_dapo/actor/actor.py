@@ -127,6 +127,10 @@ class MegatronActor:
         if sequence_parallel and dims.tp == 1:
             raise ValueError("sequence_parallel=True needs tensor parallelism (dims.tp > 1); "
                              "set parallel.sequence_parallel=false")
+        if adapter.hf.is_moe and dims.tp > 1 and not sequence_parallel:
+            # megatron-core 0.16.1's MoELayer.forward raises in training with TP > 1 and no SP.
+            raise ValueError(f"a mixture-of-experts model at tensor_model_parallel_size={dims.tp} needs "
+                             "sequence parallelism: set parallel.sequence_parallel=true")
         self.adapter = adapter
         self.dims = dims
         self.packed = packed

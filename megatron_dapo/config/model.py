@@ -96,6 +96,9 @@ class ModelConfig:
     """Recompute each layer's activations in backward (full, uniform) to save memory."""
     make_vocab_size_divisible_by: int = 128
     """Vocabulary padding multiple (times the tensor-parallel size), as Megatron-LM."""
+    moe_aux_loss_coeff: float = 0.0
+    """Mixture-of-experts models: weight of megatron's switch load-balancing loss per MoE layer
+    (0 = off, the usual choice when RL starts from a trained router; 1e-3 is Qwen3's pretraining value)."""
     scratch: ScratchModelConfig = field(default_factory=ScratchModelConfig)
     """Architecture used when hf_checkpoint is null."""
     sft_warm_start: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
@@ -103,6 +106,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(self.make_vocab_size_divisible_by > 0, "make_vocab_size_divisible_by", "must be > 0")
+        _check(self.moe_aux_loss_coeff >= 0, "moe_aux_loss_coeff", "must be >= 0")
         if self.hf_checkpoint is not None:
             _check(self.hf_checkpoint != "", "hf_checkpoint", "is empty: give a directory or null")
 
@@ -123,10 +127,18 @@ class ParallelConfig:
     """Megatron sequence parallelism (needs tensor_model_parallel_size > 1)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state over data-parallel ranks (ZeRO-1)."""
+    expert_model_parallel_size: int = 1
+    """Mixture-of-experts models: ranks of one pipeline stage that split a layer's experts
+    (must divide num_experts; ep x etp must divide world / pp)."""
+    expert_tensor_parallel_size: int | None = None
+    """Ranks that shard one expert's weights; null = tensor_model_parallel_size (megatron's default)."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size"):
             _check(getattr(self, name) >= 1, name, "must be >= 1")
+        if self.expert_tensor_parallel_size is not None:
+            _check(self.expert_tensor_parallel_size >= 1, "expert_tensor_parallel_size", "must be >= 1 or null")
         if self.sequence_parallel:
             _check(self.tensor_model_parallel_size > 1, "sequence_parallel",
                    "needs tensor_model_parallel_size > 1; set it to false")

@@ -1,4 +1,5 @@
-"""tools/check_parity.py under torchrun at TP=2 and PP=2 (the issue's acceptance), and its exit codes."""
+"""tools/check_parity.py under torchrun at TP=2 and PP=2, and for Qwen3-MoE at EP=2, TP2 x EP2 and PP2 x EP2
+(issue 25), and its exit codes."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from model_utils import make_tiny_checkpoint
 pytestmark = pytest.mark.multirank
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "check_parity.py"
-RESULT = re.compile(r"(PASS|FAIL) tp=(\d) pp=(\d) sp=(\d) .* max \|delta log p\(next token\)\| = (\S+) ")
+RESULT = re.compile(r"(PASS|FAIL) tp=(\d) pp=(\d) ep=\d sp=(\d) .* max \|delta log p\(next token\)\| = (\S+) ")
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +24,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2", seed=3),
         "llama_tied": make_tiny_checkpoint(root / "llama", "llama", tie_word_embeddings=True, seed=4),
+        "qwen3_moe": make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=5),
     }
 
 
@@ -56,6 +58,47 @@ def test_torchrun_two_ranks_pass(tiny: dict[str, Path], family: str, tp: int, pp
     assert float(match.group(5)) < 1e-4
 
 
+@pytest.mark.parametrize(("nproc", "tp", "pp", "ep"), [(2, 1, 1, 2), (4, 2, 1, 2), (4, 1, 2, 2)],
+                         ids=["ep2", "tp2xep2", "pp2xep2"])
+def test_torchrun_moe_expert_parallel_pass(tiny: dict[str, Path], nproc: int, tp: int, pp: int, ep: int) -> None:
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    proc = _run([*torchrun, str(TOOL), "--hf-checkpoint", str(tiny["qwen3_moe"]), "--tp", str(tp), "--pp", str(pp),
+                 "--ep", str(ep), "--num-tokens", "16"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    match = re.search(r"PASS tp=(\d) pp=(\d) ep=(\d) .* = (\S+) ", proc.stdout)
+    assert match is not None, proc.stdout
+    assert match.group(1, 2, 3) == (str(tp), str(pp), str(ep))
+    assert float(match.group(4)) < 1e-4
+
+
+def test_missing_expert_tensor_is_named_in_one_line(
+    tiny: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken_moe"
+    shutil.copytree(tiny["qwen3_moe"], broken)
+    tensors = load_file(str(broken / "model.safetensors"))
+    del tensors["model.layers.2.mlp.experts.3.up_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import check_parity
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    env = {"MASTER_ADDR": os.environ.pop("MASTER_ADDR", None)}
+    try:
+        assert check_parity.main(["--hf-checkpoint", str(broken), "--num-tokens", "8"]) == 2
+    finally:
+        if env["MASTER_ADDR"] is not None:
+            os.environ["MASTER_ADDR"] = env["MASTER_ADDR"]
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "1 missing: model.layers.2.mlp.experts.3.up_proj.weight" in err
+
+
 def test_difference_above_tolerance_exits_1(tiny: dict[str, Path]) -> None:
     # bf16 rounding differs between the two implementations by ~1e-3 in log p, far above 1e-6.
     command = [sys.executable, str(TOOL), "--hf-checkpoint", str(tiny["qwen2"]), "--num-tokens", "8"]
@@ -73,6 +116,7 @@ def test_difference_above_tolerance_exits_1(tiny: dict[str, Path]) -> None:
     [
         (["--tp", "3"], "world size 1 is not divisible by tp*pp*cp = 3*1*1 = 3"),
         (["--tolerance", "-1"], "--tolerance -1.0 is negative"),
+        (["--ep", "2"], "world size 1 is not divisible by ep*etp*pp"),
         (["--tp", "2", "--sequence-parallel", "--num-tokens", "7"], "--sequence-parallel needs --tp > 1 and --num-tokens a multiple"),
     ],
 )
