@@ -13,7 +13,6 @@ sync, checkpointing).
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 import os
 import shutil
