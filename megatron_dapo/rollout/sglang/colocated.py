@@ -131,6 +131,10 @@ class EngineInfo:
 class LeaderEngine(Protocol):
     """What a leader needs from the engine it owns (SGLangEngine; a fake in tests)."""
 
+    def check_payload(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Raise if the server could not load these tensors (before anything is sent)."""
+        ...
+
     def update_weights_from_serialized(self, serialized: Sequence[str], *, load_format: str | None = None) -> None:
         """Load one payload, one serialized entry per engine TP rank, in TP-rank order."""
         ...
@@ -325,6 +329,8 @@ class ColocatedEngines:
         payload: list[str] | None = None
         error: str | None = None
         try:
+            if self.engine is not None:
+                self.engine.check_payload(bucket)  # what the server would die of, refused before sending
             requests = encode_bucket(bucket, self.weight_format)
             payload = [self._serializer(item) for _, item in requests]
         except Exception as err:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams, check_prompts
 from megatron_dapo.rollout.flat_bucket import (
+    FLATTENED_BUCKET,
     WeightFormat,
     WeightPayload,
     default_weight_format,
@@ -102,6 +103,7 @@ class SGLangEngine:
         weight_format: WeightFormat | None = None,
         health_check_interval_s: float = 30.0,
         health_check_failures: int = 5,
+        expected_shapes: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         """Attach to a server (launched by :meth:`start`/:meth:`launch`, or already running).
 
@@ -120,13 +122,18 @@ class SGLangEngine:
             deterministic: the server runs --enable-deterministic-inference; seeds are sent.
             log_location: where the server's log is when another process owns the server
                 (named in errors; colocated engines on other nodes).
-            weight_format: how :meth:`update_weights` sends a bucket; None = flattened
-                where the installed sglang has it (flat_bucket.default_weight_format).
+            weight_format: how :meth:`update_weights` sends a bucket; None = by device: CUDA
+                flattened where the installed sglang has it (flat_bucket.default_weight_format),
+                CPU always flattened (our serializer writes it; per-tensor payloads would move the
+                caller's own tensors into shared memory in place).
             health_check_interval_s: while a /generate runs, /health_generate is asked this
                 often (and may take this long to answer).
             health_check_failures: that many failed checks in a row abandon the /generate
                 with an EngineError (5 x 30 s: no sooner than SGLang's own --watchdog-timeout,
                 300 s, would kill a server stuck in one forward pass).
+            expected_shapes: HF name -> shape of every tensor the server's model loads (its
+                checkpoint's); a weight update naming another tensor or shape is refused before
+                it is sent (SGLang's load_weights raises in the scheduler, which kills the server).
         """
         if health_check_interval_s <= 0 or health_check_failures < 1:
             raise ValueError(f"SGLang engine {name}: health_check_interval_s={health_check_interval_s} must be > 0 "
@@ -143,7 +150,7 @@ class SGLangEngine:
         self._serializer = serializer
         self._deterministic = deterministic
         self._log_location = log_location
-        self.weight_format: WeightFormat = weight_format or default_weight_format()
+        self.weight_format: WeightFormat | None = weight_format
         self._sessions: bool | None = None  # whether the server has weight-update sessions (None: not asked yet)
         self._session_open = False
         self._health_check_interval_s = health_check_interval_s
@@ -154,6 +161,7 @@ class SGLangEngine:
         self._stopped = threading.Event()  # abort() came; cleared by clear_abort()
         self._abort_epoch = 0
         self._version: int | None = None  # the weight version last set on the server; None = not tracked
+        self._expected_shapes = expected_shapes
 
     @classmethod
     def start(
@@ -190,6 +198,7 @@ class SGLangEngine:
             process=process,
             request_timeout_s=request_timeout_s,
             deterministic=resolved.deterministic,
+            expected_shapes=served_shapes(resolved.model_path),
         )
 
     @classmethod
@@ -357,15 +366,32 @@ class SGLangEngine:
             bucket: (hf_name, full tensor); they must stay alive until this returns,
                 which they do because the server has copied them by then.
         """
+        self.check_payload(bucket)
         devices = {t.device.type for _, t in bucket}
         if len(devices) > 1:
             raise ValueError(f"SGLang engine {self.name}: a bucket mixes devices {sorted(devices)}; export the "
                              "weights on one device")
-        serializer = self._serializer or serializer_for(devices.pop() if devices else "cpu")
-        for load_format, item in encode_bucket(bucket, self.weight_format):
+        device = devices.pop() if devices else "cpu"
+        serializer = self._serializer or serializer_for(device)
+        weight_format = self.weight_format or (default_weight_format() if device == "cuda" else FLATTENED_BUCKET)
+        for load_format, item in encode_bucket(bucket, weight_format):
             # One process holds the payload; each TP worker still gets a serialization of its own.
             self.update_weights_from_serialized([serializer(item) for _ in range(self._tp_size)],
                                                 load_format=load_format)
+
+    def check_payload(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Refuse, before sending, tensors the server's model does not have (it would die of them)."""
+        if self._expected_shapes is None:
+            return
+        for name, tensor in bucket:
+            want = self._expected_shapes.get(name)
+            if want is None:
+                raise EngineError(f"SGLang engine {self.name}: weight update names {name!r}, which the served "
+                                  "checkpoint does not have (SGLang's loader raises on it and the server dies); "
+                                  "the trainer's model and rollout checkpoint disagree")
+            if tuple(tensor.shape) != want:
+                raise EngineError(f"SGLang engine {self.name}: weight update sends {name!r} with shape "
+                                  f"{tuple(tensor.shape)}, the served checkpoint has {want}")
 
     def update_weights_from_serialized(self, serialized: Sequence[str], *, load_format: str | None = None) -> None:
         """POST one payload already serialized per TP rank (colocated.py gathers one per GPU).
@@ -557,6 +583,11 @@ class SGLangEngine:
             self._released = False
 
     @property
+    def num_in_flight(self) -> int:
+        """generate() calls of this client running now."""
+        return len(self._inflight)
+
+    @property
     def released(self) -> bool:
         """Whether the engine's memory is released (nothing but resume_memory may be sent)."""
         return self._released
@@ -610,6 +641,25 @@ class SGLangEngine:
         """Stop the owned server process (no-op for an attached server)."""
         if self.process is not None:
             self.process.stop()
+
+
+def served_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]] | None:
+    """HF name -> shape of what a server loads from `model_path` (None when it cannot be read).
+
+    Tied models (tie_word_embeddings) have no lm_head.weight in the file, but the trainer's
+    export sends one (the embedding's copy), which SGLang's loader skips: it is allowed.
+    """
+    from megatron_dapo.errors import UserError
+    from megatron_dapo.models.hf_checkpoint import HFCheckpoint, read_hf_config
+
+    try:
+        shapes = HFCheckpoint(model_path).shapes
+        tied = bool(read_hf_config(model_path).get("tie_word_embeddings"))
+    except (OSError, ValueError, UserError):  # not a readable HF directory: the server reports it at start
+        return None
+    if tied and "model.embed_tokens.weight" in shapes:
+        shapes.setdefault("lm_head.weight", shapes["model.embed_tokens.weight"])
+    return shapes
 
 
 def serializer_for(device: str) -> Callable[[WeightPayload], str]:

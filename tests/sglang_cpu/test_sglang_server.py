@@ -1,0 +1,280 @@
+"""The SGLang engine against SGLang's own server on CPU (sglang 0.5.18 + its CPU kernels).
+
+Run by `.ci/run` after `make install-sglang-cpu`; skipped where no SGLang interpreter is
+installed. One float32 server serves the module (start-up is ~25 s on 2 cores); the test
+that kills a server starts its own. What each test holds is a rule of DESIGN.md's "SGLang's
+own server, and what it dies of": each failed against the real server before the engine
+was fixed (the abort test: requests sent after an abort ran to full length).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from model_utils import TINY_SHAPE, hf_log_probs
+from safetensors.torch import load_file
+
+from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams
+from megatron_dapo.rollout.server_process import free_port
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.protocol import create_weight_update_group
+from megatron_dapo.rollout.sglang.server import SGLangServerConfig, sglang_python
+from megatron_dapo.rollout.streaming import CarriedPrompt, PromptFeed, stream_per_prompt
+
+pytestmark = [
+    pytest.mark.sglang_cpu,
+    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+]
+
+# A context long enough that an unaborted request runs for many seconds on 2 cores.
+SHAPE = {**TINY_SHAPE, "hidden_size": 128, "max_position_embeddings": 4096}
+PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]
+
+
+def make_checkpoint(directory: Path, seed: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_hidden_layers=2, tie_word_embeddings=True, rms_norm_eps=1e-5,
+                                         eos_token_id=None, bos_token_id=None))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def launch(checkpoint: Path, log: Path, name: str) -> SGLangEngine:
+    config = SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32", max_total_tokens=32768,
+                                host="127.0.0.1", log_path=str(log))
+    return SGLangEngine.launch(config, name=name, vocab_size=SHAPE["vocab_size"], startup_timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sglang_ckpt")
+    return make_checkpoint(root / "a", seed=0), make_checkpoint(root / "b", seed=1)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, tmp_path_factory):
+    engine = launch(checkpoints[0], tmp_path_factory.mktemp("sglang_log") / "sglang0.log", "sglang0")
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def weights_a(engine, checkpoints):
+    """The module's server holds checkpoint a (version 0) after the test."""
+    yield
+    engine.clear_abort()
+    if engine.released:
+        engine.resume_memory()
+    engine.update_weights(sorted(load_file(str(checkpoints[0] / "model.safetensors")).items()))
+    engine.finish_weight_update(version=0)
+
+
+def reference_log_probs(checkpoint: Path, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T)[token] of each output token from transformers in float32."""
+    logp = hf_log_probs(checkpoint, torch.tensor([prompt + output]))[0]
+    scaled = torch.log_softmax(logp / temperature, dim=-1) if temperature not in (0.0, 1.0) else logp
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+    return scaled[positions, torch.tensor(output)]
+
+
+def gaps(checkpoint: Path, results: list[GenerationResult], temperature: float) -> torch.Tensor:
+    return torch.cat([
+        (torch.tensor(r.logprobs) - reference_log_probs(checkpoint, PROMPTS[r.prompt_index], r.output_ids,
+                                                         temperature)).abs()
+        for r in results
+    ])
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_are_our_contract_at_float32_level(engine, checkpoints, temperature):
+    """log_softmax(logits / T) of the sampled tokens, equal to transformers' float32 values.
+
+    Measured 2026-11-24: mean 4.8e-7 / max 1.9e-6 at T = 1, 8.9e-7 / 3.8e-6 at T = 0.7 (a
+    bf16 server: 8e-3 / 3e-2, 1.4e-2 / 4.9e-2).
+    """
+    results = engine.generate(PROMPTS, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=1))
+    assert [(r.prompt_index, r.sample_index) for r in results] == [(i, j) for i in range(3) for j in range(2)]
+    assert all(len(r.output_ids) == 12 and r.finish_reason == "length" for r in results)
+    diff = gaps(checkpoints[0], results, temperature)
+    assert float(diff.mean()) < 5e-6 and float(diff.max()) < 5e-5, (float(diff.mean()), float(diff.max()))
+
+
+def _shm_torch_files() -> set[str]:
+    return {p for p in os.listdir("/dev/shm") if p.startswith("torch_")}
+
+
+def test_flattened_buckets_load_the_new_weights_with_their_version(engine, checkpoints, weights_a):
+    """update_weights_from_tensor with our CPU serializer (no sglang in this Python): every answer
+    then carries the synced version, greedy log-probs are the new weights', and the shared-memory
+    files of the payloads do not accumulate over syncs."""
+    new = sorted(load_file(str(checkpoints[1] / "model.safetensors")).items())
+    before = _shm_torch_files()
+    for version in (1, 2, 3):
+        half = len(new) // 2
+        engine.update_weights(new[:half])  # two buckets, as weight_sync cuts them
+        engine.update_weights(new[half:])
+        engine.finish_weight_update(version=version)
+    # Each payload's file goes when both processes have dropped the storage (the server's after
+    # its load returns and its objects are collected): never more than the last sync's.
+    deadline = time.monotonic() + 20
+    while not _shm_torch_files() <= before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _shm_torch_files() <= before
+    results = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=10))
+    assert {r.weight_versions for r in results} == {(3,)}
+    diff = gaps(checkpoints[1], results, 1.0)
+    assert float(diff.max()) < 5e-5
+    assert float(gaps(checkpoints[0], results, 1.0).max()) > 1e-2  # not the old weights
+
+
+def test_distributed_update_over_gloo_then_the_group_is_destroyed(engine, checkpoints, weights_a):
+    """update_weights_from_distributed where GPUs use NCCL: gloo on CPU, then both sides leave the group."""
+    new = sorted(load_file(str(checkpoints[1] / "model.safetensors")).items())
+    port, name = free_port("127.0.0.1"), "wu_test"
+    join = threading.Thread(target=engine.init_weight_update_group, kwargs=dict(
+        master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=name, backend="gloo"))
+    join.start()
+    group = create_weight_update_group(master_address="127.0.0.1", master_port=port, world_size=2, group_name=name,
+                                       backend="gloo", timeout_s=120)
+    join.join(timeout=120)
+    try:
+        engine.update_weights_from_distributed(new, group=group, group_name=name)
+        engine.finish_weight_update(version=5)
+    finally:
+        engine.destroy_weight_update_group(name)
+        group.shutdown()
+    results = engine.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=10))
+    assert {r.weight_versions for r in results} == {(5,)}
+    assert float(gaps(checkpoints[1], results, 1.0).max()) < 5e-5
+
+
+def test_a_bad_payload_is_refused_before_it_is_sent(engine, checkpoints, weights_a):
+    """SGLang's loader raises on an unknown name inside the scheduler, and the server dies."""
+    with pytest.raises(EngineError, match=r"names 'model.layers.9.mlp.up_proj.weight', which the served checkpoint"):
+        engine.update_weights([("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2))])
+    with pytest.raises(EngineError, match=r"sends 'model.norm.weight' with shape \(7,\), the served checkpoint has"):
+        engine.update_weights([("model.norm.weight", torch.zeros(7))])
+    assert engine.health()
+
+
+def _long_generate(engine: SGLangEngine, out: dict, max_new_tokens: int = 3000) -> threading.Thread:
+    def run() -> None:
+        try:
+            out["results"] = engine.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=max_new_tokens, seed=3))
+        except BaseException as err:
+            out["error"] = err
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def _wait_in_flight(engine: SGLangEngine) -> None:
+    deadline = time.monotonic() + 30
+    while not engine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # registered and decoding on the server
+
+
+def test_the_state_guard_refuses_what_a_released_server_dies_of(engine, weights_a):
+    out: dict = {}
+    thread = _long_generate(engine, out)
+    _wait_in_flight(engine)
+    with pytest.raises(EngineError, match=r"release_memory while 1 generate call\(s\) run"):
+        engine.release_memory()
+    engine.abort()
+    thread.join(timeout=60)
+    assert {r.finish_reason for r in out["results"]} == {"abort"}
+    engine.clear_abort()
+    engine.release_memory()
+    for call, what in [(lambda: engine.generate(PROMPTS, SamplingParams()), "/generate"),
+                       (engine.health, "/health_generate"), (engine.release_memory, "release_memory")]:
+        with pytest.raises(EngineError, match=f"{what} while its memory is released"):
+            call()
+    engine.resume_memory()
+    with pytest.raises(EngineError, match="resume_memory without release_memory"):
+        engine.resume_memory()
+    assert engine.health()
+    assert len(engine.generate(PROMPTS, SamplingParams(max_new_tokens=4))) == 3
+
+
+def test_abort_stops_what_runs_and_what_is_sent_after_it_until_cleared(engine, weights_a):
+    """SGLang's abort reaches only what is queued or running: the next request ran to full length."""
+    out: dict = {}
+    thread = _long_generate(engine, out)
+    _wait_in_flight(engine)
+    engine.abort()
+    thread.join(timeout=60)
+    assert {r.finish_reason for r in out["results"]} == {"abort"}
+    start = time.monotonic()
+    after = engine.generate([[4, 5, 6]], SamplingParams(n=2, max_new_tokens=3000, seed=4))
+    assert time.monotonic() - start < 1.0
+    assert [(r.finish_reason, r.output_ids) for r in after] == [("abort", [])] * 2
+    engine.clear_abort()
+    assert [r.finish_reason for r in engine.generate([[4, 5, 6]], SamplingParams(n=2, max_new_tokens=5))] == \
+        ["length"] * 2
+
+
+def test_a_partial_rollouts_continuations_stop_with_the_batch(engine, weights_a):
+    """Streaming with a carried group: one request per cut response. Once the batch is full (the
+    abort), its remaining continuations must not run: before the fix each ran to full length,
+    one after the other, while every rank waited."""
+    carried = tuple(GenerationResult(prompt_index=0, sample_index=j, output_ids=[7, 8], logprobs=[-1.0, -1.0],
+                                     finish_reason="abort") for j in range(3))
+    feed = PromptFeed(iter([CarriedPrompt(prompt=[1, 2, 3], results=carried)]))
+    params = SamplingParams(n=3, max_new_tokens=3000, seed=5)
+    engine.clear_abort()
+    timer = threading.Timer(2.0, lambda: (feed.close(), engine.abort()))
+    timer.start()
+    start = time.monotonic()
+    groups: list = []
+    left = stream_per_prompt(engine, feed, params, groups.append, max_inflight=1)
+    elapsed = time.monotonic() - start
+    timer.join()
+    assert groups == []
+    assert elapsed < 8.0, f"continuations after the abort ran for {elapsed:.1f} s"
+    assert [r.finish_reason for r in left] == ["abort"] * 3
+    # The first continuation ran until the abort; the others were never sent.
+    assert len(left[0].output_ids) > 2 and [r.output_ids for r in left[1:]] == [[7, 8], [7, 8]]
+
+
+def test_two_servers_at_once_and_one_killed_mid_generate(engine, checkpoints, tmp_path):
+    """A second server beside the module's; kill -9 of its main process mid-generate: one error
+    naming the engine, its exit code and log; its /dev/shm files are gone; the other serves on."""
+    shm_before = {p for p in os.listdir("/dev/shm") if p.startswith(("sglang_", "sem.mp-"))}
+    second = launch(checkpoints[0], tmp_path / "sglang1.log", "sglang1")
+    try:
+        both: dict = {}
+        threads = [threading.Thread(target=lambda e=e: both.__setitem__(e.name, e.generate(
+            PROMPTS, SamplingParams(n=2, temperature=0.0, max_new_tokens=8)))) for e in (engine, second)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [r.output_ids for r in both["sglang0"]] == [r.output_ids for r in both["sglang1"]]
+        out: dict = {}
+        thread = _long_generate(second, out)
+        _wait_in_flight(second)
+        assert second.process is not None
+        os.kill(second.process.pid, 9)
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+        message = str(out["error"])
+        assert f"SGLang engine sglang1 (pid {second.process.pid}) exited with code -9; log {tmp_path / 'sglang1.log'}" \
+            in message
+    finally:
+        second.shutdown()
+    time.sleep(3)  # the server's children leave after its own grace
+    left = {p for p in os.listdir("/dev/shm") if p.startswith(("sglang_", "sem.mp-"))} - shm_before
+    assert left == set()
+    assert engine.health()
