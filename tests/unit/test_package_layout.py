@@ -151,3 +151,12 @@ def test_eval_takes_every_engine_the_trainer_takes() -> None:
     add_eval_arguments(parser)
     action = next(a for a in parser._actions if a.dest == "engine")
     assert tuple(action.choices) == ENGINE_NAMES
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest's default (prepend) import mode imports test files by basename: two test_x.py in
+    different folders stop the whole run at collection ("import file mismatch")."""
+    from collections import Counter
+
+    names = Counter(p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py"))
+    assert [name for name, count in names.items() if count > 1] == []
