@@ -156,9 +156,13 @@ def build_control_groups(dims: ParallelDims, timeout_minutes: float) -> ControlG
     Returns:
         This rank's ControlGroups.
     """
+    global _peers
     timeout = timedelta(minutes=timeout_minutes)
-    dp_rank_of: list[int] = [0] * dims.world_size
-    dist.all_gather_object(dp_rank_of, dims.dp_rank)
+    # Each rank's (dp_rank, host, pid); host and pid let a rank whose peer vanished name it.
+    gathered: list[tuple[int, str, int]] = [(0, "", 0)] * dims.world_size
+    dist.all_gather_object(gathered, (dims.dp_rank, socket.gethostname(), os.getpid()))
+    dp_rank_of = [dp_rank for dp_rank, _, _ in gathered]
+    _peers = [(host, pid) for _, host, pid in gathered]
     replicas = [[r for r in range(dims.world_size) if dp_rank_of[r] == d] for d in range(dims.dp)]
     leader_ranks = tuple(ranks[0] for ranks in replicas)
     world = dist.new_group(list(range(dims.world_size)), backend="gloo", timeout=timeout)
@@ -200,6 +204,8 @@ def scatter_to_replicas(shares: list[Any] | None, control: ControlGroups) -> Any
 
 _env: DistEnv | None = None
 _dims: ParallelDims | None = None
+_peers: list[tuple[str, int]] | None = None
+"""(host, pid) of every global rank, from build_control_groups; kept after destroy() for lost_ranks()."""
 
 
 def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> DistEnv:
@@ -428,6 +434,54 @@ def destroy() -> None:
         dist.destroy_process_group()
     _env = None
     _dims = None
+
+
+def lost_ranks(own_rank: int) -> str:
+    """Which ranks are gone, for the line of a rank whose peer left a collective.
+
+    A rank on this host is gone when its process no longer runs (or is a zombie); ranks on
+    other hosts cannot be checked from here and are listed as such. Empty before
+    build_control_groups (no table yet).
+
+    Args:
+        own_rank: this process' global rank.
+
+    Returns:
+        E.g. "rank 1 (pid 4242 on node3) is gone" or "no rank on node3 is gone; ranks 2, 3 on
+        other hosts could not be checked"; "" when not known.
+    """
+    if _peers is None:
+        return ""
+    here = socket.gethostname()
+    local = [r for r, (host, _) in enumerate(_peers) if host == here and r != own_rank]
+    gone = [r for r in local if _pid_gone(_peers[r][1])]
+    remote = [r for r, (host, _) in enumerate(_peers) if host != here]
+    parts = []
+    if gone:
+        names = ", ".join(f"rank {r} (pid {_peers[r][1]} on {here})" for r in gone)
+        parts.append(f"{names} {'is' if len(gone) == 1 else 'are'} gone")
+    elif local:
+        parts.append(f"no other rank on {here} is gone")
+    if remote:
+        parts.append(f"rank{'s' if len(remote) > 1 else ''} {', '.join(map(str, remote))} on other hosts "
+                     "could not be checked")
+    return "; ".join(parts)
+
+
+def _pid_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] in "ZX"  # exited, not yet reaped by the launcher
+    except FileNotFoundError:
+        return True
+    except OSError:  # no procfs
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
 
 
 def free_port() -> int:

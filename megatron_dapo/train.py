@@ -110,8 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         text = str(e)
         time.sleep(PEER_GONE_GRACE_S)
         first = text.strip().splitlines()[0][:200] if text.strip() else type(e).__name__
-        print(f"rank {rank}: stopped: another rank exited during a collective ({first}); its error is above",
-              file=sys.stderr)
+        from megatron_dapo.parallel import lost_ranks
+
+        gone = lost_ranks(int(rank))
+        print(f"rank {rank}: stopped: another rank exited during a collective ({first})"
+              f"{'; ' + gone if gone else ''}; its error, if it printed one, is above", file=sys.stderr)
         return EXIT_PEER_GONE
     except KeyboardInterrupt:
         print(f"rank {rank}: interrupted; metrics.jsonl and checkpoints/ are consistent: rerun the same command "

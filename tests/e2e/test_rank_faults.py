@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from trainer_utils import REPO, run_processes, train_command, trainer_env, write_config
+from trainer_utils import REPO, rank_pid, run_processes, train_command, trainer_env, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -88,6 +88,39 @@ def test_a_rank_failing_mid_step_ends_the_job_naming_it(tmp_path: Path, cache_di
             # leftover .tmp-step_1 first: tests/unit/test_output_dir.py).
             assert not (tmp_path / "run" / "checkpoints" / "step_1").exists()
         print(f"{phase}:{rank}: every rank gone {elapsed:.1f} s after the fault")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_rank_killed_mid_run_is_named_by_the_others(tmp_path: Path, cache_dir: Path) -> None:
+    """kill -9 of rank 1 (no error of its own, only torchrun's "Signal 9"): rank 0's one line names it."""
+    config = write_config(tmp_path / "tiny.yaml",
+                          trainer={"total_training_steps": 2, "ppo_mini_batch_size": 2, "test_freq": 0,
+                                   "val_before_train": False, "save_interval": 0, "device": "cpu",
+                                   "max_tokens_per_microbatch": 256, "logprob_chunk_size": 64})
+    tag = uuid.uuid4().hex
+    env = {**trainer_env(cache_dir), "FAULT_TEST_TAG": tag}
+    log, metrics = tmp_path / "job.log", tmp_path / "run" / "metrics.jsonl"
+    with log.open("w") as out:
+        proc = subprocess.Popen(train_command(config, f"trainer.output_dir={tmp_path / 'run'}", nproc=2),
+                                env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and metrics.read_text().strip()):  # step 1 done: rank 1 is in step 2
+            assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before step 1 ended:\n" + \
+                log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        victim = rank_pid(tag, 1)
+        assert victim is not None, log.read_text()[-3000:]
+        os.kill(victim, signal.SIGKILL)
+        proc.wait(timeout=EXIT_BOUND_S)
+        text = log.read_text()
+        assert "rank 0: stopped: another rank exited during a collective (" in text, text[-4000:]
+        line = next(x for x in text.splitlines() if "rank 0: stopped:" in x)
+        assert f"rank 1 (pid {victim} on " in line and "is gone" in line, line
+        print(line)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)

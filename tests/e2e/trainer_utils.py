@@ -86,6 +86,19 @@ def run_processes(tag: str) -> list[int]:
     return found
 
 
+def rank_pid(tag: str, rank: int) -> int | None:
+    """The pid of the job's global rank `rank` (the launcher's worker, not its helpers), if it runs."""
+    for pid in run_processes(tag):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and b"megatron_dapo.train" in cmdline and b"torch.distributed.run" not in cmdline:
+            return pid
+    return None
+
+
 def kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
                     timeout_s: float = 600) -> None:
     """Start the run, SIGKILL its main process (only it, as the OOM killer does) once `ready()`."""
