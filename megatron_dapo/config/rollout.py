@@ -89,8 +89,9 @@ class RolloutConfig:
     """The most weight versions one response may span; a carried group that would exceed it is dropped."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """colocated = engines share the actor's devices and take turns with it; disaggregated = engines
-    on devices of their own (on CPU: the local engine in its own process) that keep generating
-    while the actor trains (trainer.max_staleness bounds how far ahead)."""
+    on devices of their own (on CPU: the local engine in its own process, or one SGLang server the
+    controller starts) that keep generating while the actor trains (trainer.max_staleness bounds
+    how far ahead)."""
     engine_threads: int = 1
     """Disaggregated on CPU: torch threads of the engine's process (the actor keeps its own)."""
     max_engine_restarts: int = 3
@@ -117,9 +118,9 @@ class RolloutConfig:
         _check(self.engine_threads >= 1, "engine_threads", "must be >= 1")
         _check(self.max_engine_restarts >= 0, "max_engine_restarts", "must be >= 0 (0 = never restart)")
         _check(self.engine_hang_timeout_s > 0, "engine_hang_timeout_s", "must be > 0 (seconds)")
-        _check(self.placement == "colocated" or self.engine == "local", "placement",
-               f"disaggregated runs the local engine in its own process; with engine {self.engine} it is not "
-               "built yet (SGLang/vLLM on GPUs of their own): use rollout.engine=local or placement=colocated")
+        _check(self.placement == "colocated" or self.engine in ("local", "sglang"), "placement",
+               f"disaggregated runs the local engine in its own process or one SGLang server; with engine "
+               f"{self.engine} it is not built yet: use rollout.engine=local|sglang or placement=colocated")
         _check(self.partial_rollout_max_versions >= 2, "partial_rollout_max_versions",
                "must be >= 2 (a continued response spans the version it started under and the next)")
         # vLLM 0.32 reports log-probs renormalised over the top-k/top-p support (logprobs mode

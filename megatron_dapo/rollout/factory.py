@@ -93,8 +93,30 @@ def _local_eval(args: EvalEngineArgs) -> RolloutEngine:
 
 def _sglang_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                      output_dir: Path) -> list[RolloutEngine]:
+    if cfg.rollout.placement == "disaggregated":
+        return [_sglang_disaggregated(cfg.rollout, hf_dir, device, output_dir)]
     assert shared is not None and shared.clients, "launch_rank_engines runs before the controller's engines"
     return shared.clients
+
+
+def _sglang_disaggregated(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
+                          output_dir: Path) -> RolloutEngine:
+    """One server the controller starts and feeds while the actor trains (never released): weights
+    arrive mid-stream, paused in place (SGLangEngine live_updates). The server settings are the
+    colocated CPU path's (float32, the CPU KV pool)."""
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig
+
+    if device.type != "cpu":
+        raise UserError(f"rollout.placement=disaggregated with rollout.engine=sglang runs on CPU only (trainer device "
+                        f"{device.type}): a server on GPUs of its own (weights by NCCL broadcast) is not built; "
+                        "use rollout.placement=colocated")
+    config = SGLangServerConfig(model_path=str(hf_dir), device="cpu", dtype="float32",
+                                max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,
+                                host=rollout.host or "127.0.0.1", python=rollout.sglang.python or "",
+                                log_path=str(output_dir / "engine_logs" / "sglang0.log"))
+    return SGLangEngine.launch(config, name="sglang0", request_timeout_s=rollout.request_timeout_s,
+                               live_updates=True)
 
 
 def _sglang_launch(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,
@@ -188,9 +210,10 @@ def launch_rank_engines(cfg: Config, hf_dir: Path, *, rank: int, world_size: int
     """Collective (every rank): start the engines the job's ranks own; None for families the controller starts.
 
     device and dtype are the actor's: the engines run beside it and serve its weights.
+    Disaggregated placement has none: the controller starts its engines (training_engines).
     """
     launch = FAMILIES[cfg.rollout.engine].launch_on_ranks
-    if launch is None:
+    if launch is None or cfg.rollout.placement == "disaggregated":
         return None
     return launch(cfg, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank, log_dir=log_dir,
                   device=device, dtype=dtype)
@@ -199,7 +222,8 @@ def launch_rank_engines(cfg: Config, hf_dir: Path, *, rank: int, world_size: int
 def training_engines(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                      output_dir: Path) -> list[RolloutEngine]:
     """The controller's engines: a local engine on its device (or in its own process), one vLLM
-    server, or a client of every colocated SGLang engine (`shared`, from launch_rank_engines)."""
+    server, a client of every colocated SGLang engine (`shared`, from launch_rank_engines), or
+    one SGLang server of its own (disaggregated)."""
     return FAMILIES[cfg.rollout.engine].for_training(cfg, hf_dir, shared, device, output_dir)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from megatron_dapo.config import RolloutConfig
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.engine import EngineError, SamplingParams, response_seed
+from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams, response_seed
 from megatron_dapo.rollout.server_process import ServerProcess, node_address
 from megatron_dapo.rollout.sglang.engine import (
     SGLangEngine,
@@ -158,6 +158,33 @@ def test_update_weights_from_tensor_payload_and_flush_after_the_last_bucket(fake
                                                   ("GET", "/flush_cache")]
     with pytest.raises(ValueError, match=r"a bucket mixes devices \['cpu', 'meta'\]"):
         _engine(fake).update_weights([("x", torch.ones(1)), ("y", torch.ones(1, device="meta"))])
+
+
+def test_a_live_update_pauses_in_place_sets_the_version_and_continues_without_a_flush(fake):
+    # rollout.placement=disaggregated: a flush fails while paused rows hold the running batch.
+    fake.answers["/begin_weight_update"] = [(404, "Not Found")]
+    engine = _engine(fake, serializer=lambda bucket: "S", live_updates=True)
+    engine.update_weights([("model.norm.weight", torch.ones(4))])
+    engine.update_weights([("lm_head.weight", torch.ones(6, 4))])
+    engine.finish_weight_update(version=3)
+    assert [(r[1], r[3]) for r in fake.requests if r[1] != "/update_weights_from_tensor"] == [
+        ("/pause_generation", {"mode": "in_place"}), ("/begin_weight_update", {}),
+        ("/update_weight_version", {"new_version": "3", "abort_all_requests": False}),
+        ("/continue_generation", {"torch_empty_cache": False}),
+    ]  # fmt: skip
+    assert sum(r[1] == "/update_weights_from_tensor" for r in fake.requests) == 2
+
+
+def test_a_row_reports_the_versions_from_its_send_to_its_answer(fake):
+    engine = _engine(fake)
+    results = [GenerationResult(prompt_index=0, sample_index=i, output_ids=[1], logprobs=[-1.0], finish_reason="length",
+                                weight_versions=(v,)) for i, v in enumerate([4, 5, 6])]
+    # Sent under 4; versions 5 and 6 were set while the call ran.
+    assert [r.weight_versions for r in engine._spans(results, [4, 5, 6])] == [(4,), (4, 5), (4, 5, 6)]
+    with pytest.raises(EngineError, match=r"answered with weight version 6 for a request sent under version 4; "
+                                          r"the trainer set only \[4, 5\]"):
+        engine._spans(results, [4, 5])
+    assert engine._spans(results, [None]) == results  # before the first sync nothing is tracked
 
 
 def test_the_serializer_follows_the_tensors_device() -> None:

@@ -21,10 +21,16 @@ moment, so abort() here is sticky: requests this client would send after it retu
 once with reason "abort", requests in flight that the server registered after the abort
 are aborted by their own ids, and clear_abort() (the controller, when a generation
 session starts) lets requests through again.
+
+Weights that arrive while the engine generates (the asynchronous loop, ``live_updates``, or
+any update while this client has requests in flight) pause generation in place for the
+update: rows keep their KV cache, go on under the new weights, and report every version
+their call saw from send to answer (DESIGN.md "The asynchronous loop").
 """
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import threading
@@ -104,6 +110,7 @@ class SGLangEngine:
         health_check_interval_s: float = 30.0,
         health_check_failures: int = 5,
         expected_shapes: dict[str, tuple[int, ...]] | None = None,
+        live_updates: bool = False,
     ) -> None:
         """Attach to a server (launched by :meth:`start`/:meth:`launch`, or already running).
 
@@ -134,6 +141,11 @@ class SGLangEngine:
             expected_shapes: HF name -> shape of every tensor the server's model loads (its
                 checkpoint's); a weight update naming another tensor or shape is refused before
                 it is sent (SGLang's load_weights raises in the scheduler, which kills the server).
+            live_updates: weights arrive while the engine generates (the asynchronous loop): every
+                update pauses generation in place (/pause_generation mode "in_place") from its
+                first bucket to finish_weight_update, so no forward pass sees half-loaded weights
+                and rows in flight keep their KV cache; the server must run without the radix
+                cache (a prompt cached under old weights would be reused under new ones).
         """
         if health_check_interval_s <= 0 or health_check_failures < 1:
             raise ValueError(f"SGLang engine {name}: health_check_interval_s={health_check_interval_s} must be > 0 "
@@ -161,6 +173,9 @@ class SGLangEngine:
         self._stopped = threading.Event()  # abort() came; cleared by clear_abort()
         self._abort_epoch = 0
         self._version: int | None = None  # the weight version last set on the server; None = not tracked
+        self._call_versions: dict[int, list[int | None]] = {}  # generate call -> version at send, then each set
+        self._live_updates = live_updates
+        self._paused = False  # generation is paused in place for a weight update
         self._expected_shapes = expected_shapes
 
     @classmethod
@@ -171,6 +186,7 @@ class SGLangEngine:
         name: str,
         vocab_size: int | None = None,
         request_timeout_s: float = 3600.0,
+        live_updates: bool = False,
     ) -> SGLangEngine:
         """Start a server process without waiting for it (see :meth:`wait_until_healthy`).
 
@@ -179,10 +195,14 @@ class SGLangEngine:
             name: engine name (also names the default log file).
             vocab_size: checks prompt ids when given.
             request_timeout_s: timeout of one /generate call.
+            live_updates: weights arrive while it generates (see __init__); adds
+                --disable-radix-cache to the launch.
 
         Returns:
             An engine that owns its (still loading) server process.
         """
+        if live_updates and "--disable-radix-cache" not in config.extra_args:
+            config = dataclasses.replace(config, extra_args=(*config.extra_args, "--disable-radix-cache"))
         resolved = resolve_server_config(config, name)
         # The launcher's variables are scrubbed: under torchrun the server would otherwise join
         # the trainer's agent store and hang in its own init_process_group (server_process.py).
@@ -199,6 +219,7 @@ class SGLangEngine:
             request_timeout_s=request_timeout_s,
             deterministic=resolved.deterministic,
             expected_shapes=served_shapes(resolved.model_path),
+            live_updates=live_updates,
         )
 
     @classmethod
@@ -210,6 +231,7 @@ class SGLangEngine:
         startup_timeout_s: float = 900.0,
         vocab_size: int | None = None,
         request_timeout_s: float = 3600.0,
+        live_updates: bool = False,
     ) -> SGLangEngine:
         """Start a server and wait until /health_generate answers.
 
@@ -219,11 +241,13 @@ class SGLangEngine:
             startup_timeout_s: how long the server may take to load.
             vocab_size: checks prompt ids when given.
             request_timeout_s: timeout of one /generate call.
+            live_updates: weights arrive while it generates (see __init__).
 
         Returns:
             A healthy engine that owns its server process.
         """
-        engine = cls.start(config, name=name, vocab_size=vocab_size, request_timeout_s=request_timeout_s)
+        engine = cls.start(config, name=name, vocab_size=vocab_size, request_timeout_s=request_timeout_s,
+                           live_updates=live_updates)
         try:
             engine.wait_until_healthy(timeout_s=startup_timeout_s)
         except BaseException:
@@ -307,6 +331,7 @@ class SGLangEngine:
                         for row in range(len(payload["rid"]))]
             call = id(payload)
             self._inflight[call] = list(payload["rid"])
+            self._call_versions[call] = [self._version]
             epoch = self._abort_epoch
         try:
             # Not retried: a resent batch would generate twice; a dead server is reported instead.
@@ -320,11 +345,11 @@ class SGLangEngine:
         finally:
             with self._state_lock:
                 self._inflight.pop(call, None)
+                versions = self._call_versions.pop(call)
         results = parse_generate_response(
             response, num_prompts=len(prompts), n=params.n, index_offset=index_offset, engine=self.name
         )
-        self._check_versions(results)
-        return results
+        return self._spans(results, versions)
 
     def _late_abort(self, rids: list[str], epoch: int) -> Callable[[], None]:
         """While a call's rows run: once an abort came after the call started, abort its rows by id.
@@ -345,13 +370,28 @@ class SGLangEngine:
 
         return on_wait
 
-    def _check_versions(self, results: list[GenerationResult]) -> None:
-        if self._version is None:
-            return
-        stale = [r for r in results if r.weight_versions and r.weight_versions != (self._version,)]
-        if stale:
-            raise EngineError(f"SGLang engine {self.name}: answered with weight version {stale[0].weight_versions} "
-                              f"after the trainer synced version {self._version}{self._log_hint()}")
+    def _spans(self, results: list[GenerationResult], versions: list[int | None]) -> list[GenerationResult]:
+        """Each row's versions, oldest first, from the one it reports and those set while its call ran.
+
+        SGLang 0.5.18 reports one version per row, the server's when the row's answer was
+        built. ``versions`` is the version at send, then every version set while the call
+        was in flight: a row answering the k-th spans versions[:k+1] (rows paused in place
+        keep their KV cache and go on under the new weights). A version outside that list
+        came from another client.
+        """
+        if versions[0] is None:
+            return results
+        spanned: list[GenerationResult] = []
+        for r in results:
+            if not r.weight_versions:
+                spanned.append(r)
+                continue
+            answered = r.weight_versions[-1]
+            if answered not in versions:
+                raise EngineError(f"SGLang engine {self.name}: answered with weight version {answered} for a request "
+                                  f"sent under version {versions[0]}; the trainer set only {versions}{self._log_hint()}")
+            spanned.append(dataclasses.replace(r, weight_versions=tuple(versions[: versions.index(answered) + 1])))
+        return spanned
 
     def _refuse_if_released(self, what: str) -> None:
         if self._released:
@@ -408,9 +448,32 @@ class SGLangEngine:
                 f"SGLang engine {self.name}: got {len(serialized)} serialized buckets for tp_size={self._tp_size}; "
                 "send one per TP rank"
             )
+        self._pause_for_update()
         self._begin_weight_update()
         payload = {"serialized_named_tensors": list(serialized), "load_format": load_format, "flush_cache": False}
         self._request("POST", "/update_weights_from_tensor", payload, timeout_s=self._control_timeout_s)
+
+    def _pause_for_update(self) -> None:
+        """Before an update's first bucket: pause generation in place when weights arrive mid-stream.
+
+        SGLang 0.5.18 (tokenizer_manager.py) holds a reader lock on the model for a request's
+        whole life and takes the writer lock per weight update, so an update without a pause
+        waits for every request in flight; with generation paused (mode "in_place": the
+        scheduler keeps its running batch and KV cache) the update skips the lock and the rows
+        go on under the new weights after /continue_generation. Requests sent meanwhile wait in
+        the server until then. Paused, /flush_cache fails while rows are held: buckets go with
+        flush_cache false (as always) and finish_weight_update does not flush.
+        """
+        with self._state_lock:
+            if self._paused or not (self._live_updates or self._inflight):
+                return
+            self._paused = True
+        try:
+            self._request("POST", "/pause_generation", {"mode": "in_place"}, timeout_s=self._control_timeout_s)
+        except BaseException:
+            with self._state_lock:
+                self._paused = False
+            raise
 
     def _begin_weight_update(self) -> None:
         """Open the server's weight-update session before the first bucket (sglang >= 0.5.21).
@@ -488,6 +551,7 @@ class SGLangEngine:
             "flush_cache": False,
         }
         errors: list[BaseException] = []
+        self._pause_for_update()
         self._begin_weight_update()
 
         def post() -> None:
@@ -514,21 +578,34 @@ class SGLangEngine:
     def finish_weight_update(self, version: int | None = None) -> None:
         """Close the weight-update session, flush the radix cache built on the old weights, and
         set the server's weight version, which every later answer carries and this client checks.
+        After a paused update (live updates, or requests in flight) nothing is flushed and
+        generation continues in place.
 
         Args:
             version: the trainer step that made the weights; None leaves the server's as is.
         """
-        if self._session_open:
-            self._session_open = False
-            self._request("POST", "/end_weight_update", {}, timeout_s=self._control_timeout_s)
-        self.flush_cache()
-        if version is not None:
-            # abort_all_requests false: nothing runs during a colocated sync, and an asynchronous
-            # loop's requests must survive the version change.
-            self._request("POST", "/update_weight_version",
-                          {"new_version": str(version), "abort_all_requests": False},
-                          timeout_s=self._control_timeout_s)
-            self._version = version
+        try:
+            if self._session_open:
+                self._session_open = False
+                self._request("POST", "/end_weight_update", {}, timeout_s=self._control_timeout_s)
+            if not self._paused:
+                self.flush_cache()
+            if version is not None:
+                with self._state_lock:
+                    # Calls in flight may now answer this version too (their rows span both).
+                    for versions in self._call_versions.values():
+                        versions.append(version)
+                    self._version = version
+                # abort_all_requests false: the rows paused in place must survive the version change.
+                self._request("POST", "/update_weight_version",
+                              {"new_version": str(version), "abort_all_requests": False},
+                              timeout_s=self._control_timeout_s)
+        finally:
+            if self._paused:
+                self._paused = False
+                # torch_empty_cache false: nothing to return to a driver (a CPU server has none).
+                self._request("POST", "/continue_generation", {"torch_empty_cache": False},
+                              timeout_s=self._control_timeout_s, retries=self._num_retries)
 
     def flush_cache(self, *, timeout_s: float = 120.0) -> None:
         """GET /flush_cache until it succeeds (SGLang refuses while requests are running).
