@@ -189,6 +189,11 @@ class ServerProcess:
             self._shm_files.update(p for p in paths if p.startswith("/dev/shm/")
                                    and Path(p).name.startswith(self._shm_prefixes))
 
+    @property
+    def shared_memory_files(self) -> frozenset[str]:
+        """The /dev/shm files noted as the server's (removed once it has exited)."""
+        return frozenset(self._shm_files)
+
     def _remove_shared_memory(self) -> None:
         """Unlink the noted /dev/shm files; only once the process has exited."""
         if self._popen.poll() is None:

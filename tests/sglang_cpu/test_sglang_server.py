@@ -251,8 +251,10 @@ def test_a_partial_rollouts_continuations_stop_with_the_batch(engine, weights_a)
 def test_two_servers_at_once_and_one_killed_mid_generate(engine, checkpoints, tmp_path):
     """A second server beside the module's; kill -9 of its main process mid-generate: one error
     naming the engine, its exit code and log; its /dev/shm files are gone; the other serves on."""
-    shm_before = {p for p in os.listdir("/dev/shm") if p.startswith(("sglang_", "sem.mp-"))}
     second = launch(checkpoints[0], tmp_path / "sglang1.log", "sglang1")
+    assert second.process is not None
+    owned = second.process.shared_memory_files  # noted from its process tree once healthy
+    assert any(Path(f).name.startswith("sglang_loads_") for f in owned), owned
     try:
         both: dict = {}
         threads = [threading.Thread(target=lambda e=e: both.__setitem__(e.name, e.generate(
@@ -275,6 +277,5 @@ def test_two_servers_at_once_and_one_killed_mid_generate(engine, checkpoints, tm
     finally:
         second.shutdown()
     time.sleep(3)  # the server's children leave after its own grace
-    left = {p for p in os.listdir("/dev/shm") if p.startswith(("sglang_", "sem.mp-"))} - shm_before
-    assert left == set()
+    assert [f for f in owned if Path(f).exists()] == []
     assert engine.health()
