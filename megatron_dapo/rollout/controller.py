@@ -26,9 +26,9 @@ from megatron_dapo.rollout.engine import (
     EngineError,
     EngineRestartsExhausted,
     GenerationResult,
-    RestartableEngine,
     RolloutEngine,
     SamplingParams,
+    can_restart,
 )
 from megatron_dapo.rollout.streaming import (
     FeedItem,
@@ -87,7 +87,7 @@ class RolloutController:
         # The weights of the last finished sync (and the buckets of one in progress), kept on the
         # host to load into a restarted engine: one copy of the HF weights, only when restarts
         # are possible. A restart and a sync never interleave (the lock).
-        self._keep_weights = max_restarts > 0 and any(isinstance(e, RestartableEngine) for e in self.engines)
+        self._keep_weights = max_restarts > 0 and any(can_restart(e) for e in self.engines)
         self._weights: list[list[tuple[str, torch.Tensor]]] = []
         self._weights_version: int | None = None
         self._incoming: list[list[tuple[str, torch.Tensor]]] = []
@@ -133,7 +133,7 @@ class RolloutController:
                 self._failed.add(i)
 
     def _can_restart(self, engine: RolloutEngine) -> bool:
-        return isinstance(engine, RestartableEngine) and self.max_restarts > 0
+        return can_restart(engine) and self.max_restarts > 0
 
     def _restart(self, index: int, err: BaseException) -> None:
         """Replace engine `index` by a fresh one holding the current weights, or raise the final error."""
@@ -213,7 +213,7 @@ class RolloutController:
             try:
                 return _timed_generate(self.engines[index], prompts, params, offset)
             except EngineError as err:
-                if not isinstance(self.engines[index], RestartableEngine):
+                if not can_restart(self.engines[index]):
                     raise
                 self._restart(index, err)
 
@@ -247,7 +247,7 @@ class RolloutController:
         def run(index: int) -> list[GenerationResult]:
             while True:
                 engine = self.engines[index]
-                if not isinstance(engine, RestartableEngine):
+                if not can_restart(engine):
                     return run_once(engine, feed, serialised)
                 # What this engine took and has not handed back: sent again if it dies.
                 tracked = _TrackedFeed(feed)

@@ -181,11 +181,10 @@ class RestartableEngine(Protocol):
     one) and starts a fresh one from the engine's HF checkpoint, under the same name and log
     path; it returns once the new one answers. The controller then loads the current weights
     into it (the buckets of the last sync, which it keeps) and sends the lost requests again.
-    The local engine's process and the vLLM server implement it; an SGLang engine needs the
-    same three things: a way to kill and relaunch its server (for colocated servers, owned by
-    a node's leader rank, that means a message to that rank, or the controller taking over
-    the launch), the server's log path, and an update path that accepts whole-model buckets
-    from the controller (its CUDA-IPC sync is fed by every rank, collectively).
+    The local engine's process, the vLLM server and an SGLang server the controller launched
+    and feeds implement it. An engine may also say ``restartable = False`` (see
+    :func:`can_restart`): an SGLang client of a server that another rank owns, or one whose
+    weights come from the ranks' colocated sync, cannot be replaced from the controller.
     """
 
     name: str
@@ -195,6 +194,12 @@ class RestartableEngine(Protocol):
     def restart(self) -> None:
         """Replace the engine's process or server by a fresh one (weights: its HF checkpoint)."""
         ...
+
+
+def can_restart(engine: RolloutEngine) -> bool:
+    """Whether the controller may replace `engine`: a RestartableEngine whose ``restartable`` is
+    true (engines without that attribute always are)."""
+    return isinstance(engine, RestartableEngine) and bool(getattr(engine, "restartable", True))
 
 
 class EngineRestartsExhausted(EngineError):

@@ -209,7 +209,7 @@ class SGLangEngine:
         env = server_environment(server_env(resolved))
         process = ServerProcess(build_launch_command(resolved), name=name, log_path=resolved.log_path, env=env,
                                 shm_prefixes=("sglang_", "sem.mp-"))
-        return cls(
+        engine = cls(
             f"http://{resolved.host}:{resolved.port}",
             name=name,
             api_key=resolved.api_key,
@@ -221,6 +221,10 @@ class SGLangEngine:
             expected_shapes=served_shapes(resolved.model_path),
             live_updates=live_updates,
         )
+        # What restart() launches again: the resolved config, so the same port, key and log (appended).
+        engine._relaunch = dict(config=resolved, name=name, vocab_size=vocab_size, request_timeout_s=request_timeout_s,
+                                live_updates=live_updates)
+        return engine
 
     @classmethod
     def launch(
@@ -254,6 +258,38 @@ class SGLangEngine:
             engine.shutdown()
             raise
         return engine
+
+    fed_by_ranks = False
+    """Its weights come from the ranks' colocated sync (colocated.py sets it), not the controller."""
+
+    @property
+    def log_path(self) -> str | None:
+        """The server's log file when this engine owns the server (RestartableEngine)."""
+        return str(self.process.log_path) if self.process is not None else None
+
+    @property
+    def restartable(self) -> bool:
+        """Whether restart() can replace the server: this engine launched it and the controller feeds it."""
+        return getattr(self, "_relaunch", None) is not None and self.process is not None and not self.fed_by_ranks
+
+    def restart(self, *, startup_timeout_s: float = 900.0) -> None:
+        """Kill the server (dead or hung) and launch it again from its resolved config (RestartableEngine).
+
+        Same port, API key and log file (appended); the controller then loads the weights of its
+        last sync with their version. A server another rank owns (this engine is its HTTP
+        client) cannot be killed or relaunched from here, and one fed by the ranks' colocated
+        sync would come back with its checkpoint's weights (the controller holds no copy):
+        both raise EngineError, and the controller reports the engine's own failure.
+        """
+        if not self.restartable:
+            owner = "another rank owns its server" if self.process is None else \
+                "its weights come from the ranks' colocated sync, which the controller cannot rerun alone"
+            raise EngineError(f"SGLang engine {self.name} cannot be restarted by the controller: {owner}"
+                              f"{self._log_hint()}")
+        assert self.process is not None
+        self.process.stop(timeout_s=10.0)
+        fresh = type(self).launch(**self._relaunch, startup_timeout_s=startup_timeout_s)
+        self.__dict__.update(fresh.__dict__)
 
     # ------------------------------------------------------------------ HTTP
 
