@@ -113,6 +113,13 @@ class Run:
         # CPU/gloo, long timeout: the other ranks have waited here for the whole rollout.
         return [_to_shard(rows) for rows in parallel.scatter_to_replicas(per_dp, self.control)]
 
+    @property
+    def _controller_feeds_colocated(self) -> bool:
+        """A one-process CPU job's colocated server is fed by the controller, like a server it launched,
+        so the controller keeps the weights and can restart the server (rollout.max_engine_restarts).
+        GPUs and several ranks keep the ranks' own path (CUDA IPC per GPU, the IPC limbo collected)."""
+        return self.dims.world_size == 1 and self.dims.device.type == "cpu"
+
     def sync_weights(self, version: int) -> WeightSyncStats:
         """Step 7: stream the actor's weights, as HF tensors, to every engine.
 
@@ -121,7 +128,7 @@ class Run:
         """
         export = self.adapter.export_hf(self.actor.model, self.dims)
         bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
-        if self.colocated is not None:
+        if self.colocated is not None and not self._controller_feeds_colocated:
             # Each engine's own ranks feed it through shared memory (CUDA IPC on GPUs;
             # rollout/sglang/colocated.py); the gathered export buffers go back to the driver
             # before the engines generate.

@@ -57,3 +57,44 @@ def test_training_through_sglang_keeps_the_gap_at_float32_level(tmp_path, layout
     assert logs == (["sglang0.log"] if nproc == 1 else ["sglang0.log", "sglang1.log"])
     assert "server_args=ServerArgs(" in (out / "engine_logs" / "sglang0.log").read_text()
     assert _shm_sglang() <= shm_before
+
+
+def test_a_killed_server_costs_a_restart_not_the_run(tmp_path):
+    """One-process colocated run on CPU: its server is fed by the controller, which keeps the
+    weights, so kill -9 of the server after step 1 is one restart (same log, weights and version
+    reloaded) and the run ends normally with every step's gap at the float32 level."""
+    import json
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+    from trainer_utils import train_command, trainer_env
+
+    out = tmp_path / "run"
+    command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, f"trainer.output_dir={out}",
+                            "trainer.total_training_steps=3", "trainer.test_freq=100")
+    log = tmp_path / "trainer.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=trainer_env(tmp_path / "cache"), cwd=REPO, stdout=sink,
+                                stderr=subprocess.STDOUT)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and any("timing_s/gen" in json.loads(line)
+                                            for line in metrics.read_text().splitlines() if line.strip())):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        servers = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                   if "sglang.launch_server" in " ".join(p.cmdline())]
+        assert len(servers) == 1, servers
+        servers[0].send_signal(signal.SIGKILL)
+        assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
+    assert [r["train/num_responses"] for r in rows] == [64, 64, 64]
+    assert rows[-1]["rollout/engine_restarts"] == 1
+    assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-5
+    assert (out / "engine_logs" / "sglang0.log").read_text().count("server_args=ServerArgs(") == 2

@@ -472,7 +472,9 @@ def launch_colocated_engines(
         ), slot.name)  # fmt: skip
         engine = SGLangEngine.launch(server, name=slot.name, startup_timeout_s=startup_timeout_s,
                                      request_timeout_s=config.request_timeout_s)
-        engine.fed_by_ranks = True  # a restart would not get its weights back (SGLangEngine.restart)
+        # A restart would not get its weights back (SGLangEngine.restart), except in a one-process
+        # job on a CPU, whose weights go through the controller (run.Run.sync_weights).
+        engine.fed_by_ranks = not (world_size == 1 and device == "cpu")
         # A server bound to every interface is reached through the node's own address.
         address = node_address() if server.host in ("0.0.0.0", "::") else server.host
         info = EngineInfo(name=slot.name, url=f"http://{address}:{server.port}", api_key=server.api_key,
