@@ -163,7 +163,11 @@ def test_abort_ends_in_flight_requests_with_reason_abort(engine):
     aborted = [r for r in results if r.finish_reason == "abort"]
     assert aborted, "abort() arrived after every request had finished; nothing was in flight"
     assert all(len(r.output_ids) < 120 and len(r.logprobs) == len(r.output_ids) for r in aborted)
-    # The engine keeps serving after an abort.
+    # Requests made after the abort are not sent (vLLM's abort reaches only what it runs: a
+    # partial rollout's next continuation would run to full length), until a session starts.
+    after = engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=1))[0]
+    assert (after.finish_reason, after.output_ids) == ("abort", [])
+    engine.clear_abort()
     assert engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=1))[0].finish_reason == "length"
 
 
