@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -115,7 +116,11 @@ def test_an_engine_killed_mid_run_costs_a_restart_not_the_run(tmp_path: Path) ->
         if proc.poll() is None:
             proc.kill()
     text = (tmp_path / "run.log").read_text()
-    assert "engine local0 failed (engine local0: its process (pid " in text
+    # Found dead by a generate ("its process (pid N) ...") or, on a loaded machine where the kill
+    # lands between two batches, by the next weight update ("its weight update failed"): both
+    # are one restart.
+    assert re.search(r"engine local0 failed \(engine local0: (its process \(pid |its weight update failed)", text), \
+        text[-3000:]
     assert "restarting it in place, restart 1 of at most 3" in text
     rows = read_rows(out)
     # A clean run's invariants: every step once, full batches of mixed groups within the bound.

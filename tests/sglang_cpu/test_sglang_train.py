@@ -10,7 +10,6 @@ on the full example in docs/benchmarks.md.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -32,18 +31,12 @@ SHORT = ("rollout.engine=sglang", "model.sft_warm_start.enable=false", "algorith
          "trainer.ppo_mini_batch_size=8")
 
 
-def _shm_sglang() -> set[str]:
-    """SGLang's load snapshots (the server tier also holds its semaphores, on a quiet machine)."""
-    return {p for p in os.listdir("/dev/shm") if p.startswith("sglang_")}
-
-
 # TP=1 trains in test_a_killed_server_costs_a_restart_not_the_run, with the same checks per step.
 @pytest.mark.parametrize("layout", [("parallel.tensor_model_parallel_size=2",),
                                     ("parallel.pipeline_model_parallel_size=2",)], ids=["tp2", "pp2"])
 def test_training_through_sglang_keeps_the_gap_at_float32_level(tmp_path, layout):
     out = tmp_path / "run"
     nproc = 1 if not layout else 2
-    shm_before = _shm_sglang()
     proc = run_trainer(REPO / "examples" / "tiny_cpu.yaml", *SHORT, *layout, f"trainer.output_dir={out}",
                        "trainer.total_training_steps=2", "trainer.test_freq=2", cache_dir=tmp_path / "cache",
                        nproc=nproc, timeout_s=900)
@@ -57,7 +50,6 @@ def test_training_through_sglang_keeps_the_gap_at_float32_level(tmp_path, layout
     # One server per rank group: two ranks at rollout TP 1 are two servers at once.
     assert logs == (["sglang0.log"] if nproc == 1 else ["sglang0.log", "sglang1.log"])
     assert "server_args=ServerArgs(" in (out / "engine_logs" / "sglang0.log").read_text()
-    assert _shm_sglang() <= shm_before
 
 
 def test_a_killed_server_costs_a_restart_not_the_run(tmp_path):
