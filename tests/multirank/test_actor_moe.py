@@ -158,7 +158,8 @@ def _check(out_by_rank: list[dict], layout: tuple[int, int, int], setup: dict) -
 
 
 def test_single_process_matches_transformers(setup: dict) -> None:
-    print(_check([{(1, 1, 1): setup["single"]}], (1, 1, 1), setup))
+    errors = _check([{(1, 1, 1): setup["single"]}], (1, 1, 1), setup)
+    assert errors["log_prob_abs"] < 1e-4 and errors["grad_rel"] < 1e-5, errors
 
 
 def test_ep2_and_checkpoint_resumes_at_ep1(setup: dict) -> None:
@@ -185,4 +186,5 @@ def test_four_ranks_tp2xep2_pp2xep2(setup: dict) -> None:
     layouts = [(2, 1, 2), (1, 2, 2)]
     out = run_distributed(_worker, 4, layouts, setup["dir"], setup["hf"]["old"], setup["hf"]["ref"], timeout_s=400)
     for layout in layouts:
-        print(layout, _check(out, layout, setup))
+        errors = _check(out, layout, setup)
+        assert errors["log_prob_abs"] < 1e-4 and errors["grad_rel"] < 1e-5, (layout, errors)

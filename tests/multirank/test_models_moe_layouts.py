@@ -107,17 +107,20 @@ def _check(results_by_rank: list[dict], layouts: list[tuple[int, int, int]],
 def test_single_rank(checkpoints, tokens, reference) -> None:
     layouts = [(1, 1, 1)]
     paths = {k: str(v) for k, v in checkpoints.items()}
-    print(_check(run_distributed(_convert_and_run, 1, layouts, paths, tokens), layouts, reference))
+    errors = _check(run_distributed(_convert_and_run, 1, layouts, paths, tokens), layouts, reference)
+    assert errors and max(errors.values()) < 1e-4, errors
 
 
 def test_two_ranks_ep2(checkpoints, tokens, reference) -> None:
     layouts = [(1, 1, 2)]
     paths = {k: str(v) for k, v in checkpoints.items()}
-    print(_check(run_distributed(_convert_and_run, 2, layouts, paths, tokens), layouts, reference))
+    errors = _check(run_distributed(_convert_and_run, 2, layouts, paths, tokens), layouts, reference)
+    assert errors and max(errors.values()) < 1e-4, errors
 
 
 def test_four_ranks_tp2xep2_pp2xep2(checkpoints, tokens, reference) -> None:
     layouts = [(2, 1, 2), (1, 2, 2)]
     paths = {k: str(v) for k, v in checkpoints.items()}
     out = run_distributed(_convert_and_run, 4, layouts, paths, tokens, timeout_s=300)
-    print(_check(out, layouts, reference))
+    errors = _check(out, layouts, reference)
+    assert errors and max(errors.values()) < 1e-4, errors

@@ -220,7 +220,9 @@ def test_a_dead_holder_does_not_leave_the_directory_stuck(tmp_path: Path) -> Non
 def test_a_reused_pid_is_not_the_holder(tmp_path: Path) -> None:
     # Our own pid, but another start time: the holder died and its pid was reused.
     _write_holder(tmp_path, host=socket.gethostname(), pid=os.getpid(), start="0", slurm_job_id=None, since="then")
-    RunLock.acquire(tmp_path).release()
+    lock = RunLock.acquire(tmp_path)  # raises UserError if the stale holder still counted
+    assert isinstance(lock, RunLock)
+    lock.release()
 
 
 def test_a_holder_on_another_host_counts_until_its_heartbeat_stops(tmp_path: Path, monkeypatch) -> None:
@@ -235,4 +237,6 @@ def test_a_holder_on_another_host_counts_until_its_heartbeat_stops(tmp_path: Pat
 def test_a_requeued_slurm_job_takes_its_own_lock_over(tmp_path: Path, monkeypatch) -> None:
     _write_holder(tmp_path, host="node-elsewhere", pid=1, start="5", slurm_job_id="77", since="then")
     monkeypatch.setenv("SLURM_JOB_ID", "77")
-    RunLock.acquire(tmp_path).release()
+    lock = RunLock.acquire(tmp_path)  # raises UserError if job 77's own lock blocked its requeue
+    assert isinstance(lock, RunLock)
+    lock.release()
