@@ -33,8 +33,11 @@ pytestmark = [
 ]
 
 PROMPTS = [[i % 90 + 1, 7, (3 * i) % 50 + 1] for i in range(8)]
-# 32 rows of 160 tokens: seconds of decoding on 2 cores, so the kill lands mid-generate.
-PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=160, seed=5)
+# 32 rows of 640 tokens: ~6 s of decoding on this 2-core machine (160 tokens took 1.3 s here
+# and under 1 s in CI, where a kill 1 s after the send came too late). The kill comes 0.2 s
+# after the send, so it lands while the /generate is in flight.
+NEW_TOKENS = 640
+PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=NEW_TOKENS, seed=5)
 VERSION = 3
 
 
@@ -68,7 +71,7 @@ def test_server_killed_mid_generate_is_restarted_with_the_synced_weights(tmp_pat
 
         def kill() -> None:
             sent.wait(timeout=120)
-            time.sleep(1.0)
+            time.sleep(0.2)
             killed_running.append(engine.process.returncode is None and bool(engine._inflight))
             os.killpg(old_pid, signal.SIGKILL)
 
@@ -84,7 +87,7 @@ def test_server_killed_mid_generate_is_restarted_with_the_synced_weights(tmp_pat
         assert engine.process.pid != old_pid and engine.process.returncode is None
         assert engine.base_url == old_port  # the same resolved config: clients of other ranks stay valid
         assert [(r.prompt_index, r.sample_index) for r in results] == [(i, j) for i in range(8) for j in range(4)]
-        assert all(r.finish_reason == "length" and len(r.output_ids) == 160 for r in results)
+        assert all(r.finish_reason == "length" and len(r.output_ids) == NEW_TOKENS for r in results)
         # Reloaded with the version: the engine's check of every answer's version passed.
         assert {r.weight_versions for r in results} == {(VERSION,)}
         assert not any(os.path.exists(p) for p in old_files), sorted(p for p in old_files if os.path.exists(p))

@@ -249,13 +249,31 @@ def test_launch_command_binds_the_node_address_with_a_key_and_memory_saver(tmp_p
         "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/ckpt/qwen",
         "--host", resolved.host, "--port", str(resolved.port), "--nccl-port", str(resolved.nccl_port),
         "--tp-size", "4", "--mem-fraction-static", "0.55", "--dtype", "bfloat16",
-        "--random-seed", "0", "--api-key", resolved.api_key, "--skip-tokenizer-init",
+        "--random-seed", "0", f"--api-key={resolved.api_key}", "--skip-tokenizer-init",
         "--base-gpu-id", "4", "--enable-memory-saver",
     ]  # fmt: skip
     deterministic = resolve_server_config(SGLangServerConfig(model_path="/m", deterministic=True, python="/p"), "e")
     assert build_launch_command(deterministic)[-1] == "--enable-deterministic-inference"
     with pytest.raises(ValueError, match=r"mem_fraction_static=1.0 must be in \(0, 1\)"):
         SGLangServerConfig(model_path="/m", mem_fraction_static=1.0)
+
+
+def test_an_api_key_that_starts_with_a_dash_reaches_the_server_parser_as_the_key():
+    """CI, 2026-11-24: a url-safe random key began with "-" and `sglang serve` exited 2 with
+    "argument --api-key: expected one argument" (argparse takes a separate "-..." value for an
+    option). SGLang and vLLM both parse with argparse; the key goes as one --api-key=... token."""
+    import argparse
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--api-key", type=str)
+    resolved = resolve_server_config(SGLangServerConfig(model_path="/m", python="/p", api_key="-Xk3y"), "e")
+    command = build_launch_command(resolved)
+    assert parser.parse_known_args(command[3:])[0].api_key == "-Xk3y"
+    with pytest.raises((argparse.ArgumentError, SystemExit)):  # the old two-token form
+        parser.parse_known_args(["--api-key", "-Xk3y"])
+    generated = {resolve_server_config(SGLangServerConfig(model_path="/m", python="/p"), "e").api_key
+                 for _ in range(200)}
+    assert len(generated) == 200 and not any(key.startswith("-") for key in generated)
 
 
 def test_cpu_launch_command_has_the_cpu_flags_and_no_memory_saver():

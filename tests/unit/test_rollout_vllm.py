@@ -11,7 +11,10 @@ from megatron_dapo.rollout.vllm.engine import VLLMEngine, build_launch_command, 
 
 
 def _flag(command: list[str], name: str) -> str:
-    return command[command.index(name) + 1]
+    if name in command:
+        return command[command.index(name) + 1]
+    (token,) = [t for t in command if t.startswith(name + "=")]
+    return token.split("=", 1)[1]
 
 
 def test_launch_command_asks_for_the_contract_logprobs_and_the_weight_transfer_backend():

@@ -163,7 +163,9 @@ def build_launch_command(config: SGLangServerConfig) -> list[str]:
         "--mem-fraction-static", str(config.mem_fraction_static),
         "--dtype", config.dtype,
         "--random-seed", str(config.random_seed),
-        "--api-key", config.api_key,
+        # One token: argparse reads a separate value that starts with "-" as an option (a random
+        # url-safe key does 1 time in 64, and the server exits 2: "expected one argument").
+        f"--api-key={config.api_key}",
         # Token ids in and out: the trainer owns tokenization, responses are never re-tokenized.
         "--skip-tokenizer-init",
         *device_args,
@@ -205,7 +207,7 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         host=host,
         port=config.port or free_port(host),
         nccl_port=config.nccl_port or free_port(host),
-        api_key=config.api_key or secrets.token_urlsafe(24),
+        api_key=config.api_key or secrets.token_hex(24),
         dtype=config.dtype,
         random_seed=config.random_seed,
         log_path=config.log_path or str(Path.cwd() / f"sglang_{name}.log"),

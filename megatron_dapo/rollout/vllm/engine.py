@@ -105,7 +105,7 @@ def build_launch_command(
     """
     command = [
         python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_path), "--host", host, "--port", str(port), "--api-key", api_key,
+        "--model", str(model_path), "--host", host, "--port", str(port), f"--api-key={api_key}",
         # Token ids in and out: the trainer's tokenizer is the only one.
         "--skip-tokenizer-init", "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",
