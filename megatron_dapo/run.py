@@ -157,8 +157,11 @@ class Run:
         """Per-engine generation throughput of the last step (controller)."""
         if self.rollout is None:
             return {}
+        # Colocated servers of several ranks are restarted by their owners, from one job-wide count.
+        shared = self.colocated is not None and self.colocated.restarts is not None
+        restarts = self.colocated.num_restarts() if shared else self.rollout.num_restarts  # type: ignore[union-attr]
         return {**{f"rollout/{t.engine}/tokens_per_s": t.tokens_per_s for t in self.rollout.last_throughput},
-                "rollout/engine_restarts": float(self.rollout.num_restarts)}
+                "rollout/engine_restarts": float(restarts)}
 
     def sum_over_dp(self, value: float) -> float:
         """Sum a number over data-parallel ranks (on every rank)."""

@@ -95,10 +95,11 @@ class RolloutConfig:
     engine_threads: int = 1
     """Disaggregated on CPU: torch threads of the engine's process (the actor keeps its own)."""
     max_engine_restarts: int = 3
-    """A dead or hung engine (the local engine's process, a vLLM server) is restarted in place with the
-    current weights and its lost requests are sent again, at most this many times per run (each logged
-    and counted in rollout/engine_restarts); 0 = an engine failure stops the run. Keeps one host copy
-    of the HF weights on the controller while > 0."""
+    """A dead or hung engine (the local engine's process, a vLLM or SGLang server) is restarted in place
+    with the current weights and its lost requests are sent again, at most this many times per run (each
+    logged and counted in rollout/engine_restarts); 0 = an engine failure stops the run. Keeps one host
+    copy of the HF weights while > 0: on the controller, or on each leader rank of colocated SGLang
+    engines in a job of several ranks (rollout/sglang/restarts.py)."""
     engine_hang_timeout_s: float = 120.0
     """A generating engine process that answers nothing for this long is killed as hung (then restarted)."""
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)

@@ -183,8 +183,9 @@ class RestartableEngine(Protocol):
     into it (the buckets of the last sync, which it keeps) and sends the lost requests again.
     The local engine's process, the vLLM server and an SGLang server the controller launched
     and feeds implement it. An engine may also say ``restartable = False`` (see
-    :func:`can_restart`): an SGLang client of a server that another rank owns, or one whose
-    weights come from the ranks' colocated sync, cannot be replaced from the controller.
+    :func:`can_restart`): an SGLang client of a server that another rank owns cannot be
+    replaced from the controller unless that rank serves restarts (rollout/sglang/restarts.py:
+    the owner relaunches it and loads the weights it keeps).
     """
 
     name: str

@@ -121,7 +121,7 @@ def _sglang_disaggregated(rollout: RolloutConfig, hf_dir: Path, device: torch.de
 
 def _sglang_launch(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,
                    log_dir: Path, device: torch.device, dtype: torch.dtype) -> ColocatedEngines:
-    from megatron_dapo.rollout.sglang.colocated import launch_colocated_engines
+    from megatron_dapo.rollout.sglang.launch import launch_colocated_engines
 
     return launch_colocated_engines(cfg.rollout, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank,
                                     log_dir=log_dir, device=device.type, dtype=str(dtype).removeprefix("torch."))

@@ -55,7 +55,7 @@ def _launch_and_sync(first: str, second: str, log_dir: str, tp: int) -> dict:
 
     from megatron_dapo.config import RolloutConfig
     from megatron_dapo.rollout.engine import SamplingParams
-    from megatron_dapo.rollout.sglang.colocated import launch_colocated_engines
+    from megatron_dapo.rollout.sglang.launch import launch_colocated_engines
 
     rank = int(os.environ["RANK"])
     torch.cuda.set_device(rank)

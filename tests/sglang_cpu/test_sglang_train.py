@@ -91,3 +91,71 @@ def test_a_killed_server_costs_a_restart_not_the_run(tmp_path):
     assert rows[-1]["rollout/engine_restarts"] == 1
     assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-5
     assert (out / "engine_logs" / "sglang0.log").read_text().count("server_args=ServerArgs(") == 2
+
+
+def _server_of_rank(root_pid: int, rank: int):
+    """The SGLang server that trainer rank `rank` launched (a child of that rank's process)."""
+    import psutil
+
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if proc.environ().get("RANK") == str(rank) and "megatron_dapo" in " ".join(proc.cmdline()):
+                servers = [c for c in proc.children() if "sglang.launch_server" in " ".join(c.cmdline())]
+                if servers:
+                    return servers[0]
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_a_server_another_rank_owns_is_restarted_by_its_owner_mid_generation(tmp_path):
+    """TP=2 under torchrun: rank 1 owns sglang1, the controller (rank 0) generates on it. kill -9
+    of sglang1's process group while step 2 generates (its log shows a new prefill) is one
+    restart: the controller asks rank 1 through the job's store, rank 1 relaunches the server
+    and loads its host copy of the last sync with the version, the lost requests are sent again
+    (the engine checks every answer's version), and the run ends normally."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from trainer_utils import train_command, trainer_env
+
+    out = tmp_path / "run"
+    command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, "parallel.tensor_model_parallel_size=2",
+                            f"trainer.output_dir={out}", "trainer.total_training_steps=3", "trainer.test_freq=100",
+                            nproc=2)
+    log = tmp_path / "trainer.log"
+    engine_log = out / "engine_logs" / "sglang1.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=trainer_env(tmp_path / "cache"), cwd=REPO, stdout=sink,
+                                stderr=subprocess.STDOUT)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 900
+
+        def wait_for(condition) -> None:
+            while not condition():
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.05)
+
+        wait_for(lambda: metrics.exists() and any("timing_s/gen" in json.loads(line)
+                                                  for line in metrics.read_text().splitlines() if line.strip()))
+        prefills = engine_log.read_text(errors="replace").count("Prefill batch")
+        wait_for(lambda: engine_log.read_text(errors="replace").count("Prefill batch") > prefills)
+        server = _server_of_rank(proc.pid, 1)
+        assert server is not None
+        os.killpg(server.pid, signal.SIGKILL)
+        assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # no step repeated, none lost
+    assert [r["train/num_responses"] for r in rows] == [64, 64, 64]
+    assert [r["rollout/engine_restarts"] for r in rows] == [0, 1, 1]
+    assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-5, rows
+    text = log.read_text()
+    assert "restarting its server in place for the controller" in text, text[-3000:]
+    assert engine_log.read_text(errors="replace").count("server_args=ServerArgs(") == 2

@@ -14,11 +14,8 @@ from megatron_dapo.config import RolloutConfig
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams, response_seed
 from megatron_dapo.rollout.server_process import ServerProcess, node_address
-from megatron_dapo.rollout.sglang.engine import (
-    SGLangEngine,
-    launch_node_engines,
-    serializer_for,
-)
+from megatron_dapo.rollout.sglang.engine import SGLangEngine, serializer_for
+from megatron_dapo.rollout.sglang.launch import launch_node_engines
 from megatron_dapo.rollout.sglang.protocol import cpu_serialize, sglang_serialize
 from megatron_dapo.rollout.sglang.server import (
     SGLangServerConfig,

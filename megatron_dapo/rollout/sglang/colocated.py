@@ -34,6 +34,14 @@ Weight sync (step 7)
     in lockstep with the other ranks); one all-gather at the end makes every rank raise
     an EngineError naming every failed engine.
 
+Restarts (rollout.max_engine_restarts; restarts.py)
+    A server that dies while the controller generates is restarted by its leader, which the
+    controller's client asks through the job's TCP store; the leader keeps a host copy of the
+    last sync's buckets (one copy of the HF weights per leader) and loads it, with the
+    version, into the relaunched server. A server found dead at the release before training
+    is relaunched at the next resume, whose sync gives it the new weights. Both take from one
+    budget for the whole job; a death during the weight sync itself still stops the run.
+
 Memory
     Each rank holds one bucket of full tensors at a time (at most the bucket budget plus
     one tensor) and its flat copy, which the engines read in place through IPC: no tensor
@@ -53,17 +61,17 @@ from __future__ import annotations
 import functools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.engine import EngineError, RolloutEngine
+from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted, RolloutEngine
 from megatron_dapo.rollout.flat_bucket import (
     WeightFormat,
     WeightPayload,
@@ -79,10 +87,11 @@ from megatron_dapo.rollout.placement import (
     ranks_per_node_from_env,
 )
 from megatron_dapo.rollout.sglang.protocol import sglang_serialize
+from megatron_dapo.rollout.sglang.restarts import RestartChannel, RestartServer, job_store
 from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketMeter, WeightSyncStats, iter_buckets
 
 if TYPE_CHECKING:
-    from megatron_dapo.config import RolloutConfig
+    pass
 
 __all__ = [
     "ColocatedEngines",
@@ -90,7 +99,6 @@ __all__ = [
     "EnginePlacement",
     "EngineSlot",
     "LeaderEngine",
-    "launch_colocated_engines",
     "plan_placement",
     "ranks_per_node_from_env",
     "serialize_cuda_ipc",
@@ -159,6 +167,19 @@ class LeaderEngine(Protocol):
         """Stop the server (idempotent)."""
         ...
 
+    @property
+    def exited(self) -> bool:
+        """Whether the server process has exited."""
+        ...
+
+    def relaunch(self) -> None:
+        """Kill what is left of the server and launch it again (same port, key, log); checkpoint weights."""
+        ...
+
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Load a bucket of full tensors held by this process (a restart's reload)."""
+        ...
+
 
 StartEngine = Callable[[EngineSlot], tuple[LeaderEngine, EngineInfo]]
 MakeClient = Callable[[EngineInfo], RolloutEngine]
@@ -199,8 +220,9 @@ class ColocatedEngines:
         clients: list[RolloutEngine],
         serializer: Serializer,
         weight_format: WeightFormat | None = None,
+        restarts: RestartChannel | None = None,
     ) -> None:
-        """Use :meth:`create` (or :func:`launch_colocated_engines`); this only stores the parts."""
+        """Use :meth:`create` (or launch.launch_colocated_engines); this only stores the parts."""
         self.placement = placement
         self.rank = rank
         self.slot = placement.slot(placement.engine_of(rank))
@@ -212,6 +234,16 @@ class ColocatedEngines:
         self.weight_format: WeightFormat = weight_format or default_weight_format()
         # Barriers of the memory hand-over run on CPU: no NCCL kernel on GPUs the engines use.
         self._cpu_world = dist.new_group(backend="gloo")
+        self.restarts = restarts
+        # The leader's engine is used by this rank's step and by its restart thread: one at a time.
+        self._lock = threading.RLock()
+        self._kept: list[list[tuple[str, torch.Tensor]]] = []  # the last sync's buckets, on the host
+        self._kept_version: int | None = None
+        self._kept_device: torch.device | None = None
+        self._released = False
+        self._dead = False  # found dead at the release: relaunched at the resume
+        self._restart_server = RestartServer(restarts, self.slot.name, self.restart_owned) \
+            if restarts is not None and engine is not None else None
 
     @property
     def is_leader(self) -> bool:
@@ -229,6 +261,8 @@ class ColocatedEngines:
         make_client: MakeClient,
         serializer: Serializer | None = None,
         weight_format: WeightFormat | None = None,
+        max_restarts: int = 0,
+        restart_timeout_s: float = 1800.0,
     ) -> ColocatedEngines:
         """Collective: check the node layout, build the per-engine groups, start and announce engines.
 
@@ -243,6 +277,9 @@ class ColocatedEngines:
                 :func:`serialize_cuda_ipc`.
             weight_format: how buckets travel; None = flattened where the installed sglang
                 has it (flat_bucket.default_weight_format).
+            max_restarts: rollout.max_engine_restarts for the whole job; 0 = a dead server
+                stops the run. Leaders then keep a host copy of the last sync's weights.
+            restart_timeout_s: how long the controller waits for a leader's restart.
 
         Returns:
             On leaders ``engine`` is set; on the controller ``clients`` holds every engine.
@@ -277,11 +314,15 @@ class ColocatedEngines:
             # The controller's own engine (0) keeps its process handle: errors then carry the log tail.
             clients = [engine if e == slot.index and engine is not None else make_client(info)  # type: ignore[misc]
                        for e, info in enumerate(infos)]
+        restarts = RestartChannel(job_store(), max_restarts=max_restarts, timeout_s=restart_timeout_s) \
+            if max_restarts > 0 else None
+        for client in clients:  # the controller asks the owners (restarts.py)
+            client.restart_channel = restarts  # type: ignore[attr-defined]
         logger.info("colocated engines: %d on %d node(s), tp %d; this rank: %s tp rank %d%s",
                     placement.num_engines, placement.num_nodes, placement.engine_tp, slot.name,
                     placement.tp_rank_of(rank), " (leader)" if engine is not None else "")
         return cls(placement=placement, rank=rank, group=group, engine=engine, infos=infos, clients=clients,
-                   serializer=serializer or serialize_cuda_ipc, weight_format=weight_format)
+                   serializer=serializer or serialize_cuda_ipc, weight_format=weight_format, restarts=restarts)
 
     # ------------------------------------------------------------------ weight sync
 
@@ -303,13 +344,23 @@ class ColocatedEngines:
         Raises:
             EngineError: on every rank, when any engine failed (names every such engine).
         """
+        with self._lock:
+            return self._sync_weights(named_tensors, bucket_bytes, version)
+
+    def _sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
+                      version: int | None) -> WeightSyncStats:
         start = time.perf_counter()
         meter = BucketMeter()
         failure: str | None = None  # this engine's first failure, known to every rank of its group
         num_bytes = num_tensors = num_buckets = 0
+        keep = self._restart_server is not None
+        incoming: list[list[tuple[str, torch.Tensor]]] = []
         for bucket in iter_buckets(named_tensors, bucket_bytes, meter):
             if failure is None:
                 failure = self._send_bucket(bucket)
+            if keep:  # what a restart of this leader's server loads (restart_owned)
+                incoming.append([(name, t.detach().to("cpu", copy=True)) for name, t in bucket])
+                self._kept_device = bucket[0][1].device
             num_buckets += 1
             num_tensors += len(bucket)
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -320,6 +371,8 @@ class ColocatedEngines:
                 torch.cuda.ipc_collect()
         if failure is None and self.engine is not None:
             failure = _call(functools.partial(self.engine.finish_weight_update, version=version))
+        if keep and failure is None:
+            self._kept, self._kept_version = incoming, version
         self._raise_if_any_failed(failure, "weight sync")
         return WeightSyncStats(num_bytes=num_bytes, num_tensors=num_tensors, num_buckets=num_buckets,
                                seconds=time.perf_counter() - start, peak_bucket_bytes=meter.peak_bytes)
@@ -361,8 +414,20 @@ class ColocatedEngines:
     # ------------------------------------------------------------------ memory and lifetime
 
     def release_memory(self) -> None:
-        """Collective: every leader releases its engine's weights and KV cache (before training)."""
-        failure = _call(self.engine.release_memory) if self.engine is not None else None
+        """Collective: every leader releases its engine's weights and KV cache (before training).
+
+        A leader that can restart and finds its server dead leaves it so: the resume relaunches it.
+        """
+        failure = None
+        if self.engine is not None:
+            with self._lock:
+                if self._restart_server is not None and self.engine.exited:
+                    logger.warning("engine %s: its server is dead at the release; it is relaunched at the next resume",
+                                   self.slot.name)
+                    self._dead = True
+                else:
+                    failure = _call(self.engine.release_memory)
+                self._released = True
         self._raise_if_any_failed(failure, "release_memory")
 
     def resume_memory(self, release_cache: Callable[[], None] = lambda: None) -> None:
@@ -374,8 +439,54 @@ class ColocatedEngines:
         """
         release_cache()
         dist.barrier(group=self._cpu_world)
-        failure = _call(self.engine.resume_memory) if self.engine is not None else None
+        failure = None
+        if self.engine is not None:
+            with self._lock:
+                if self._restart_server is not None and (self._dead or self.engine.exited):
+                    failure = self._relaunch_at_resume()
+                else:
+                    failure = _call(self.engine.resume_memory)
+                self._released = False
         self._raise_if_any_failed(failure, "resume_memory")
+
+    # ------------------------------------------------------------------ restarts
+
+    def restart_owned(self) -> None:
+        """Relaunch this leader's server and load the last sync's weights with their version.
+
+        Called by the restart thread when the controller asks (restarts.py). A fresh server
+        holds its memory: one asked for while released (not in the synchronous loop) gives
+        it back again.
+        """
+        assert self.engine is not None
+        with self._lock:
+            self.engine.relaunch()
+            self._dead = False
+            device = self._kept_device or torch.device("cpu")
+            for bucket in self._kept:
+                self.engine.update_weights([(name, t.to(device)) for name, t in bucket])
+            if self._kept:
+                self.engine.finish_weight_update(version=self._kept_version)
+            if self._released:
+                self.engine.release_memory()
+
+    def _relaunch_at_resume(self) -> str | None:
+        """A server found dead since the last step: relaunch it (the sync that follows loads the weights)."""
+        assert self.engine is not None and self.restarts is not None
+        if not self.restarts.take():
+            return (f"{EXHAUSTED}its server died, and rollout.max_engine_restarts={self.restarts.max_restarts} "
+                    "are spent; the run stops here: rerun the same command to resume from the last checkpoint, "
+                    "and look at the engine's log for why it died")
+        logger.warning("engine %s: its server died since the last step; relaunching it at the resume "
+                       "(restart %d of at most %d)", self.slot.name, self.restarts.count(), self.restarts.max_restarts)
+        failure = _call(self.engine.relaunch)
+        if failure is None:
+            self._dead = False
+        return failure
+
+    def num_restarts(self) -> int:
+        """Restarts of the job's engines so far (every rank reads the same store); 0 without restarts."""
+        return self.restarts.count() if self.restarts is not None else 0
 
     def health(self) -> dict[str, bool]:
         """Collective: every leader asks its own server; the answers of all engines, on every rank.
@@ -397,7 +508,9 @@ class ColocatedEngines:
         return {name: ok for name, leader, ok, _ in answers if leader}
 
     def shutdown(self) -> None:
-        """Stop this rank's server if it leads one (not collective; idempotent)."""
+        """Stop this rank's server if it leads one, and its restart thread (not collective; idempotent)."""
+        if self._restart_server is not None:
+            self._restart_server.stop()
         if self.engine is not None:
             self.engine.shutdown()
 
@@ -407,7 +520,13 @@ class ColocatedEngines:
         dist.all_gather_object(failures, (self.slot.name, failure))
         by_engine = dict.fromkeys(f"{name}: {f}" for name, f in failures if f is not None)
         if by_engine:
-            raise EngineError(f"{what} failed on {len(by_engine)} engine(s): " + "; ".join(by_engine))
+            # A spent restart budget is its own error (train.py prints it as one line).
+            error = EngineRestartsExhausted if any(EXHAUSTED in f for f in by_engine) else EngineError
+            raise error(f"{what} failed on {len(by_engine)} engine(s): " + "; ".join(by_engine).replace(EXHAUSTED, ""))
+
+
+EXHAUSTED = "[restarts spent] "
+"""Marks a failure text as the end of the restart budget (_raise_if_any_failed)."""
 
 
 def _call(fn: Callable[..., Any], *args: Any) -> str | None:
@@ -417,78 +536,3 @@ def _call(fn: Callable[..., Any], *args: Any) -> str | None:
     except Exception as err:
         return f"{type(err).__name__}: {err}"
     return None
-
-
-# ------------------------------------------------------------------------ SGLang launch
-
-
-def launch_colocated_engines(
-    config: RolloutConfig,
-    model_path: str | Path,
-    *,
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    log_dir: str | Path | None = None,
-    startup_timeout_s: float = 900.0,
-    serializer: Serializer | None = None,
-    device: str = "cuda",
-    dtype: str = "bfloat16",
-) -> ColocatedEngines:
-    """Collective: start SGLang engines on the GPUs of every node and connect the controller to all.
-
-    Args:
-        config: the rollout section (TP size, memory fraction, host, request timeout).
-        model_path: HF checkpoint every server loads at start (reachable on every node).
-        rank: global rank.
-        world_size: ranks of the job.
-        local_rank: rank on this node (= its GPU).
-        log_dir: directory of the engine logs (sglang<e>.log); None = the cwd of each leader.
-        startup_timeout_s: how long a server may take to load.
-        serializer: override of the device's serializer (engine.serializer_for).
-        device: the actor's device type: "cuda", or "cpu" (SGLang's CPU engine, one server per
-            rank group as on GPUs; server.py has the flags that differ).
-        dtype: the servers' weight dtype, the actor's ("float32", "bfloat16").
-
-    Returns:
-        This rank's ColocatedEngines; on the controller ``clients`` holds every engine.
-    """
-    from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
-    from megatron_dapo.rollout.server_process import node_address
-    from megatron_dapo.rollout.sglang.engine import SGLangEngine, serializer_for
-    from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, resolve_server_config
-
-    placement = plan_placement(world_size=world_size, gpus_per_node=ranks_per_node_from_env(world_size),
-                               engine_tp=config.tensor_model_parallel_size)
-    host = config.host or node_address()
-
-    def start(slot: EngineSlot) -> tuple[LeaderEngine, EngineInfo]:
-        kv_tokens = config.sglang.max_total_tokens or (CPU_KV_TOKENS if device == "cpu" else 0)
-        server = resolve_server_config(SGLangServerConfig(
-            model_path=str(model_path), tp_size=slot.tp_size, base_gpu_id=slot.base_gpu_id,
-            mem_fraction_static=config.gpu_memory_utilization, host=host, dtype=dtype, device=device,
-            max_total_tokens=kv_tokens, python=config.sglang.python or "",
-            log_path=str(Path(log_dir) / f"{slot.name}.log") if log_dir is not None else "",
-        ), slot.name)  # fmt: skip
-        engine = SGLangEngine.launch(server, name=slot.name, startup_timeout_s=startup_timeout_s,
-                                     request_timeout_s=config.request_timeout_s)
-        # A restart would not get its weights back (SGLangEngine.restart), except in a one-process
-        # job on a CPU, whose weights go through the controller (run.Run.sync_weights).
-        engine.fed_by_ranks = not (world_size == 1 and device == "cpu")
-        # A server bound to every interface is reached through the node's own address.
-        address = node_address() if server.host in ("0.0.0.0", "::") else server.host
-        info = EngineInfo(name=slot.name, url=f"http://{address}:{server.port}", api_key=server.api_key,
-                          tp_size=slot.tp_size, leader_rank=slot.leader_rank, node=slot.node,
-                          host=socket.gethostname(), log_path=server.log_path, deterministic=server.deterministic)
-        return engine, info
-
-    def client(info: EngineInfo) -> RolloutEngine:
-        return SGLangEngine(info.url, name=info.name, api_key=info.api_key, tp_size=info.tp_size,
-                            request_timeout_s=config.request_timeout_s, deterministic=info.deterministic,
-                            log_location=f"{info.host}:{info.log_path} (owned by rank {info.leader_rank})")
-
-    # CPU payloads are written by our own serializer, which always speaks the flattened format
-    # (sglang >= 0.5.1 reads it); CUDA follows the sglang installed beside the trainer.
-    return ColocatedEngines.create(placement, rank=rank, local_rank=local_rank, start_engine=start,
-                                   make_client=client, serializer=serializer or serializer_for(device),
-                                   weight_format=FLATTENED_BUCKET if device == "cpu" else None)

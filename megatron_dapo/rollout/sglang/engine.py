@@ -75,14 +75,13 @@ from megatron_dapo.rollout.sglang.server import (
 )
 
 if TYPE_CHECKING:
-    from megatron_dapo.config import RolloutConfig
+    from megatron_dapo.rollout.sglang.restarts import RestartChannel
 
 __all__ = [
     "SGLANG_VERSION_READ",
     "SGLangEngine",
     "build_generate_payload",
     "create_weight_update_group",
-    "launch_node_engines",
     "parse_generate_response",
     "serializer_for",
 ]
@@ -262,6 +261,10 @@ class SGLangEngine:
     fed_by_ranks = False
     """Its weights come from the ranks' colocated sync (colocated.py sets it), not the controller."""
 
+    restart_channel: RestartChannel | None = None
+    """Set on the controller's engines of a colocated job: a restart is asked of the server's
+    owner, which keeps the weights (restarts.py)."""
+
     @property
     def log_path(self) -> str | None:
         """The server's log file when this engine owns the server (RestartableEngine)."""
@@ -269,27 +272,46 @@ class SGLangEngine:
 
     @property
     def restartable(self) -> bool:
-        """Whether restart() can replace the server: this engine launched it and the controller feeds it."""
+        """Whether restart() can replace the server: its owner serves restarts (a colocated job),
+        or this engine launched it and the controller feeds it."""
+        if self.restart_channel is not None:
+            return True
         return getattr(self, "_relaunch", None) is not None and self.process is not None and not self.fed_by_ranks
 
     def restart(self, *, startup_timeout_s: float = 900.0) -> None:
-        """Kill the server (dead or hung) and launch it again from its resolved config (RestartableEngine).
+        """Replace a dead or hung server by a fresh one (RestartableEngine).
 
-        Same port, API key and log file (appended); the controller then loads the weights of its
-        last sync with their version. A server another rank owns (this engine is its HTTP
-        client) cannot be killed or relaunched from here, and one fed by the ranks' colocated
-        sync would come back with its checkpoint's weights (the controller holds no copy):
-        both raise EngineError, and the controller reports the engine's own failure.
+        In a colocated job the server's owner (a leader rank, maybe this one) does it and
+        loads the weights of the last sync with their version (restarts.py); this returns
+        once it serves again. Otherwise this engine relaunches the server it launched
+        (:meth:`relaunch`) and the controller loads the weights of its last sync. A client
+        of a server another rank owns without a restart channel, or a server fed by the
+        ranks' sync, raises EngineError, and the controller reports the engine's own failure.
         """
+        if self.restart_channel is not None:
+            self.restart_channel.request(self.name, log_location=self._log_location or self.log_path or "")
+            return
         if not self.restartable:
             owner = "another rank owns its server" if self.process is None else \
                 "its weights come from the ranks' colocated sync, which the controller cannot rerun alone"
             raise EngineError(f"SGLang engine {self.name} cannot be restarted by the controller: {owner}"
                               f"{self._log_hint()}")
-        assert self.process is not None
+        self.relaunch(startup_timeout_s=startup_timeout_s)
+
+    def relaunch(self, *, startup_timeout_s: float = 900.0) -> None:
+        """Kill the server this engine launched (dead or hung) and launch it again from its resolved
+        config: same port, API key and log file (appended); weights of its HF checkpoint, no version."""
+        if getattr(self, "_relaunch", None) is None or self.process is None:
+            raise EngineError(f"SGLang engine {self.name} did not launch its server; only its owner can relaunch it"
+                              f"{self._log_hint()}")
         self.process.stop(timeout_s=10.0)
         fresh = type(self).launch(**self._relaunch, startup_timeout_s=startup_timeout_s)
         self.__dict__.update(fresh.__dict__)
+
+    @property
+    def exited(self) -> bool:
+        """Whether the server process this engine launched has exited (False for a client)."""
+        return self.process is not None and self.process.returncode is not None
 
     # ------------------------------------------------------------------ HTTP
 
@@ -783,55 +805,3 @@ def serializer_for(device: str) -> Callable[[WeightPayload], str]:
     files written without sglang (its CPU server lives in an environment of its own).
     """
     return sglang_serialize if device == "cuda" else cpu_serialize
-
-
-def launch_node_engines(
-    config: RolloutConfig,
-    model_path: str | Path,
-    *,
-    num_gpus: int | None = None,
-    log_dir: str | Path | None = None,
-    startup_timeout_s: float = 900.0,
-) -> list[SGLangEngine]:
-    """Launch one engine per ``tensor_model_parallel_size`` GPUs of this node, all loading at once.
-
-    One process drives them all: single-node use. Multi-node colocated training launches
-    through colocated.launch_colocated_engines, where each engine's leader rank starts it.
-
-    Args:
-        config: the rollout section (TP size, memory fraction, host, request timeout).
-        model_path: HF checkpoint every server loads at start.
-        num_gpus: GPUs of the node to use; None = all visible (torch.cuda.device_count()).
-        log_dir: directory of the per-engine logs (sglang0.log, ...); None = the cwd.
-        startup_timeout_s: how long the servers may take to load.
-
-    Returns:
-        Healthy engines ``sglang0, sglang1, ...`` on GPUs ``[0, tp), [tp, 2 tp), ...``.
-    """
-    tp = config.tensor_model_parallel_size
-    num_gpus = torch.cuda.device_count() if num_gpus is None else num_gpus
-    if num_gpus < tp or num_gpus % tp:
-        raise ValueError(
-            f"rollout.tensor_model_parallel_size={tp} does not divide this node's {num_gpus} GPUs; "
-            "pick a divisor of the GPU count (rollout.engine: local runs without GPUs)"
-        )
-    engines: list[SGLangEngine] = []
-    try:
-        for index in range(num_gpus // tp):
-            name = f"sglang{index}"
-            server = SGLangServerConfig(
-                model_path=str(model_path),
-                tp_size=tp,
-                base_gpu_id=index * tp,
-                mem_fraction_static=config.gpu_memory_utilization,
-                host=config.host or "",
-                log_path=str(Path(log_dir) / f"{name}.log") if log_dir is not None else "",
-            )
-            engines.append(SGLangEngine.start(server, name=name, request_timeout_s=config.request_timeout_s))
-        for engine in engines:
-            engine.wait_until_healthy(timeout_s=startup_timeout_s)
-    except BaseException:
-        for engine in engines:
-            engine.shutdown()
-        raise
-    return engines
