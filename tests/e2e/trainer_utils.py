@@ -124,3 +124,53 @@ def kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Ca
         # A failing test must not leave its run behind: its own session holds only it.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def step_logged(output_dir: Path, step: int) -> Callable[[], bool]:
+    """Whether the run has logged its RL step `step` (a training row of metrics.jsonl)."""
+    def ready() -> bool:
+        path = output_dir / "metrics.jsonl"
+        if not path.exists():
+            return False
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        return any(r.get("step") == step and "timing_s/gen" in r for r in rows)
+    return ready
+
+
+def engine_server(root_pid: int, marker: str, rank: int | None = None):
+    """The engine server (its command line holds `marker`) that the run `root_pid` started, on
+    global rank `rank` (its parent's RANK) when given; None if there is none (yet)."""
+    import psutil
+
+    for proc in psutil.Process(root_pid).children(recursive=True):
+        try:
+            if marker not in " ".join(proc.cmdline()):
+                continue
+            if rank is None or proc.parent().environ().get("RANK") == str(rank):
+                return proc
+        except psutil.Error:
+            continue
+    return None
+
+
+def kill_engine_when(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool], *,
+                     marker: str, rank: int | None = None, timeout_s: float = 900) -> int:
+    """Start the run; once `ready()`, SIGKILL the process group of its engine server (`marker`,
+    engine_server); return the run's exit code. The server's group: its scheduler and workers too."""
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before the kill point:\n" + \
+                log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        server = engine_server(proc.pid, marker, rank)
+        assert server is not None, f"no server {marker!r} of rank {rank} under the run"
+        os.killpg(server.pid, signal.SIGKILL)  # ServerProcess starts each server in a session of its own
+        return proc.wait(timeout=timeout_s)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)

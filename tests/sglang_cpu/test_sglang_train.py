@@ -18,7 +18,15 @@ import pytest
 from megatron_dapo.rollout.sglang.server import sglang_python
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from trainer_utils import REPO, read_rows, run_trainer
+from trainer_utils import (
+    REPO,
+    kill_engine_when,
+    read_rows,
+    run_trainer,
+    step_logged,
+    train_command,
+    trainer_env,
+)
 
 pytestmark = [
     pytest.mark.sglang_cpu,
@@ -56,56 +64,18 @@ def test_a_killed_server_costs_a_restart_not_the_run(tmp_path):
     """One-process colocated run on CPU: its server is fed by the controller, which keeps the
     weights, so kill -9 of the server after step 1 is one restart (same log, weights and version
     reloaded) and the run ends normally with every step's gap at the float32 level."""
-    import json
-    import signal
-    import subprocess
-    import time
-
-    import psutil
-    from trainer_utils import train_command, trainer_env
-
     out = tmp_path / "run"
     command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, f"trainer.output_dir={out}",
                             "trainer.total_training_steps=3", "trainer.test_freq=100")
     log = tmp_path / "trainer.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(command, env=trainer_env(tmp_path / "cache"), cwd=REPO, stdout=sink,
-                                stderr=subprocess.STDOUT)
-    try:
-        metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + 600
-        while not (metrics.exists() and any("timing_s/gen" in json.loads(line)
-                                            for line in metrics.read_text().splitlines() if line.strip())):
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        servers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "sglang.launch_server" in " ".join(p.cmdline())]
-        assert len(servers) == 1, servers
-        servers[0].send_signal(signal.SIGKILL)
-        assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, step_logged(out, 1),
+                            marker="sglang.launch_server")
+    assert code == 0, log.read_text()[-4000:]
     rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
     assert [r["train/num_responses"] for r in rows] == [64, 64, 64]
     assert rows[-1]["rollout/engine_restarts"] == 1
     assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-5
     assert (out / "engine_logs" / "sglang0.log").read_text().count("server_args=ServerArgs(") == 2
-
-
-def _server_of_rank(root_pid: int, rank: int):
-    """The SGLang server that trainer rank `rank` launched (a child of that rank's process)."""
-    import psutil
-
-    for proc in psutil.Process(root_pid).children(recursive=True):
-        try:
-            if proc.environ().get("RANK") == str(rank) and "megatron_dapo" in " ".join(proc.cmdline()):
-                servers = [c for c in proc.children() if "sglang.launch_server" in " ".join(c.cmdline())]
-                if servers:
-                    return servers[0]
-        except psutil.Error:
-            continue
-    return None
 
 
 def test_a_server_another_rank_owns_is_restarted_by_its_owner_mid_generation(tmp_path):
@@ -114,43 +84,25 @@ def test_a_server_another_rank_owns_is_restarted_by_its_owner_mid_generation(tmp
     restart: the controller asks rank 1 through the job's store, rank 1 relaunches the server
     and loads its host copy of the last sync with the version, the lost requests are sent again
     (the engine checks every answer's version), and the run ends normally."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import time
-
-    from trainer_utils import train_command, trainer_env
-
     out = tmp_path / "run"
     command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, "parallel.tensor_model_parallel_size=2",
                             f"trainer.output_dir={out}", "trainer.total_training_steps=3", "trainer.test_freq=100",
                             nproc=2)
     log = tmp_path / "trainer.log"
     engine_log = out / "engine_logs" / "sglang1.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(command, env=trainer_env(tmp_path / "cache"), cwd=REPO, stdout=sink,
-                                stderr=subprocess.STDOUT)
-    try:
-        metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + 900
+    after_step_1 = step_logged(out, 1)
+    prefills: list[int] = []
 
-        def wait_for(condition) -> None:
-            while not condition():
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.05)
+    def generating_step_2() -> bool:
+        if not prefills:
+            if not after_step_1():
+                return False
+            prefills.append(engine_log.read_text(errors="replace").count("Prefill batch"))
+        return engine_log.read_text(errors="replace").count("Prefill batch") > prefills[0]
 
-        wait_for(lambda: metrics.exists() and any("timing_s/gen" in json.loads(line)
-                                                  for line in metrics.read_text().splitlines() if line.strip()))
-        prefills = engine_log.read_text(errors="replace").count("Prefill batch")
-        wait_for(lambda: engine_log.read_text(errors="replace").count("Prefill batch") > prefills)
-        server = _server_of_rank(proc.pid, 1)
-        assert server is not None
-        os.killpg(server.pid, signal.SIGKILL)
-        assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, generating_step_2,
+                            marker="sglang.launch_server", rank=1)
+    assert code == 0, log.read_text()[-4000:]
     rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]  # no step repeated, none lost
     assert [r["train/num_responses"] for r in rows] == [64, 64, 64]

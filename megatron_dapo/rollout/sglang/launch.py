@@ -18,8 +18,9 @@ from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
 from megatron_dapo.rollout.placement import EngineSlot, plan_placement, ranks_per_node_from_env
 from megatron_dapo.rollout.server_process import node_address
 from megatron_dapo.rollout.sglang.colocated import ColocatedEngines, EngineInfo, LeaderEngine, Serializer
-from megatron_dapo.rollout.sglang.engine import SGLangEngine, serializer_for
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, resolve_server_config
+from megatron_dapo.rollout.sglang.weights import serializer_for
 
 if TYPE_CHECKING:
     from megatron_dapo.config import RolloutConfig
@@ -51,7 +52,7 @@ def launch_colocated_engines(
         local_rank: rank on this node (= its GPU).
         log_dir: directory of the engine logs (sglang<e>.log); None = the cwd of each leader.
         startup_timeout_s: how long a server may take to load.
-        serializer: override of the device's serializer (engine.serializer_for).
+        serializer: override of the device's serializer (weights.serializer_for).
         device: the actor's device type: "cuda", or "cpu" (SGLang's CPU engine, one server per
             rank group as on GPUs; server.py has the flags that differ).
         dtype: the servers' weight dtype, the actor's ("float32", "bfloat16").
