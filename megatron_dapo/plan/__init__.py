@@ -1,30 +1,39 @@
 """The planner: will an experiment fit, and how long will a step take (`megatron-dapo plan`).
 
+dims.py reads the model's shape (dense or mixture-of-experts) from its config.json;
 model.py is the memory and step-time model (every formula next to its number);
+search.py plans every layout of the machine and ranks those that fit;
 report.py lays out the ranks, formats the table and parses the command line.
 """
 
-from megatron_dapo.plan.model import (
+from megatron_dapo.plan.dims import (
     EMBEDDED_VOCAB_SIZE,
+    MODEL_CONFIG_DIR,
+    ModelDims,
+    known_model_configs,
+    resolve_model,
+)
+from megatron_dapo.plan.model import (
     GIB,
     GPUS,
-    MODEL_CONFIG_DIR,
     Assumptions,
     Hardware,
     Line,
-    ModelDims,
     Plan,
+    StageParams,
     activation_bytes_per_token_layer,
-    known_model_configs,
+    check_expert_layout,
+    experts_touched,
     kv_bytes_per_token,
     make_plan,
     model_state_bytes_per_param,
     padded_vocab_size,
     params_per_gpu,
-    resolve_model,
+    stage_params,
 )
 from megatron_dapo.plan.report import (
     build_parser,
+    expert_rank_coords,
     format_layout,
     format_plan,
     main,
@@ -32,6 +41,7 @@ from megatron_dapo.plan.report import (
     rank_groups,
     run,
 )
+from megatron_dapo.plan.search import Candidate, candidate_layouts, format_search, search_layouts
 
 __all__ = [
     "EMBEDDED_VOCAB_SIZE",
@@ -39,14 +49,21 @@ __all__ = [
     "GPUS",
     "MODEL_CONFIG_DIR",
     "Assumptions",
+    "Candidate",
     "Hardware",
     "Line",
     "ModelDims",
     "Plan",
+    "StageParams",
     "activation_bytes_per_token_layer",
     "build_parser",
+    "candidate_layouts",
+    "check_expert_layout",
+    "expert_rank_coords",
+    "experts_touched",
     "format_layout",
     "format_plan",
+    "format_search",
     "known_model_configs",
     "kv_bytes_per_token",
     "main",
@@ -58,4 +75,6 @@ __all__ = [
     "rank_groups",
     "resolve_model",
     "run",
+    "search_layouts",
+    "stage_params",
 ]

@@ -6,16 +6,20 @@ distributed optimizer, activations of one micro-batch with and without full reco
 the logits and our chunked log-prob buffers) and of the colocated SGLang engine
 (weights at the rollout TP size, KV-cache tokens left at rollout.gpu_memory_utilization),
 whether each phase of the step fits, and a step-time estimate from FLOPs and HBM
-bandwidth with its assumptions printed. `--ranks` adds the global-rank layout (which
-ranks form the TP/PP/DP groups, per node): the sbatch scripts print it with DRY_RUN=1.
+bandwidth with its assumptions printed; then the layouts that fit best (search.py) and
+the overrides of the first. Mixture-of-experts models add the experts' share: their
+states over EP x ETP and the expert data-parallel group, top-k activations and alltoall
+buffers, active-parameter FLOPs. `--ranks` adds the global-rank layout (which ranks form
+the TP/PP/DP and EP groups, per node): the sbatch scripts print it with DRY_RUN=1.
 
 Every formula is written next to its number in the output, so the table can be checked
 by hand; tests/unit/test_plan.py does exactly that for Qwen2.5-32B. The estimate is
 first-order: it ignores attention FLOPs, communication and weight-sync time, and
 assumes fixed MFU and bandwidth efficiency. It is a sanity check, not a profiler.
 
-The numbers come from model.py beside this module (the memory and step-time model);
-this module formats them, lays out the ranks and parses the command line.
+The numbers come from model.py beside this module (the memory and step-time model, over
+dims.py's model shape); this module formats them, lays out the ranks and parses the
+command line.
 """
 
 from __future__ import annotations
@@ -25,18 +29,12 @@ import argparse
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config.loader import load_config
 from megatron_dapo.errors import CliParser
-from megatron_dapo.plan.model import (
-    EMBEDDED_VOCAB_SIZE,
-    GIB,
-    GPUS,
-    Assumptions,
-    Hardware,
-    Plan,
-    make_plan,
-    resolve_model,
-)
+from megatron_dapo.plan.dims import EMBEDDED_VOCAB_SIZE, resolve_model
+from megatron_dapo.plan.model import GIB, GPUS, Assumptions, Hardware, Plan, check_expert_layout, make_plan
+from megatron_dapo.plan.search import format_search, search_layouts
 
-__all__ = ["build_parser", "format_layout", "format_plan", "main", "rank_coords", "rank_groups", "run"]
+__all__ = ["build_parser", "expert_rank_coords", "format_layout", "format_plan", "main", "rank_coords", "rank_groups",
+           "run"]
 
 
 # ------------------------------------------------------------------------ rank layout
@@ -47,38 +45,62 @@ def rank_coords(rank: int, tp: int, pp: int, cp: int, dp: int) -> tuple[int, int
     return rank % tp, rank // tp % cp, rank // (tp * cp) % dp, rank // (tp * cp * dp)
 
 
-def rank_groups(world: int, tp: int, pp: int, cp: int = 1) -> dict[str, list[list[int]]]:
-    """Global ranks of every TP, PP, CP and DP group (TP neighbours, PP outermost)."""
+def expert_rank_coords(rank: int, etp: int, ep: int, edp: int) -> tuple[int, int, int]:
+    """(etp_rank, ep_rank, edp_rank) of a global rank in megatron-core's expert grid (tp-ep-dp-pp, TP = ETP)."""
+    return rank % etp, rank // etp % ep, rank // (etp * ep) % edp
+
+
+def rank_groups(world: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
+                etp: int | None = None) -> dict[str, list[list[int]]]:
+    """Global ranks of every TP, PP, CP and DP group (TP neighbours, PP outermost); with EP > 1
+    or ETP != TP also the expert grid's EP, ETP and EDP (expert data-parallel) groups."""
     dp = world // (tp * pp * cp)
     groups: dict[str, dict[tuple[int, ...], list[int]]] = {"TP": {}, "PP": {}, "CP": {}, "DP": {}}
+    etp = tp if etp is None else etp
+    experts = ep > 1 or etp != tp
+    edp = world // (ep * etp * pp)
+    if experts:
+        groups.update({"EP": {}, "ETP": {}, "EDP": {}})
     for rank in range(world):
         t, c, d, p = rank_coords(rank, tp, pp, cp, dp)
         groups["TP"].setdefault((c, d, p), []).append(rank)
         groups["CP"].setdefault((t, d, p), []).append(rank)
         groups["DP"].setdefault((t, c, p), []).append(rank)
         groups["PP"].setdefault((t, c, d), []).append(rank)
+        if experts:
+            et, e, ed = expert_rank_coords(rank, etp, ep, edp)
+            groups["EP"].setdefault((et, ed, p), []).append(rank)
+            groups["ETP"].setdefault((e, ed, p), []).append(rank)
+            groups["EDP"].setdefault((et, e, p), []).append(rank)
     return {k: sorted(v.values()) for k, v in groups.items()}
 
 
 def format_layout(world: int, tp: int, pp: int, cp: int, gpus_per_node: int, rollout_tp: int,
-                  hosts: list[str] | None = None) -> str:
+                  hosts: list[str] | None = None, ep: int = 1, etp: int | None = None) -> str:
     """The rank layout, per node, and the groups; what DRY_RUN=1 prints."""
     dp = world // (tp * pp * cp)
+    etp = tp if etp is None else etp
+    experts = ep > 1 or etp != tp
+    edp = world // (ep * etp * pp)
     nodes = -(-world // gpus_per_node)
     hosts = hosts if hosts and len(hosts) == nodes else [f"node{i}" for i in range(nodes)]
     out = [f"rank layout: world {world} = TP {tp} x CP {cp} x DP {dp} x PP {pp} "
            "(Megatron order tp-cp-ep-dp-pp: TP ranks adjacent, PP outermost)"]
+    if experts:
+        out.append(f"expert layout: world {world} = ETP {etp} x EP {ep} x EDP {edp} x PP {pp} "
+                   "(experts split over EP x ETP; their grads and optimizer states over EDP)")
     for node in range(nodes):
         ranks = range(node * gpus_per_node, min(world, (node + 1) * gpus_per_node))
         cells = []
         for rank in ranks:
             t, c, d, p = rank_coords(rank, tp, pp, cp, dp)
-            cells.append(f"{rank}(tp{t} pp{p} dp{d}" + (f" cp{c})" if cp > 1 else ")"))
+            expert = f" ep{expert_rank_coords(rank, etp, ep, edp)[1]}" if experts else ""
+            cells.append(f"{rank}(tp{t} pp{p} dp{d}{expert}" + (f" cp{c})" if cp > 1 else ")"))
         out.append(f"node {node} {hosts[node]}: ranks {ranks[0]}-{ranks[-1]}: " + " ".join(cells))
-    groups = rank_groups(world, tp, pp, cp)
+    groups = rank_groups(world, tp, pp, cp, ep, etp)
     groups["rollout engine"] = [list(range(s, s + rollout_tp)) for s in range(0, world, rollout_tp)]
-    for name in ("TP", "PP", "CP", "DP", "rollout engine"):
-        if name == "CP" and cp == 1:
+    for name in ("TP", "PP", "CP", "DP", "EP", "ETP", "EDP", "rollout engine"):
+        if (name == "CP" and cp == 1) or name not in groups or (name == "ETP" and etp == 1):
             continue
         listed = " ".join("[" + ",".join(map(str, g)) + "]" for g in groups[name])
         out.append(f"{name} groups ({len(groups[name])}): {listed}")
@@ -96,35 +118,79 @@ def _gib(x: float) -> str:
     return f"{x / GIB:8.2f} GiB"
 
 
-def format_plan(plan: Plan) -> str:
-    """The human-readable report."""
-    m, hw, a = plan.model, plan.hardware, plan.assumptions
-    mb = plan.microbatch_tokens
+def _model_rows(plan: Plan) -> list[str]:
+    m = plan.model
+    shape = (f"(h {m.hidden_size}, F {m.intermediate_size}, L {m.num_layers}, heads {m.num_attention_heads}/"
+             f"{m.num_key_value_heads} kv, d {m.head_dim}, V {m.vocab_size} -> padded {plan.padded_vocab}, "
+             f"tied {m.tie_word_embeddings}" + (", QK-norm)" if m.qk_norm else ")"))
+    if not m.is_moe:
+        return [f"  {_count(plan.num_params)} params = L x {m.layer_params():,} + embeddings "
+                f"{m.embedding_params():,} + {m.hidden_size} {shape}"]
+    sparse, dense = m.num_moe_layers, m.num_layers - m.num_moe_layers
+    k = m.num_experts_per_tok
+    shared = f", shared expert F_s {m.shared_expert_intermediate_size}" if m.shared_expert_intermediate_size else ""
+    return [
+        f"  {_count(plan.num_params)} params = {sparse} MoE layers x {m.layer_params(sparse=True):,} + {dense} dense "
+        f"layers x {m.layer_params():,} + embeddings {m.embedding_params():,} + {m.hidden_size} {shape}",
+        f"  {_count(plan.num_active_params)} active per token = {sparse} x {m.layer_params(sparse=True, experts=k):,} "
+        f"(attention, norms, router, top-{k} experts) + {dense} x {m.layer_params():,} + embeddings + h; "
+        "FLOPs use these",
+        f"  experts: {m.num_experts} per MoE layer x {m.expert_params():,} (3 x h x F_moe {m.moe_intermediate_size}), "
+        f"top-{k}{shared}; {sparse} of {m.num_layers} layers sparse",
+    ]
+
+
+def _actor_rows(plan: Plan) -> list[str]:
+    m, mb = plan.model, plan.microbatch_tokens
+    states = f"{plan.params_per_gpu:,} params x {plan.bytes_per_param:.3f} B/param; B/param = " \
+             f"{plan.bytes_per_param_formula}"
+    per_token = f"{plan.act_bytes_per_token_layer:,.0f} B/token/layer x {mb} tokens / CP x {m.num_layers} layers"
+    if m.is_moe:
+        states = (f"dense {plan.params_per_gpu:,} x {plan.bytes_per_param:.3f} B ({plan.bytes_per_param_formula}) "
+                  f"+ experts {plan.expert_params_per_gpu:,} x {plan.expert_bytes_per_param:.3f} B "
+                  f"({plan.expert_bytes_per_param_formula}); experts = MoE layers/PP x E/EP {m.num_experts}/{plan.ep} "
+                  f"x 3hF_moe/ETP {plan.etp}")
+        dense = m.num_layers - m.num_moe_layers
+        per_token = (f"({plan.moe_act_bytes_per_token_layer:,.0f} B/token x {m.num_moe_layers} MoE layers"
+                     + (f" + {plan.act_bytes_per_token_layer:,.0f} x {dense} dense" if dense else "")
+                     + f") x {mb} tokens / CP; MoE layer: k {m.num_experts_per_tok} routed copies x "
+                     "(2h(ETP+1) + 6F_moe)/TP + router 7E/TP, balanced routing")
     rows = [
-        f"model: {m.name} from {m.source}",
-        f"  {_count(plan.num_params)} params = L x {m.layer_params():,} + embeddings {m.embedding_params():,} "
-        f"+ {m.hidden_size} (h {m.hidden_size}, F {m.intermediate_size}, L {m.num_layers}, heads "
-        f"{m.num_attention_heads}/{m.num_key_value_heads} kv, d {m.head_dim}, V {m.vocab_size} -> padded "
-        f"{plan.padded_vocab}, tied {m.tie_word_embeddings})",
-        f"layout: {plan.nodes} nodes x {plan.gpus_per_node} GPUs = {plan.world_size}; actor TP {plan.tp} PP {plan.pp} "
-        f"CP {plan.cp} DP {plan.dp}; rollout engines TP {plan.rollout_tp} x {plan.world_size // plan.rollout_tp}",
-        f"GPU: {hw.name}, {hw.mem_gib:g} GiB",
-        "",
-        "actor, per GPU (fullest pipeline stage)",
-        f"  model states      {_gib(plan.model_state_bytes)}  {plan.params_per_gpu:,} params x "
-        f"{plan.bytes_per_param:.3f} B/param; B/param = {plan.bytes_per_param_formula}",
-        f"  activations       {_gib(plan.activation_bytes)}  no recompute: {plan.act_bytes_per_token_layer:,.0f} "
-        f"B/token/layer x {mb} tokens / CP x {m.num_layers} layers" + ("" if plan.recompute else "   <- used"),
+        f"  model states      {_gib(plan.model_state_bytes)}  {states}",
+        f"  activations       {_gib(plan.activation_bytes)}  no recompute: {per_token}"
+        + ("" if plan.recompute else "   <- used"),
         f"  act. (recompute)  {_gib(plan.activation_recompute_bytes)}  full recompute: layer inputs 2h/t x tokens x L "
         "+ one layer's activations" + ("   <- used" if plan.recompute else ""),
         f"  logits + grad     {_gib(plan.logits_bytes)}  2 x {mb} tokens x V_pad/TP x 4 B (fp32)",
         f"  log-prob chunks   {_gib(plan.logprob_chunk_bytes)}  3 x chunk x V_pad/TP x 4 B",
+    ]
+    if m.is_moe:
+        rows.append(f"  alltoall buffers  {_gib(plan.dispatch_bytes)}  one layer's send + receive: k x tokens/CP/TP "
+                    "x (1 + ETP) x h x 2 B")
+    return rows
+
+
+def format_plan(plan: Plan) -> str:
+    """The human-readable report."""
+    m, hw, a = plan.model, plan.hardware, plan.assumptions
+    experts = f" EP {plan.ep} ETP {plan.etp} (expert DP {plan.edp})" if m.is_moe else ""
+    rows = [
+        f"model: {m.name} from {m.source}",
+        *_model_rows(plan),
+        f"layout: {plan.nodes} nodes x {plan.gpus_per_node} GPUs = {plan.world_size}; actor TP {plan.tp} PP {plan.pp} "
+        f"CP {plan.cp} DP {plan.dp}{experts}; rollout engines TP {plan.rollout_tp} x "
+        f"{plan.world_size // plan.rollout_tp}",
+        f"GPU: {hw.name}, {hw.mem_gib:g} GiB",
+        "",
+        "actor, per GPU (fullest pipeline stage)",
+        *_actor_rows(plan),
         f"  overhead          {_gib(a.overhead_gib * GIB)}  CUDA contexts, NCCL, fragmentation (--overhead-gib)",
         f"  train phase       {_gib(plan.train_phase_bytes)}  {'fits' if plan.train_fits else 'DOES NOT FIT'} "
         f"in {hw.mem_gib:g} GiB",
         "",
         "rollout (SGLang, colocated), per GPU",
-        f"  engine weights    {_gib(plan.rollout_weight_bytes)}  N x 2 B / rollout TP {plan.rollout_tp}",
+        f"  engine weights    {_gib(plan.rollout_weight_bytes)}  N x 2 B / rollout TP {plan.rollout_tp}"
+        + (" (all experts)" if m.is_moe else ""),
         f"  KV per token      {plan.kv_bytes_per_token:>8,} B    2 x L x max(1, kv_heads/TP) x d x 2 B",
         f"  KV capacity       {plan.kv_tokens:>8,} tokens per engine = {plan.kv_tokens // plan.max_sequence_tokens} "
         f"sequences of {plan.max_sequence_tokens} (mem_fraction x GPU - weights) / KV per token",
@@ -172,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", action="store_true", help="also print the global-rank layout per node")
     parser.add_argument("--layout-only", action="store_true", help="print only the rank layout")
     parser.add_argument("--hosts", default=None, help="comma-separated node names for the layout")
+    parser.add_argument("--no-search", action="store_true",
+                        help="skip the search over TP/PP/EP/rollout-TP layouts that ends the report")
     return parser
 
 
@@ -192,10 +260,15 @@ def run(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, [*args.overrides, f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={gpus}"])
     p = cfg.parallel
     hosts = args.hosts.split(",") if args.hosts else None
+    etp = p.expert_tensor_parallel_size
     if args.layout_only:
-        cfg.check_world_size(nodes * gpus, f"--nodes {nodes} x --gpus-per-node {gpus}")
+        where = f"--nodes {nodes} x --gpus-per-node {gpus}"
+        cfg.check_world_size(nodes * gpus, where)
+        if p.expert_model_parallel_size > 1 or etp is not None:
+            check_expert_layout(p, resolve_model(cfg, args.model_config, args.vocab_size), nodes * gpus, where)
         print(format_layout(nodes * gpus, p.tensor_model_parallel_size, p.pipeline_model_parallel_size,
-                            p.context_parallel_size, gpus, cfg.rollout.tensor_model_parallel_size, hosts))
+                            p.context_parallel_size, gpus, cfg.rollout.tensor_model_parallel_size, hosts,
+                            p.expert_model_parallel_size, etp))
         return 0
     preset = GPUS[args.gpu]
     hardware = Hardware(
@@ -210,9 +283,15 @@ def run(argv: list[str] | None = None) -> int:
     dims = resolve_model(cfg, args.model_config, args.vocab_size)
     plan = make_plan(cfg, dims, nodes=nodes, gpus_per_node=gpus, hardware=hardware, assumptions=assumptions)
     if args.ranks:
-        print(format_layout(plan.world_size, plan.tp, plan.pp, plan.cp, gpus, plan.rollout_tp, hosts))
+        print(format_layout(plan.world_size, plan.tp, plan.pp, plan.cp, gpus, plan.rollout_tp, hosts, plan.ep,
+                            plan.etp if dims.is_moe else None))
         print()
     print(format_plan(plan))
+    if not args.no_search:
+        fitting, planned = search_layouts(cfg, dims, nodes=nodes, gpus_per_node=gpus, hardware=hardware,
+                                          assumptions=assumptions)
+        print()
+        print(format_search(fitting, planned, plan))
     return 0
 
 

@@ -135,11 +135,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                            "(--nodes 3 x --gpus-per-node 8); launch a multiple of 16 processes or shrink the "
                            "parallel sizes"),
         (["--model-config", "Llama-3-70B"], "error: --model-config='Llama-3-70B': neither a config.json nor a "
-                                            "bundled model; use one of Qwen2.5-32B, Qwen2.5-7B or a path to "
-                                            "config.json"),
+                                            "bundled model; use one of Qwen2.5-32B, Qwen2.5-7B, Qwen3-30B-A3B "
+                                            "or a path to config.json"),
         (["model.hf_checkpoint=/models/mystery"], "error: model.hf_checkpoint='/models/mystery': no config.json "
                                                   "there and the name matches no bundled model (Qwen2.5-32B, "
-                                                  "Qwen2.5-7B); pass --model-config NAME or a config.json path"),
+                                                  "Qwen2.5-7B, Qwen3-30B-A3B); pass --model-config NAME or a config.json path"),
         (["parallel.tensor_model_parallel_size=16"], "error: parallel.tensor_model_parallel_size=16 does not divide "
                                                      "num_attention_heads=40 of "),
         (["--gpu-mem-gib", "0"], "error: --gpu-mem-gib=0.0: must be > 0"),
