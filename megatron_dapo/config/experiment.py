@@ -153,22 +153,30 @@ class Config:
         """Validate the launcher's world size against the layout; returns the data-parallel size.
 
         Raises:
-            ConfigError: when TP x PP x CP does not divide the world size, or nnodes x
-                n_gpus_per_node disagrees with the launcher.
+            ConfigError: when TP x PP x CP (or a mixture-of-experts model's EP x ETP x PP) does
+                not divide the world size, or nnodes x n_gpus_per_node disagrees with the launcher.
         """
-        mp = self.parallel.model_parallel_size
-        t = self.trainer
+        p, t = self.parallel, self.trainer
+        mp = p.model_parallel_size
         if t.n_gpus_per_node is not None and t.nnodes * t.n_gpus_per_node != world_size:
             raise ConfigError(
                 f"trainer.nnodes x trainer.n_gpus_per_node = {t.nnodes}x{t.n_gpus_per_node} but the launcher "
                 f"started {world_size} processes ({source}); fix the config or the launch command"
             )
         if world_size % mp != 0:
-            p = self.parallel
             raise ConfigError(
                 f"parallel: TP x PP x CP = {p.tensor_model_parallel_size}x{p.pipeline_model_parallel_size}x"
                 f"{p.context_parallel_size} = {mp} does not divide the world size {world_size} ({source}); "
                 f"launch a multiple of {mp} processes or shrink the parallel sizes"
+            )
+        ep, pp = p.expert_model_parallel_size, p.pipeline_model_parallel_size
+        etp = p.tensor_model_parallel_size if p.expert_tensor_parallel_size is None else p.expert_tensor_parallel_size
+        if (ep > 1 or etp != p.tensor_model_parallel_size) and world_size % (ep * etp * pp) != 0:
+            # megatron-core's expert grid (parallel.validate_layout): EP x ETP ranks of one stage.
+            raise ConfigError(
+                f"parallel: EP x ETP x PP = {ep}x{etp}x{pp} = {ep * etp * pp} does not divide the world size "
+                f"{world_size} ({source}); expert groups hold EP x ETP ranks of one pipeline stage: change "
+                "expert_model_parallel_size or expert_tensor_parallel_size"
             )
         dp = world_size // mp
         per_mini_batch = t.ppo_mini_batch_size * self.rollout.n
