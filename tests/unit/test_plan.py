@@ -195,7 +195,8 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def test_sbatch_scripts_parse() -> None:
     scripts = sorted(glob.glob(str(REPO / "slurm" / "*.sbatch")))
-    assert [Path(s).name for s in scripts] == ["dapo.sbatch", "dapo_32b.sbatch", "dapo_tiny.sbatch"]
+    assert [Path(s).name for s in scripts] == ["dapo.sbatch", "dapo_32b.sbatch", "dapo_qwen3_30b_a3b.sbatch",
+                                               "dapo_tiny.sbatch"]
     for script in scripts:
         proc = subprocess.run(["bash", "-n", script], text=True, capture_output=True)
         assert proc.returncode == 0, proc.stderr
