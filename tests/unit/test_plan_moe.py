@@ -296,3 +296,91 @@ def test_bundled_config_is_the_model_cards() -> None:
 
     adapter = adapter_for(hf)
     assert (adapter.hf.family, adapter.hf.num_experts, adapter.hf.moe_layers) == ("qwen3_moe", 128, tuple(range(48)))
+
+
+def _megatron_expert_state_bytes() -> dict[str, object]:
+    """Bytes of dense and expert params, grads and optimizer state megatron-core allocates at EP 2 on 2 ranks."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    from megatron_dapo import parallel
+    from megatron_dapo.models import moe
+
+    dims = parallel.initialize_model_parallel(1, 1, seed=3, ep=2, num_experts=4)
+    moe.ensure_router_fallback()
+    config = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                               normalization="RMSNorm", add_bias_linear=False, bf16=True, params_dtype=torch.bfloat16,
+                               pipeline_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                               num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+                               gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                               moe_token_dispatcher_type="alltoall", expert_model_parallel_size=2)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False)
+    # SwiGLU experts, rotary positions and a tied output layer: the shape ModelDims counts.
+    model = Float16Module(config, GPTModel(config=config, transformer_layer_spec=spec, vocab_size=128,
+                                           max_sequence_length=16, position_embedding_type="rope",
+                                           share_embeddings_and_output_weights=True))
+    ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
+                                                 use_distributed_optimizer=True), [ddp])
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    update_ok, _, _ = opt.step()  # Adam's m and v exist after the first step (zero gradients suffice)
+
+    def nbytes(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    def optimizer_bytes(expert: bool) -> int:
+        total = 0
+        for o in getattr(opt, "chained_optimizers", [opt]):
+            # megatron-core gives the expert-parallel weights (allreduce False) an optimizer of their own.
+            if all(getattr(p, "allreduce", True) is False for g in o.model_float16_groups for p in g) is not expert:
+                continue
+            total += sum(nbytes(p) for g in o.shard_fp32_from_float16_groups for p in g)
+            total += sum(nbytes(v) for s in o.optimizer.state.values() for k, v in s.items()
+                         if k in ("exp_avg", "exp_avg_sq"))
+        return total
+
+    out: dict[str, object] = {"dp": dims.dp, "ep": dims.ep, "update_ok": update_ok}
+    for kind, buffers, expert in (("dense", ddp.buffers, False), ("experts", ddp.expert_parallel_buffers, True)):
+        out[kind] = {"num_params": sum(p.numel() for p in ddp.parameters() if getattr(p, "allreduce", True) is not expert),
+                     "params": sum(nbytes(b.param_data) for b in buffers),
+                     "grads": sum(nbytes(b.grad_data) for b in buffers), "optimizer": optimizer_bytes(expert)}
+    return out
+
+
+@pytest.mark.multirank
+def test_expert_states_are_what_megatron_core_allocates_at_ep2() -> None:
+    """Dense states 6 + 12/DP, expert states 6 + 12/EDP: at world 2 and EP 2 the experts' optimizer is not sharded."""
+    from dist_utils import run_distributed
+
+    from megatron_dapo.plan import model_state_bytes_per_param
+
+    ranks = run_distributed(_megatron_expert_state_bytes, 2, timeout_s=300)
+    dims = ModelDims(name="tiny", source="test", hidden_size=64, intermediate_size=128, num_layers=2,
+                     num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=128,
+                     tie_word_embeddings=True, qkv_bias=False, num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=32, moe_layers=(0, 1))
+    (stage,) = stage_params(dims, tp=1, pp=1, padded_vocab=128, ep=2, etp=1)
+    dense_bpp, _ = model_state_bytes_per_param(True, True, 2)
+    expert_bpp, formula = model_state_bytes_per_param(True, True, 1, "EDP")
+    assert (dense_bpp, expert_bpp, formula) == (12.0, 18.0, "6 + 12/EDP = 6 + 12/1")
+    dense_optimizer = 0
+    for r in ranks:
+        assert (r["dp"], r["ep"], r["update_ok"]) == (2, 2, True)
+        dense, experts = r["dense"], r["experts"]
+        # The planner's per-GPU counts: 2 of the 4 experts of both layers; attention, norms, router, tied embedding.
+        assert (dense["num_params"], experts["num_params"]) == (stage.dense, stage.experts) == (41_792, 24_576)
+        n = experts["num_params"]
+        assert 2 * n <= experts["params"] <= 2.002 * n and 4 * n <= experts["grads"] <= 4.004 * n
+        # Unsharded (expert data-parallel group of one): each rank holds master + m + v of its own experts.
+        assert 12 * n <= experts["optimizer"] <= 12.01 * n
+        assert sum(experts[k] for k in ("params", "grads", "optimizer")) / n == pytest.approx(expert_bpp, rel=2e-3)
+        dense_optimizer += dense["optimizer"]
+    # The dense optimizer states are split over the data-parallel group of 2 (plus alignment padding).
+    assert 12 * stage.dense <= dense_optimizer <= 12.02 * stage.dense
