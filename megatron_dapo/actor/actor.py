@@ -26,6 +26,7 @@ term with its own normaliser; the explicit scale covers all of them in one rule.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator
 from functools import partial
@@ -56,6 +57,7 @@ from megatron_dapo.actor.logprobs import (
     triton_log_probs_fn,
 )
 from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_microbatch, pack_microbatches
+from megatron_dapo.actor.moe_metrics import RouterStats
 from megatron_dapo.actor.settings import WarmupConstantLR, make_optimizer_config
 from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
 from megatron_dapo.algo.objective import OBJECTIVE_METRICS, LossSettings, objective_metrics, policy_objective
@@ -175,6 +177,9 @@ class MegatronActor:
             config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = WarmupConstantLR(lr=optimizer_config.lr, warmup_steps=lr_warmup_steps)
         self.weight_decay = optimizer_config.weight_decay
+        hf = adapter.hf
+        self.router_stats = RouterStats(self.model, num_layers=hf.num_layers, num_experts=hf.num_experts,
+                                        device=dims.device) if hf.is_moe else None
 
     # ------------------------------------------------------------------ micro-batching
 
@@ -346,7 +351,7 @@ class MegatronActor:
             verl-named metrics, identical on every rank: actor/pg_loss, actor/pg_clipfrac,
             actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy (token-mean over the
             mini-batch), actor/grad_norm (before clipping), actor/lr, and actor/kl_loss when
-            the KL loss is on.
+            the KL loss is on; for an MoE model the moe/* routing metrics (actor/moe_metrics.py).
         """
         if batch.advantages is None:
             raise ValueError("train_step needs batch.advantages; compute advantages before the update")
@@ -394,7 +399,8 @@ class MegatronActor:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(microbatches, loss_func, forward_only=False)
+        with self.router_stats.collecting() if self.router_stats is not None else contextlib.nullcontext():
+            outputs = self._run(microbatches, loss_func, forward_only=False)
         sums = torch.zeros(len(OBJECTIVE_METRICS), dtype=torch.float32, device=dims.device)
         if dims.is_last_stage:
             sums = torch.stack(outputs).sum(0)
@@ -422,6 +428,8 @@ class MegatronActor:
         metrics = objective_metrics(sums.tolist(), loss)
         metrics["actor/grad_norm"] = float(grad_norm)
         metrics["actor/lr"] = lr
+        if self.router_stats is not None:
+            metrics.update(self.router_stats.metrics())  # moe/*: actor/moe_metrics.py
         return metrics
 
 

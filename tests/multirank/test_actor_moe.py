@@ -188,3 +188,85 @@ def test_four_ranks_tp2xep2_pp2xep2(setup: dict) -> None:
     for layout in layouts:
         errors = _check(out, layout, setup)
         assert errors["log_prob_abs"] < 1e-4 and errors["grad_rel"] < 1e-5, (layout, errors)
+
+
+ROUTER_ROWS, ROUTER_LEN = 4, 12  # equal lengths: padded micro-batches without a pad token
+
+
+def _router_batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(1, 100, (ROUTER_ROWS, ROUTER_LEN), generator=g)
+    response = torch.zeros(ROUTER_ROWS, ROUTER_LEN, dtype=torch.bool)
+    response[:, 5:] = True
+    return {"input_ids": ids, "response_mask": response, "advantages": torch.randn(ROUTER_ROWS, ROUTER_LEN, generator=g)}
+
+
+def _router_worker(layout: tuple[int, int, int], directory: str) -> dict[str, float]:
+    from megatron_dapo import parallel
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+    from megatron_dapo.algo import LossSettings
+    from megatron_dapo.config import OptimConfig
+    from megatron_dapo.models import adapter_for
+
+    parallel.init_distributed(os.environ["MEGATRON_DAPO_TEST_DEVICE"])
+    tp, pp, ep = layout
+    adapter = adapter_for(directory)
+    dims = parallel.initialize_model_parallel(tp, pp, seed=0, ep=ep, num_experts=adapter.hf.num_experts)
+    t = _router_batch()
+    full = RolloutBatch(input_ids=t["input_ids"], seq_lens=torch.full((ROUTER_ROWS,), ROUTER_LEN),
+                        response_mask=t["response_mask"], advantages=t["advantages"])
+    mine = full.select(balance_across_dp([ROUTER_LEN] * ROUTER_ROWS, dims.dp)[dims.dp_rank])
+    adam = make_optimizer_config(OptimConfig(**ADAM), dtype=torch.float32, use_distributed_optimizer=True)
+    actor = MegatronActor(adapter=adapter, dims=dims, optimizer_config=adam, hf_checkpoint=directory,
+                          max_tokens_per_microbatch=2 * ROUTER_LEN, shared_prompts=False, packed=False,
+                          sequence_parallel=dims.tp > 1)
+    metrics = actor.train_step(mine, LossSettings(), old_from_forward=True)
+    return {k: v for k, v in metrics.items() if k.startswith("moe/")}
+
+
+def _hf_router_metrics(directory: str) -> dict[str, float]:
+    """The same statistics from transformers' router logits, one unpadded row at a time."""
+    import math
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, experts_implementation="eager")
+    k, num_experts = model.config.num_experts_per_tok, model.config.num_experts
+    t = _router_batch()
+    per_layer: dict[int, list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for row in t["input_ids"]:
+            logits = model(input_ids=row[None], output_router_logits=True).router_logits
+            moe_layers = [i for i in range(model.config.num_hidden_layers) if i not in model.config.mlp_only_layers]
+            for layer, layer_logits in zip(moe_layers, logits):
+                per_layer.setdefault(layer, []).append(layer_logits.reshape(-1, num_experts).float())
+    out, ratios, entropies, unused = {}, [], [], 0
+    for layer, chunks in per_layer.items():
+        logits = torch.cat(chunks)
+        counts = torch.zeros(num_experts).index_add_(0, logits.topk(k, dim=-1).indices.flatten(),
+                                                      torch.ones(logits.shape[0] * k))
+        log_p = torch.log_softmax(logits, dim=-1)
+        entropy = float(-(log_p.exp() * log_p).sum(-1).mean()) / math.log(num_experts)
+        out[f"moe/load_imbalance/layer_{layer}"] = float(counts.max() / counts.mean())
+        out[f"moe/router_entropy/layer_{layer}"] = entropy
+        ratios.append(float(counts.max() / counts.mean()))
+        entropies.append(entropy)
+        unused += int((counts == 0).sum())
+    out.update({"moe/load_imbalance": sum(ratios) / len(ratios), "moe/load_imbalance_max": max(ratios),
+                "moe/router_entropy": sum(entropies) / len(entropies), "moe/unused_experts": float(unused)})
+    return out
+
+
+def test_routing_metrics_equal_transformers_router_in_every_layout(setup: dict) -> None:
+    """moe/* of one update (actor/moe_metrics.py) against transformers' router logits on the
+    same tokens, at EP 1 and summed over two ranks at EP 2 (each rank routes its own rows)."""
+    expected = _hf_router_metrics(setup["dir"])
+    assert len([k for k in expected if "/layer_" in k]) == 3 * 2  # three MoE layers, one dense (layer 1)
+    assert expected["moe/load_imbalance_max"] > 1.0 and 0.0 < expected["moe/router_entropy"] < 1.0
+    (single,) = run_distributed(_router_worker, 1, (1, 1, 1), setup["dir"])
+    ep2 = run_distributed(_router_worker, 2, (1, 1, 2), setup["dir"], timeout_s=300)
+    for got in (single, *ep2):
+        assert sorted(got) == sorted(expected)
+        for key, value in expected.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (key, got[key], value)
