@@ -21,9 +21,10 @@ __all__ = ["ATTENTION", "attention_for", "register_attention"]
 
 ATTENTION = "megatron_dapo_sdpa"
 
-_FAMILIES = frozenset({"qwen2", "llama"})
-"""Model types whose attention is plain causal SDPA (what models/ adapts); for any other the
-engine keeps transformers' default, which knows the model's own attention variants."""
+_FAMILIES = frozenset({"qwen2", "llama", "qwen3", "qwen3_moe"})
+"""Model types whose attention is plain causal SDPA (what models/ adapts; Qwen3's QK-norm is
+applied before the attention call); for any other the engine keeps transformers' default,
+which knows the model's own attention variants."""
 
 
 def _sdpa_gqa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -3,9 +3,10 @@
 It holds the HF-layout model of the family named in ``config.json`` (transformers'
 AutoModelForCausalLM, fp32) and implements the same contract as the SGLang engine:
 token ids in, token ids + temperature-scaled log-probs + finish reason out, weights in as
-full tensors under their HF names. Because weight sync targets HF names, a state dict that
-this engine accepts is exactly what an SGLang server would be sent, so the multi-rank
-weight-sync tests use it as the receiving end.
+full tensors under their HF names (a mixture-of-experts layer's experts one tensor per expert
+and projection, as an HF checkpoint stores them: rollout/local/hf_tensors.py). Because weight
+sync targets HF names, a state dict that this engine accepts is exactly what an SGLang server
+would be sent, so the multi-rank weight-sync tests use it as the receiving end.
 
 Generation is continuous batching with a KV cache (rollout/local/decoder.py): up to
 max_batch_size responses decode together, finished ones leave the batch at once and
@@ -38,6 +39,7 @@ from megatron_dapo.rollout.engine import (
 )
 from megatron_dapo.rollout.local.attention import attention_for
 from megatron_dapo.rollout.local.decoder import ContinuousDecoder, DecodeRow, FinishedRow
+from megatron_dapo.rollout.local.hf_tensors import hf_named_tensors, hf_parameter_names
 from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed
 
 __all__ = ["LocalEngine"]
@@ -82,11 +84,15 @@ class LocalEngine:
         self._device = torch.device(device)
         # SDPA reading grouped KV heads in place, on CPU (rollout/local/attention.py).
         attention = attention_for(config.model_type, self._device.type)
+        # transformers 5.19 runs MoE experts through torch's grouped_mm by default, which refuses
+        # float64 ("Expected mat_a to be Float32, BFloat16 or Float16"); its eager loop takes any dtype.
+        experts = "eager" if dtype == torch.float64 else None
         if load_weights:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                         attn_implementation=attention)
+                                                         attn_implementation=attention, experts_implementation=experts)
         else:
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention,
+                                                     experts_implementation=experts)
         self._model: PreTrainedModel = model.to(self._device).eval()
         self._vocab_size = int(config.vocab_size)
         eos = config.eos_token_id
@@ -94,10 +100,10 @@ class LocalEngine:
             [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         )
         self._max_positions = getattr(config, "max_position_embeddings", None)
-        # Every name a state dict lists is accepted (tied aliases such as lm_head.weight
-        # included); a full update must cover every distinct parameter once.
-        self._tensors: dict[str, torch.Tensor] = dict(self._model.state_dict())
-        self._required = {n for n, _ in self._model.named_parameters()}
+        # Every HF name of the state dict is accepted (tied aliases such as lm_head.weight
+        # included, fused experts per expert); a full update must cover every distinct parameter once.
+        self._tensors: dict[str, torch.Tensor] = hf_named_tensors(self._model)
+        self._required = hf_parameter_names(self._model)
         self._received: set[str] = set()
         self._weights_ready = load_weights
         self._released = False
