@@ -10,7 +10,11 @@ from megatron_dapo.config.fields import _check
 
 @dataclass(kw_only=True, slots=True)
 class ScratchModelConfig:
-    """A Qwen2-style model initialised from scratch (the embedded CPU run, tests)."""
+    """A Qwen2-style model, or a Qwen3-MoE one, initialised from scratch (the embedded CPU run, tests)."""
+
+    family: Literal["qwen2", "qwen3_moe"] = "qwen2"
+    """qwen2: dense (the default run). qwen3_moe: Qwen3's attention (QK-norm) with a mixture of
+    experts in every layer but mlp_only_layers (examples/tiny_moe_cpu.yaml)."""
 
     hidden_size: int = 128
     """Width of the residual stream."""
@@ -28,11 +32,31 @@ class ScratchModelConfig:
     """Rotary base."""
     tie_word_embeddings: bool = True
     """Share the input embedding and the output layer, as small Qwen2 models do."""
+    num_experts: int = 8
+    """qwen3_moe: routed experts per MoE layer."""
+    num_experts_per_tok: int = 2
+    """qwen3_moe: experts each token goes to (top-k)."""
+    moe_intermediate_size: int = 0
+    """qwen3_moe: SwiGLU width of one expert; 0 = intermediate_size / num_experts_per_tok (the
+    dense MLP's active width)."""
+    mlp_only_layers: list[int] = field(default_factory=list)
+    """qwen3_moe: 0-based layers with a dense MLP (intermediate_size) instead of experts."""
+    norm_topk_prob: bool = True
+    """qwen3_moe: renormalise the top-k routing probabilities (Qwen3-30B-A3B does)."""
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
                      "intermediate_size", "max_position_embeddings"):
             _check(getattr(self, name) > 0, name, "must be a positive integer")
+        if self.family == "qwen3_moe":
+            _check(self.num_experts >= 2, "num_experts", "must be >= 2 for a mixture of experts")
+            _check(0 < self.num_experts_per_tok <= self.num_experts, "num_experts_per_tok",
+                   f"must be in [1, num_experts={self.num_experts}]")
+            _check(self.moe_intermediate_size >= 0, "moe_intermediate_size", "must be >= 0 (0 = derived)")
+            bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+            _check(not bad, "mlp_only_layers", f"has {bad}, outside the layers [0, {self.num_layers})")
+            _check(len(set(self.mlp_only_layers)) < self.num_layers, "mlp_only_layers",
+                   "leaves no MoE layer; drop some, or use family: qwen2")
         _check(self.hidden_size % self.num_attention_heads == 0, "hidden_size",
                f"must be a multiple of num_attention_heads={self.num_attention_heads}")
         _check(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",

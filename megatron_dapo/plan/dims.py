@@ -230,12 +230,16 @@ def resolve_model(cfg: Config, model_config: str | None = None, vocab_size: int 
     ckpt = cfg.model.hf_checkpoint
     if ckpt is None:
         s = cfg.model.scratch
+        moe = s.family == "qwen3_moe"  # the fields embedded.scratch_checkpoint writes
+        experts = {"num_experts": s.num_experts, "num_experts_per_tok": s.num_experts_per_tok,
+                   "moe_intermediate_size": s.moe_intermediate_size or max(1, s.intermediate_size // s.num_experts_per_tok),
+                   "moe_layers": tuple(i for i in range(s.num_layers) if i not in s.mlp_only_layers)} if moe else {}
         return ModelDims(
             name="scratch", source="model.scratch", hidden_size=s.hidden_size,
             intermediate_size=s.intermediate_size, num_layers=s.num_layers,
             num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_key_value_heads,
             head_dim=s.hidden_size // s.num_attention_heads, vocab_size=vocab_size,
-            tie_word_embeddings=s.tie_word_embeddings, qkv_bias=True,
+            tie_word_embeddings=s.tie_word_embeddings, qkv_bias=not moe, **experts,
         )
     own = Path(ckpt) / "config.json"
     if own.is_file():
