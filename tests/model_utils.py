@@ -40,6 +40,7 @@ def make_tiny_checkpoint(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     moe: dict | None = None,
+    shape: dict | None = None,
 ) -> Path:
     """Save a randomly initialised tiny HF model (config.json + model.safetensors).
 
@@ -54,6 +55,7 @@ def make_tiny_checkpoint(
         seed: torch seed for the weights.
         dtype: stored dtype.
         moe: Qwen3-MoE config fields over TINY_MOE_SHAPE (qwen3_moe only).
+        shape: config fields over TINY_SHAPE (e.g. a hidden size an engine's kernels need).
 
     Returns:
         The directory.
@@ -77,7 +79,8 @@ def make_tiny_checkpoint(
     }[family]
     extra = dict(TINY_MOE_SHAPE, **(moe or {})) if family == "qwen3_moe" else {}
     config = config_cls(
-        **TINY_SHAPE, num_hidden_layers=num_layers, tie_word_embeddings=tie_word_embeddings, rms_norm_eps=1e-5,
+        **dict(TINY_SHAPE, **(shape or {})), num_hidden_layers=num_layers, tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-5,
         **extra,
     )
     torch.manual_seed(seed)

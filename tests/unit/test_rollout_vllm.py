@@ -7,7 +7,13 @@ import pytest
 
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.vllm.engine import VLLMEngine, build_launch_command, model_eos_ids, parse_choice
+from megatron_dapo.rollout.vllm.engine import (
+    VLLMEngine,
+    build_launch_command,
+    check_cpu_moe,
+    model_eos_ids,
+    parse_choice,
+)
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -43,6 +49,24 @@ def _answer(token_ids, logprobs, reason):
     content = [{"token_id": t, "logprob": lp} for t, lp in zip(token_ids, logprobs)]
     return {"choices": [{"index": 0, "finish_reason": reason, "token_ids": token_ids,
                          "logprobs": {"content": content} if content else None}]}
+
+
+@pytest.mark.parametrize(("config", "refused"), [
+    ({"num_experts": 8, "moe_intermediate_size": 48}, True),
+    ({"num_local_experts": 8, "moe_intermediate_size": 40}, True),
+    ({"num_experts": 128, "moe_intermediate_size": 768}, False),  # Qwen3-30B-A3B
+    ({"num_experts": 0, "moe_intermediate_size": 48}, False),  # no experts: nothing is padded
+    ({"intermediate_size": 100}, False),
+])
+def test_cpu_moe_whose_experts_vllm_pads_is_refused(tmp_path, config, refused):
+    """vLLM's CPU reload cannot update padded experts (tests/vllm_cpu/test_vllm_moe.py holds vLLM to it)."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if refused:
+        with pytest.raises(UserError, match=rf"moe_intermediate_size={config['moe_intermediate_size']}, not a "
+                                            "multiple of 32.*rollout.engine=local or sglang"):
+            check_cpu_moe(tmp_path)
+    else:
+        check_cpu_moe(tmp_path)
 
 
 def test_parse_choice_keeps_ids_logprobs_and_reason():

