@@ -1,6 +1,6 @@
 """Plots the curves that tell whether a DAPO run learns, from its metrics.jsonl.
 
-    python tools/plot_metrics.py RUN_DIR [--out PNG]
+    python tools/plot_metrics.py RUN_DIR [RUN_DIR ...] [--out PNG]
 
 One panel per question: is the training score rising, does validation accuracy
 follow, is the reward (score + overlong shaping) tracking it, is entropy collapsing,
@@ -8,6 +8,10 @@ are responses growing into the length limit, how much of the update is clipped, 
 how many generation rounds dynamic sampling needs per step. Panels whose metrics the
 run did not log are left out. Works headless (Agg backend). The PNG goes to
 RUN_DIR/metrics.png unless --out says otherwise.
+
+Several run directories (the same experiment over seeds) draw each metric as the mean
+over the runs that logged it at that step, with a band from their minimum to their
+maximum; the PNG then goes to their common parent (metrics.png) unless --out says otherwise.
 
 Self-contained (json + matplotlib) so it runs from a checkout without installing the
 package, e.g. on a login node against a run directory on shared storage.
@@ -19,6 +23,7 @@ import argparse
 import fnmatch
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -31,6 +36,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Response length (tokens)", ("response_length/mean", "response_length/max")),
     ("Clip fractions", ("actor/pg_clipfrac*", "response_length/clip_ratio")),
     ("Generation rounds per step", ("train/num_gen_batches",)),
+    ("MoE routing", ("moe/load_imbalance", "moe/load_imbalance_max", "moe/router_entropy")),
 )
 
 
@@ -90,17 +96,38 @@ def panel_keys(rows: list[dict], patterns: tuple[str, ...]) -> list[str]:
     return keys
 
 
-def plot(rows: list[dict], out: Path, title: str) -> int:
+def band(runs: list[list[dict]], key: str) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Mean, minimum and maximum of one metric over runs, at every step some run logged it.
+
+    Args:
+        runs: the metrics rows of each run.
+        key: metric name.
+
+    Returns:
+        (steps, means, minima, maxima), of equal length, steps ascending.
+    """
+    by_step: dict[int, list[float]] = {}
+    for rows in runs:
+        for step, value in zip(*series(rows, key)):
+            by_step.setdefault(step, []).append(value)
+    steps = sorted(by_step)
+    values = [by_step[s] for s in steps]
+    return steps, [sum(v) / len(v) for v in values], [min(v) for v in values], [max(v) for v in values]
+
+
+def plot(rows: list[dict] | list[list[dict]], out: Path, title: str) -> int:
     """Draws the panels that have data and writes a PNG.
 
     Args:
-        rows: metrics rows.
+        rows: metrics rows of one run, or a list of runs' rows (mean curve and min/max band).
         out: PNG path.
         title: figure title (the run directory's name).
 
     Returns:
         The number of panels drawn.
     """
+    runs = rows if rows and isinstance(rows[0], list) else [rows]  # type: ignore[list-item]
+    rows = [row for run in runs for row in run]  # type: ignore[union-attr]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -115,8 +142,14 @@ def plot(rows: list[dict], out: Path, title: str) -> int:
     fig, axes = plt.subplots(num_rows, num_cols, figsize=(12, 3.2 * num_rows), squeeze=False)
     for ax, (name, keys) in zip(axes.flat, panels):
         for key in keys:
-            steps, values = series(rows, key)
-            ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+            if len(runs) == 1:
+                steps, values = series(rows, key)
+                ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=key)
+                continue
+            steps, mean, low, high = band(runs, key)  # type: ignore[arg-type]
+            (line,) = ax.plot(steps, mean, marker="." if len(steps) < 50 else None,
+                              label=f"{key} (mean of {len(runs)}, min-max band)")
+            ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
         ax.set_title(name)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -140,20 +173,32 @@ def main(argv: list[str] | None = None) -> int:
         0 on success, 2 when the metrics file is missing or has no steps.
     """
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
-    parser.add_argument("--out", type=Path, default=None, help="PNG to write (default RUN_DIR/metrics.png)")
+    parser.add_argument("run_dir", type=Path, nargs="+",
+                        help="run directory holding metrics.jsonl; several: mean curve and min/max band")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="PNG to write (default RUN_DIR/metrics.png, or the runs' common parent)")
     args = parser.parse_args(argv)
-    path = args.run_dir / "metrics.jsonl"
-    if not path.is_file():
-        print(f"error: {path} does not exist; pass the run's output directory", file=sys.stderr)
-        return 2
-    rows = read_rows(path)
-    if not rows:
-        print(f"error: {path} has no complete step yet; plot after the first step finished", file=sys.stderr)
-        return 2
-    out = args.out or args.run_dir / "metrics.png"
-    num_panels = plot(rows, out, title=args.run_dir.resolve().name)
-    print(f"wrote {out} ({num_panels} panels, {len(rows)} steps)")
+    runs: list[list[dict]] = []
+    for run_dir in args.run_dir:
+        path = run_dir / "metrics.jsonl"
+        if not path.is_file():
+            print(f"error: {path} does not exist; pass the run's output directory", file=sys.stderr)
+            return 2
+        rows = read_rows(path)
+        if not rows:
+            print(f"error: {path} has no complete step yet; plot after the first step finished", file=sys.stderr)
+            return 2
+        runs.append(rows)
+    if len(runs) == 1:
+        out = args.out or args.run_dir[0] / "metrics.png"
+        num_panels = plot(runs[0], out, title=args.run_dir[0].resolve().name)
+        print(f"wrote {out} ({num_panels} panels, {len(runs[0])} steps)")
+        return 0
+    dirs = [d.resolve() for d in args.run_dir]
+    parent = Path(os.path.commonpath(dirs))
+    out = args.out or parent / "metrics.png"
+    num_panels = plot(runs, out, title=f"{parent.name}: {len(runs)} runs ({', '.join(d.name for d in dirs)})")
+    print(f"wrote {out} ({num_panels} panels, {len(runs)} runs, {max(len(r) for r in runs)} steps)")
     return 0
 
 

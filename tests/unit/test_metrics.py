@@ -194,3 +194,26 @@ def test_wandb_offline_run_is_resumed_under_same_id(tmp_path: Path, monkeypatch:
     # Two inits within one second share a directory name, so count only that one exists.
     assert offline_runs and all(name.endswith("-" + run_ids[0]) for name in offline_runs)
     assert [r["step"] for r in read_metrics(tmp_path / METRICS_FILENAME)] == [1, 2]
+
+
+def test_plot_tool_over_seeds_draws_the_mean_and_the_min_max_band(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    runs = []
+    for seed, offset in ((1, 0.0), (2, 0.2), (3, 0.4)):
+        run = tmp_path / f"seed{seed}"
+        with make_logger(run, total_steps=4) as logger:
+            for step in range(1, 5):
+                logger.log(step, {"critic/score/mean": offset + step / 10,
+                                  **({"val/acc": offset + step} if step % 2 == 0 or seed == 1 else {})})
+        runs.append(run)
+    tool = load_plot_tool()
+    rows = [tool.read_rows(r / "metrics.jsonl") for r in runs]
+    steps, mean, low, high = tool.band(rows, "critic/score/mean")
+    assert steps == [1, 2, 3, 4]
+    assert mean == pytest.approx([0.3, 0.4, 0.5, 0.6]) and low == pytest.approx([0.1, 0.2, 0.3, 0.4])
+    assert high == pytest.approx([0.5, 0.6, 0.7, 0.8])
+    # Steps only some runs logged: the mean and band of those runs.
+    assert tool.band(rows, "val/acc")[1] == pytest.approx([1.0, 2.2, 3.0, 4.2])
+    assert tool.main([str(r) for r in runs]) == 0
+    assert capsys.readouterr().out == f"wrote {tmp_path / 'metrics.png'} (2 panels, 3 runs, 4 steps)\n"
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert tool.main([str(runs[0]), str(tmp_path / "missing")]) == 2
