@@ -321,15 +321,22 @@ class RolloutController:
 
 
 class _TrackedFeed:
-    """One engine's view of the shared PromptFeed that remembers what it took and has not finished."""
+    """One engine's view of the shared PromptFeed that remembers what it took and has not finished.
+
+    Closing it ends this view only (its takers get None, blocked ones are woken): when the
+    engine fails, its streaming loop closes what it was given, and the shared feed must stay
+    open for the other engines and for the restarted engine's new view (stream_per_prompt
+    closes its feed on any error; a closed shared feed ended the step with no group).
+    """
 
     def __init__(self, feed: PromptFeed) -> None:
         self._feed = feed
         self._lock = threading.Lock()
         self._taken: dict[int, FeedItem] = {}
+        self._closed = threading.Event()
 
     def take(self, *, block: bool = True) -> FeedItem | None:
-        item = self._feed.take(block=block)
+        item = self._feed.take(block=block, stop=self._closed.is_set)
         if item is not None:
             with self._lock:
                 self._taken[item.index] = item
@@ -344,14 +351,15 @@ class _TrackedFeed:
             return list(self._taken.values())
 
     def close(self) -> None:
-        self._feed.close()
+        self._closed.set()
+        self._feed.notify()
 
     def notify(self) -> None:
         self._feed.notify()
 
     @property
     def exhausted(self) -> bool:
-        return self._feed.exhausted
+        return self._closed.is_set() or self._feed.exhausted
 
     @property
     def num_taken(self) -> int:

@@ -87,12 +87,14 @@ class PromptFeed:
         self._again: list[FeedItem] = []
         self.num_taken = 0
 
-    def take(self, *, block: bool = True) -> FeedItem | None:
+    def take(self, *, block: bool = True, stop: Callable[[], bool] | None = None) -> FeedItem | None:
         """The next prompt.
 
         Args:
             block: wait while the gate holds prompts back; False returns None at once then
                 (check `exhausted` to tell "not now" from "no more").
+            stop: one taker's own end (a view that was closed, see the controller's
+                _TrackedFeed): None at once when it is true; waiters are woken by notify().
 
         Returns:
             The prompt, or None once closed or exhausted (or held back, without block).
@@ -100,10 +102,10 @@ class PromptFeed:
         with self._changed:
             while (not self._again and not self._exhausted() and self._gate is not None
                    and not self._gate(self.num_taken)):
-                if not block:
+                if not block or (stop is not None and stop()):
                     return None
                 self._changed.wait()
-            if self._exhausted():
+            if self._exhausted() or (stop is not None and stop()):
                 return None
             if self._again:
                 return self._again.pop(0)

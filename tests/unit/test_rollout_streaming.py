@@ -185,6 +185,39 @@ def test_controller_stream_aborts_the_others_and_raises_the_first_engine_error(t
     controller.shutdown()
 
 
+def test_a_server_engine_restarted_mid_stream_keeps_the_shared_feed_open(tiny):
+    """A per-prompt (server) engine that dies mid-stream is restarted and takes up the feed again.
+
+    stream_per_prompt closes the feed it was given when a request fails; that must end only
+    the dead engine's view. Found by killing vLLM's server in a training run: the shared feed
+    was closed, and the step ended with none of its 16 groups."""
+    path, _ = tiny
+    calls: list[int] = []
+
+    class DiesOnce(GenerateOnly):
+        name = "server0"
+        log_path = None
+        restartable = True
+
+        def generate(self, prompts, params, *, index_offset=0):
+            calls.append(index_offset)
+            if len(calls) == 3:
+                raise EngineError("engine server0 exited with code -9")
+            return super().generate(prompts, params, index_offset=index_offset)
+
+        def restart(self):
+            calls.append(-1)
+
+    controller = RolloutController([DiesOnce(LocalEngine(path))], max_restarts=1)
+    groups: list = []
+    try:
+        controller.stream(PromptFeed(iter(PROMPTS)), PARAMS, groups.append, max_inflight=2)
+    finally:
+        controller.shutdown()
+    assert controller.num_restarts == 1 and -1 in calls
+    assert sorted(g[0].prompt_index for g in groups) == list(range(len(PROMPTS)))  # each prompt once
+
+
 def test_per_prompt_streaming_continues_a_carried_group_from_its_tokens(tiny):
     path, _ = tiny
     first = LocalEngine(path).generate([PROMPTS[2]], PARAMS)
