@@ -23,7 +23,6 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -104,55 +103,9 @@ def scratch_checkpoint(scratch: ScratchModelConfig, vocab_size: int, seed: int, 
     Returns:
         The checkpoint directory (config.json + model.safetensors).
     """
-    from transformers import Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    if scratch.family == "qwen3_moe":
-        hf_config = Qwen3MoeConfig(
-            vocab_size=vocab_size,
-            hidden_size=scratch.hidden_size,
-            intermediate_size=scratch.intermediate_size,
-            moe_intermediate_size=scratch.moe_intermediate_size
-            or max(1, scratch.intermediate_size // scratch.num_experts_per_tok),
-            num_experts=scratch.num_experts,
-            num_experts_per_tok=scratch.num_experts_per_tok,
-            norm_topk_prob=scratch.norm_topk_prob,
-            decoder_sparse_step=1,
-            mlp_only_layers=sorted(set(scratch.mlp_only_layers)),
-            num_hidden_layers=scratch.num_layers,
-            num_attention_heads=scratch.num_attention_heads,
-            num_key_value_heads=scratch.num_key_value_heads,
-            head_dim=scratch.hidden_size // scratch.num_attention_heads,
-            max_position_embeddings=scratch.max_position_embeddings,
-            rope_theta=scratch.rope_theta,
-            tie_word_embeddings=scratch.tie_word_embeddings,
-            rms_norm_eps=1e-6,
-            bos_token_id=SPM_BOS_ID,
-            eos_token_id=SPM_EOS_ID,
-            pad_token_id=SPM_PAD_ID,
-            use_sliding_window=False,
-        )
-        model_class = Qwen3MoeForCausalLM
-    else:
-        hf_config, model_class = _qwen2_config(scratch, vocab_size), Qwen2ForCausalLM
-    # The config dict carries transformers' version; torch's draws the initial weights.
-    out = cache_dir / f"scratch-{digest({'config': hf_config.to_dict(), 'seed': seed, 'torch': torch.__version__})}"
-    if (out / "config.json").is_file():
-        return out
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = model_class(hf_config)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    with atomic_dir(out) as tmp:
-        model.save_pretrained(str(tmp))
-    return out
-
-
-def _qwen2_config(scratch: ScratchModelConfig, vocab_size: int) -> Any:
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=scratch.hidden_size,
         intermediate_size=scratch.intermediate_size,
@@ -168,6 +121,34 @@ def _qwen2_config(scratch: ScratchModelConfig, vocab_size: int) -> Any:
         pad_token_id=SPM_PAD_ID,
         use_sliding_window=False,
     )
+    if scratch.family == "qwen3_moe":
+        hf_config = Qwen3MoeConfig(
+            **common,
+            moe_intermediate_size=scratch.moe_intermediate_size
+            or max(1, scratch.intermediate_size // scratch.num_experts_per_tok),
+            num_experts=scratch.num_experts,
+            num_experts_per_tok=scratch.num_experts_per_tok,
+            norm_topk_prob=scratch.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=sorted(set(scratch.mlp_only_layers)),
+            head_dim=scratch.hidden_size // scratch.num_attention_heads,
+        )
+        model_class = Qwen3MoeForCausalLM
+    else:
+        hf_config, model_class = Qwen2Config(**common), Qwen2ForCausalLM
+    # The config dict carries transformers' version; torch's draws the initial weights.
+    out = cache_dir / f"scratch-{digest({'config': hf_config.to_dict(), 'seed': seed, 'torch': torch.__version__})}"
+    if (out / "config.json").is_file():
+        return out
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = model_class(hf_config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(str(tmp))
+    return out
 
 
 @contextlib.contextmanager

@@ -99,19 +99,34 @@ def rank_pid(tag: str, rank: int) -> int | None:
     return None
 
 
-def kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
-                    timeout_s: float = 600) -> None:
-    """Start the run, SIGKILL its main process (only it, as the OOM killer does) once `ready()`."""
+def start_and_wait(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
+                   timeout_s: float = 600) -> subprocess.Popen:
+    """Start the run in a session of its own (output to `log`) and return it once `ready()`.
+
+    The run ending first, or `timeout_s` passing, fails the test with the log's tail.
+    """
     with log.open("w") as out:
         proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
+    deadline = time.monotonic() + timeout_s
     try:
-        deadline = time.monotonic() + timeout_s
         while not ready():
             assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before the kill point:\n" + \
                 log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.02)
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc
+
+
+def kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Callable[[], bool],
+                    timeout_s: float = 600) -> None:
+    """Start the run, SIGKILL its main process (only it, as the OOM killer does) once `ready()`."""
+    proc = start_and_wait(command, env, log, ready, timeout_s)
+    try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
         tag = env["FAULT_TEST_TAG"]
@@ -157,16 +172,8 @@ def kill_engine_when(command: list[str], env: dict[str, str], log: Path, ready: 
                      marker: str, rank: int | None = None, timeout_s: float = 900) -> int:
     """Start the run; once `ready()`, SIGKILL the process group of its engine server (`marker`,
     engine_server); return the run's exit code. The server's group: its scheduler and workers too."""
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc = start_and_wait(command, env, log, ready, timeout_s)
     try:
-        deadline = time.monotonic() + timeout_s
-        while not ready():
-            assert proc.poll() is None, f"the run ended (rc {proc.returncode}) before the kill point:\n" + \
-                log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.05)
         server = engine_server(proc.pid, marker, rank)
         assert server is not None, f"no server {marker!r} of rank {rank} under the run"
         os.killpg(server.pid, signal.SIGKILL)  # ServerProcess starts each server in a session of its own
