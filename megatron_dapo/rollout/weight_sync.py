@@ -131,6 +131,9 @@ def sync_weights(
             num_buckets += 1
             num_tensors += len(bucket)
             num_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            # The loop variable would keep the sent tensors alive while the export gathers the
+            # next bucket: two buckets held, not one (measured by tests/multirank/test_weight_sync_moe.py).
+            del bucket
         for future in [pool.submit(engine.finish_weight_update, version=version) for engine in engines]:
             future.result()
     return WeightSyncStats(
