@@ -110,3 +110,25 @@ def hf_log_probs(directory: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=tokens).logits
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def with_experts_of(base: str | Path, donor: str | Path, directory: str | Path) -> Path:
+    """A checkpoint with `base`'s weights but `donor`'s experts (what an update of the experts alone serves).
+
+    Args:
+        base: Qwen3-MoE checkpoint whose config and non-expert tensors are kept.
+        donor: checkpoint of the same config whose ``mlp.experts.*`` tensors are taken.
+        directory: where to save (created).
+
+    Returns:
+        The directory.
+    """
+    from safetensors.torch import load_file, save_file
+
+    out = Path(directory)
+    out.mkdir(parents=True)
+    (out / "config.json").write_text((Path(base) / "config.json").read_text())
+    kept, taken = (load_file(str(Path(p) / "model.safetensors")) for p in (base, donor))
+    save_file({n: (taken[n] if ".mlp.experts." in n else t) for n, t in kept.items()}, str(out / "model.safetensors"),
+              metadata={"format": "pt"})
+    return out

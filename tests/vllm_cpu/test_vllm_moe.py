@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import hf_log_probs, make_tiny_checkpoint
-from safetensors.torch import load_file, save_file
+from model_utils import hf_log_probs, make_tiny_checkpoint, with_experts_of
+from safetensors.torch import load_file
 
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import SamplingParams
@@ -45,14 +45,7 @@ def make(directory: Path, seed: int, **moe: int) -> Path:
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm_moe")
     made = {"a": make(root / "a", seed=0), "b": make(root / "b", seed=1)}
-    # a with b's experts: what an update of the experts alone must serve.
-    mixed = root / "a_with_b_experts"
-    mixed.mkdir()
-    (mixed / "config.json").write_text((made["a"] / "config.json").read_text())
-    a, b = (load_file(str(made[k] / "model.safetensors")) for k in "ab")
-    save_file({n: (b[n] if ".mlp.experts." in n else t) for n, t in a.items()}, str(mixed / "model.safetensors"),
-              metadata={"format": "pt"})
-    made["a_with_b_experts"] = mixed
+    made["a_with_b_experts"] = with_experts_of(made["a"], made["b"], root / "a_with_b_experts")
     return made
 
 

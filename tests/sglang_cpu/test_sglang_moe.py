@@ -1,0 +1,145 @@
+"""SGLang's own CPU server (sglang 0.5.18) serving a tiny Qwen3-MoE: generation, expert updates by HF names.
+
+The names and layout, read in the 0.5.18 wheel: update_weights_from_tensor hands the bucket
+to the model's own ``load_weights`` (model_runner_components/weight_updater.py), and
+Qwen3MoeForCausalLM.load_weights (models/qwen3_moe.py) maps the HF checkpoint's per-expert
+names ``mlp.experts.{e}.{gate,up,down}_proj.weight`` through
+``FusedMoE.make_expert_params_mapping`` onto its fused ``experts.w13_weight`` (gate as shard
+w1 in the first half, up as w3 in the second) and ``experts.w2_weight``; the fused layer's
+weight_loader copies each expert into its slice (layers/moe/fused_moe_triton/layer.py
+_load_w13/_load_w2, skipping experts another EP rank holds). So the trainer sends exactly
+what models/mapping.py exports, one expert at a time, never a fused tensor.
+
+What 0.5.18 cannot serve: a Qwen3-MoE with dense layers. Its Qwen3MoeDecoderLayer sets
+``is_layer_sparse = True`` for every layer ("Qwen3MoE all layers are sparse"), ignoring
+mlp_only_layers and decoder_sparse_step, and load_weights drops the dense layer's
+``mlp.{gate,up,down}_proj`` without a word. The module's server therefore serves an
+all-sparse model (8 experts, top-2, renormalised; hidden 128, head_dim 32); the first test,
+before that server starts (one server at a time), runs one on a model with a dense layer
+and holds that behaviour.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_utils import hf_log_probs, make_tiny_checkpoint, with_experts_of
+from safetensors.torch import load_file
+
+from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.server import SGLangServerConfig, sglang_python
+
+pytestmark = [
+    pytest.mark.sglang_cpu,
+    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+]
+
+SHAPE = {"hidden_size": 128}
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": []}
+PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]
+
+
+def make(directory: Path, seed: int, **moe) -> Path:
+    return make_tiny_checkpoint(directory, "qwen3_moe", num_layers=3, moe={**MOE, **moe}, shape=SHAPE, seed=seed)
+
+
+def launch(checkpoint: Path, log: Path, name: str) -> SGLangEngine:
+    config = SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32", max_total_tokens=32768,
+                                host="127.0.0.1", log_path=str(log))
+    return SGLangEngine.launch(config, name=name, vocab_size=100, startup_timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("sglang_moe")
+    made = {"a": make(root / "a", seed=0), "b": make(root / "b", seed=1)}
+    made["b_with_a_experts"] = with_experts_of(made["b"], made["a"], root / "b_with_a_experts")
+    return made
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, tmp_path_factory):
+    engine = launch(checkpoints["a"], tmp_path_factory.mktemp("sglang_moe_log") / "sglang0.log", "sglang0")
+    yield engine
+    engine.shutdown()
+
+
+def gaps(checkpoint: Path, results: list[GenerationResult], temperature: float) -> torch.Tensor:
+    """|engine - transformers| of every sampled token's log_softmax(logits / T) (float32 reference)."""
+    out = []
+    for r in results:
+        prompt = PROMPTS[r.prompt_index]
+        logp = hf_log_probs(checkpoint, torch.tensor([prompt + r.output_ids]))[0]  # [S, V]
+        scaled = torch.log_softmax(logp / temperature, dim=-1)
+        positions = torch.arange(len(prompt) - 1, len(prompt) + len(r.output_ids) - 1)
+        out.append((torch.tensor(r.logprobs) - scaled[positions, torch.tensor(r.output_ids)]).abs())
+    return torch.cat(out)
+
+
+def sample(engine: SGLangEngine, temperature: float = 1.0) -> list[GenerationResult]:
+    return engine.generate(PROMPTS, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=3))
+
+
+def sync(engine: SGLangEngine, tensors: dict[str, torch.Tensor], version: int) -> None:
+    """Layer-major buckets of 16 tensors: a layer's 24 expert tensors arrive over two or three of them."""
+    names = sorted(tensors)
+    for start in range(0, len(names), 16):
+        engine.update_weights([(n, tensors[n]) for n in names[start : start + 16]])
+    engine.finish_weight_update(version=version)
+
+
+def test_sglang_0_5_18_serves_dense_layers_of_qwen3_moe_as_sparse_ones(tmp_path):
+    """mlp_only_layers=[1]: the served log-probs are not the model's, and layer 1's dense MLP is ignored."""
+    dense = make(tmp_path / "dense", seed=0, mlp_only_layers=[1])
+    other = load_file(str(make(tmp_path / "other", seed=1, mlp_only_layers=[1]) / "model.safetensors"))
+    engine = launch(dense, tmp_path / "sglang_dense.log", "sglang_dense")
+    try:
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+        before = engine.generate(PROMPTS, greedy)
+        # Not transformers' model (measured: mean 4.4e-2, max 0.11; 1.7e-7 for the all-sparse one).
+        assert float(gaps(dense, before, 1.0).mean()) > 1e-2
+        mlp = [n for n in other if n.startswith("model.layers.1.mlp.")]
+        assert sorted(mlp) == [f"model.layers.1.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
+        engine.update_weights([(n, other[n]) for n in mlp])  # accepted, then dropped by load_weights
+        engine.finish_weight_update(version=1)
+        after = engine.generate(PROMPTS, greedy)
+        assert [r.output_ids for r in after] == [r.output_ids for r in before]
+        assert [r.logprobs for r in after] == [r.logprobs for r in before]
+        engine.update_weights([("model.norm.weight", other["model.norm.weight"])])  # a tensor it does load
+        engine.finish_weight_update(version=2)
+        assert [r.logprobs for r in engine.generate(PROMPTS, greedy)] != [r.logprobs for r in before]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_moe_log_probs_equal_transformers(engine, checkpoints, temperature):
+    """Measured 2026-11-25: mean 1.7e-7, max 9.5e-7 at T = 1."""
+    results = sample(engine, temperature)
+    assert all(len(r.output_ids) == 12 for r in results)
+    diff = gaps(checkpoints["a"], results, temperature)
+    assert float(diff.mean()) < 5e-6 and float(diff.max()) < 5e-5, (float(diff.mean()), float(diff.max()))
+
+
+def test_expert_updates_by_hf_names_serve_the_new_experts(engine, checkpoints):
+    """The checkpoint's per-expert names go in as they are; each expert lands in its slice of w13/w2."""
+    tensors = {k: load_file(str(checkpoints[k] / "model.safetensors")) for k in "ab"}
+    experts = [n for n in tensors["b"] if ".mlp.experts." in n]
+    assert len(experts) == 3 * 8 * 3  # every layer sparse x 8 experts x (gate, up, down)
+    try:
+        sync(engine, tensors["b"], version=1)
+        results = sample(engine)
+        assert {r.weight_versions for r in results} == {(1,)}
+        assert float(gaps(checkpoints["b"], results, 1.0).max()) < 5e-5
+        assert float(gaps(checkpoints["a"], results, 1.0).max()) > 1e-2
+        # a's experts alone: every one of them replaces b's, nothing else moves.
+        sync(engine, {n: tensors["a"][n] for n in experts}, version=2)
+        results = sample(engine)
+        assert float(gaps(checkpoints["b_with_a_experts"], results, 1.0).max()) < 5e-5
+        assert float(gaps(checkpoints["b"], results, 1.0).max()) > 1e-2
+    finally:
+        sync(engine, tensors["a"], version=0)
+    assert float(gaps(checkpoints["a"], sample(engine), 1.0).max()) < 5e-5
