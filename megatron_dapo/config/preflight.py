@@ -7,7 +7,8 @@ and a job that does not validate fails on them in its first seconds. In order:
 
 - the device: `trainer.device=cuda` needs a GPU this process can see;
 - the engine family is installed (rollout/factory.check_installed: the same check `eval`
-  runs for `--engine`);
+  runs for `--engine`), and can serve the checkpoint (factory.check_model: SGLang 0.5.18 and
+  a Qwen3-MoE with dense layers, vLLM's CPU MoE kernel and its padded experts);
 - the run directory can be created and written (output_dir.check_output_dir), and the
   cache directory ($MEGATRON_DAPO_CACHE) is a writable directory;
 - the reward function imports as the reward workers will import it;
@@ -77,7 +78,7 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True) -> None:
     from megatron_dapo.embedded import cache_root, check_task
     from megatron_dapo.output_dir import check_output_dir
     from megatron_dapo.rewards.registry import get_reward_fn
-    from megatron_dapo.rollout.factory import check_installed
+    from megatron_dapo.rollout.factory import check_installed, check_model
 
     check_device(cfg.trainer.device)
     check_installed(cfg.rollout.engine, cfg.rollout)
@@ -87,6 +88,7 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True) -> None:
 
     if cfg.model.hf_checkpoint is not None:
         check_hf_checkpoint(cfg.model.hf_checkpoint)
+        check_model(cfg.rollout.engine, cfg.model.hf_checkpoint, cfg.trainer.device)
     source = cfg.model.tokenizer or cfg.model.hf_checkpoint
     tokenizer = load_tokenizer(source) if source is not None else None
     files = [*cfg.data.train_files, *cfg.data.val_files]

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 
 __all__ = ["ENGINE_NAMES", "FAMILIES", "EngineFamily", "EvalEngineArgs", "check_engine",
-           "check_installed", "eval_engine", "launch_rank_engines", "training_engines"]
+           "check_installed", "check_model", "eval_engine", "launch_rank_engines", "training_engines"]
 
 @dataclass(kw_only=True, slots=True)
 class EvalEngineArgs:
@@ -70,6 +70,9 @@ class EngineFamily:
     check_installed: Callable[[RolloutConfig | None, str], None]
     """(the rollout section or None for eval's defaults, where the name came from) -> raise UserError."""
     launch_on_ranks: Callable[..., ColocatedEngines] | None = None
+    check_model: Callable[[Path, str], None] = lambda model_dir, device: None
+    """(HF checkpoint, the actor's device type) -> raise UserError if this engine would fail on it
+    or serve it wrong; run by `config validate`/`train` before any work and by the launch."""
 
 
 def _local_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
@@ -182,13 +185,27 @@ def _vllm_installed(rollout: RolloutConfig | None, where: str) -> None:
                         f"(CPU) or `pip install -e .[vllm]` (GPU), or pick another engine ({where}=local)")
 
 
+def _sglang_model(model_dir: Path, device: str) -> None:
+    from megatron_dapo.rollout.sglang.server import check_servable
+
+    check_servable(model_dir)
+
+
+def _vllm_model(model_dir: Path, device: str) -> None:
+    if device == "cpu":
+        from megatron_dapo.rollout.vllm.engine import check_cpu_moe
+
+        check_cpu_moe(model_dir)
+
+
 FAMILIES: dict[str, EngineFamily] = {
     "local": EngineFamily(name="local", for_training=_local_training, for_eval=_local_eval,
                           check_installed=_local_installed),
     "sglang": EngineFamily(name="sglang", for_training=_sglang_training, for_eval=_sglang_eval,
-                           check_installed=_sglang_installed, launch_on_ranks=_sglang_launch),
+                           check_installed=_sglang_installed, launch_on_ranks=_sglang_launch,
+                           check_model=_sglang_model),
     "vllm": EngineFamily(name="vllm", for_training=_vllm_training, for_eval=_vllm_eval,
-                         check_installed=_vllm_installed),
+                         check_installed=_vllm_installed, check_model=_vllm_model),
 }
 ENGINE_NAMES: tuple[str, ...] = tuple(FAMILIES)
 """Every engine the trainer and `megatron-dapo eval` take (= config.ENGINE_NAMES, held by a test)."""
@@ -203,6 +220,11 @@ def check_installed(name: str, rollout: RolloutConfig | None = None, *, where: s
         where: how the user named the engine ("rollout.engine", "--engine").
     """
     FAMILIES[name].check_installed(rollout, where)
+
+
+def check_model(name: str, model_dir: str | Path, device: str) -> None:
+    """Raise a one-line UserError if engine family `name` cannot serve the checkpoint `model_dir` right."""
+    FAMILIES[name].check_model(Path(model_dir), device)
 
 
 def launch_rank_engines(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,

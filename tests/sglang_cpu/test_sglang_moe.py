@@ -91,10 +91,21 @@ def sync(engine: SGLangEngine, tensors: dict[str, torch.Tensor], version: int) -
     engine.finish_weight_update(version=version)
 
 
-def test_sglang_0_5_18_serves_dense_layers_of_qwen3_moe_as_sparse_ones(tmp_path):
-    """mlp_only_layers=[1]: the served log-probs are not the model's, and layer 1's dense MLP is ignored."""
+def test_sglang_0_5_18_serves_dense_layers_of_qwen3_moe_as_sparse_ones(tmp_path, monkeypatch):
+    """mlp_only_layers=[1]: the served log-probs are not the model's, and layer 1's dense MLP is ignored.
+
+    So the launch refuses such a checkpoint (server.check_servable, one line before any
+    process starts); the pin below lets it through to hold SGLang's own behaviour, and fails
+    once an SGLang release serves dense layers (then the check can go)."""
+    from megatron_dapo.errors import UserError
+    from megatron_dapo.rollout.sglang import engine as engine_module
+
     dense = make(tmp_path / "dense", seed=0, mlp_only_layers=[1])
     other = load_file(str(make(tmp_path / "other", seed=1, mlp_only_layers=[1]) / "model.safetensors"))
+    with pytest.raises(UserError, match=r"Qwen3-MoE with dense layers \[1\].*use rollout.engine=local or vllm"):
+        launch(dense, tmp_path / "refused.log", "refused")
+    assert not (tmp_path / "refused.log").exists()
+    monkeypatch.setattr(engine_module, "check_servable", lambda path: None)
     engine = launch(dense, tmp_path / "sglang_dense.log", "sglang_dense")
     try:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8)

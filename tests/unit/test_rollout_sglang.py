@@ -331,3 +331,29 @@ def test_launch_node_engines_splits_gpus_and_stops_all_on_failure(tmp_path):
         launch_node_engines(config, tmp_path, num_gpus=2, log_dir=tmp_path / "logs", startup_timeout_s=60)
     # Both servers were started before the first wait (they load concurrently), each with its own log.
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["sglang0.log", "sglang1.log"]
+
+
+def test_a_qwen3_moe_with_dense_layers_is_refused_before_sglang_starts(tmp_path):
+    """SGLang 0.5.18 serves every Qwen3-MoE layer as sparse (tests/sglang_cpu/test_sglang_moe.py)."""
+    from megatron_dapo.rollout.sglang.server import check_servable
+
+    def config(**fields):
+        directory = tmp_path / str(len(list(tmp_path.iterdir())))
+        directory.mkdir()
+        (directory / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 4,
+                                                           "num_experts": 8, **fields}))
+        return directory
+
+    check_servable(config(mlp_only_layers=[], decoder_sparse_step=1))  # Qwen3-30B-A3B's shape
+    check_servable(tmp_path / "missing")  # the server reports it
+    with pytest.raises(UserError, match=r"dense layers \[0, 2\]"):
+        check_servable(config(mlp_only_layers=[0, 2]))
+    with pytest.raises(UserError, match=r"dense layers \[0, 2\]"):
+        check_servable(config(decoder_sparse_step=2))  # layers 1 and 3 sparse
+    # The same rule is what `config validate` and `train` run first (preflight), per engine family.
+    from megatron_dapo.rollout.factory import check_model
+
+    with pytest.raises(UserError, match="rollout.engine=sglang"):
+        check_model("sglang", config(mlp_only_layers=[1]), "cpu")
+    check_model("local", config(mlp_only_layers=[1]), "cpu")
+

@@ -64,6 +64,7 @@ from megatron_dapo.rollout.sglang.protocol import (
 from megatron_dapo.rollout.sglang.server import (
     SGLangServerConfig,
     build_launch_command,
+    check_servable,
     resolve_server_config,
     server_env,
 )
@@ -198,6 +199,7 @@ class SGLangEngine(WeightUpdates):
         Returns:
             An engine that owns its (still loading) server process.
         """
+        check_servable(config.model_path)  # what the server would serve wrong (a UserError, exit 2)
         if live_updates and "--disable-radix-cache" not in config.extra_args:
             config = dataclasses.replace(config, extra_args=(*config.extra_args, "--disable-radix-cache"))
         resolved = resolve_server_config(config, name)

@@ -30,6 +30,7 @@ by :func:`sglang_python`.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import secrets
 import sys
@@ -218,3 +219,36 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         extra_args=config.extra_args,
         env=dict(config.env),
     )
+
+
+def check_servable(model_path: str | Path) -> None:
+    """Refuse, before a server starts, a checkpoint SGLang 0.5.18 would serve wrong without a word.
+
+    Its ``Qwen3MoeDecoderLayer`` sets ``is_layer_sparse = True`` for every layer ("Qwen3MoE all
+    layers are sparse", models/qwen3_moe.py), ignoring mlp_only_layers and decoder_sparse_step,
+    and its load_weights drops a dense layer's mlp.{gate,up,down}_proj: a Qwen3-MoE with dense
+    layers is served with experts where the checkpoint has a dense MLP (log-probs 4e-2 off in
+    tests/sglang_cpu/test_sglang_moe.py). Qwen3-30B-A3B has none.
+
+    Raises:
+        UserError: a qwen3_moe config with a dense layer.
+    """
+    from megatron_dapo.errors import UserError
+
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return  # the server reports an unreadable config at start
+    if config.get("model_type") != "qwen3_moe":
+        return
+    layers = int(config.get("num_hidden_layers") or 0)
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = sorted({*config.get("mlp_only_layers", [])} | {i for i in range(layers) if (i + 1) % step})
+    if dense and int(config.get("num_experts") or 0) > 0:
+        raise UserError(
+            f"rollout.engine=sglang: {model_path} is a Qwen3-MoE with dense layers {dense} (mlp_only_layers / "
+            "decoder_sparse_step), which SGLang 0.5.18 serves as MoE layers (its Qwen3MoeDecoderLayer makes every "
+            "layer sparse and drops the dense weights): use rollout.engine=local or vllm, or a model without "
+            "dense layers"
+        )
