@@ -353,7 +353,7 @@ def test_a_qwen3_moe_with_dense_layers_is_refused_before_sglang_starts(tmp_path)
     # The same rule is what `config validate` and `train` run first (preflight), per engine family.
     from megatron_dapo.rollout.factory import check_model
 
-    with pytest.raises(UserError, match="rollout.engine=sglang"):
+    with pytest.raises(UserError, match=r"rollout\.engine=sglang"):
         check_model("sglang", config(mlp_only_layers=[1]), "cpu")
     check_model("local", config(mlp_only_layers=[1]), "cpu")
 
