@@ -350,6 +350,13 @@ def test_a_qwen3_moe_with_dense_layers_is_refused_before_sglang_starts(tmp_path)
         check_servable(config(mlp_only_layers=[0, 2]))
     with pytest.raises(UserError, match=r"dense layers \[0, 2\]"):
         check_servable(config(decoder_sparse_step=2))  # layers 1 and 3 sparse
+    # transformers 5.19's own config.json names the experts num_local_experts.
+    spelled = config(mlp_only_layers=[3])
+    saved = json.loads((spelled / "config.json").read_text())
+    saved["num_local_experts"] = saved.pop("num_experts")
+    (spelled / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(UserError, match=r"dense layers \[3\]"):
+        check_servable(spelled)
     # The same rule is what `config validate` and `train` run first (preflight), per engine family.
     from megatron_dapo.rollout.factory import check_model
 

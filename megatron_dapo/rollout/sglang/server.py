@@ -245,7 +245,8 @@ def check_servable(model_path: str | Path) -> None:
     layers = int(config.get("num_hidden_layers") or 0)
     step = int(config.get("decoder_sparse_step") or 1)
     dense = sorted({*config.get("mlp_only_layers", [])} | {i for i in range(layers) if (i + 1) % step})
-    if dense and int(config.get("num_experts") or 0) > 0:
+    # transformers 5.19 writes num_local_experts for Qwen3-MoE; HF's published configs num_experts.
+    if dense and int(config.get("num_experts") or config.get("num_local_experts") or 0) > 0:
         raise UserError(
             f"rollout.engine=sglang: {model_path} is a Qwen3-MoE with dense layers {dense} (mlp_only_layers / "
             "decoder_sparse_step), which SGLang 0.5.18 serves as MoE layers (its Qwen3MoeDecoderLayer makes every "
