@@ -14,9 +14,9 @@ What 0.5.18 cannot serve: a Qwen3-MoE with dense layers. Its Qwen3MoeDecoderLaye
 ``is_layer_sparse = True`` for every layer ("Qwen3MoE all layers are sparse"), ignoring
 mlp_only_layers and decoder_sparse_step, and load_weights drops the dense layer's
 ``mlp.{gate,up,down}_proj`` without a word. The module's server therefore serves an
-all-sparse model (8 experts, top-2, renormalised; hidden 128, head_dim 32); the first test,
-before that server starts (one server at a time), runs one on a model with a dense layer
-and holds that behaviour.
+all-sparse model (8 experts, top-2, renormalised; hidden 128, head_dim 32); the first test
+holds the launch's refusal of a model with a dense layer and pins the reason in SGLang's
+source (the served behaviour, measured once, is in its docstring).
 """
 
 from __future__ import annotations
@@ -92,17 +92,20 @@ def sync(engine: SGLangEngine, tensors: dict[str, torch.Tensor], version: int) -
     engine.finish_weight_update(version=version)
 
 
-def test_sglang_0_5_18_serves_dense_layers_of_qwen3_moe_as_sparse_ones(tmp_path, monkeypatch):
-    """mlp_only_layers=[1]: the served log-probs are not the model's, and layer 1's dense MLP is ignored.
+def test_sglang_0_5_18_serves_dense_layers_of_qwen3_moe_as_sparse_ones(tmp_path):
+    """A Qwen3-MoE with a dense layer (mlp_only_layers=[1]) is refused before a server starts.
 
-    So the launch refuses such a checkpoint (server.check_servable, one line before any
-    process starts); the pin below lets it through to hold SGLang's own behaviour, and fails
-    once an SGLang release serves dense layers (then the check can go)."""
+    Why, pinned in the installed SGLang's own source: Qwen3MoeDecoderLayer sets
+    ``is_layer_sparse = True`` for every layer and never reads mlp_only_layers or
+    decoder_sparse_step. Run on this server once (2026-11-25): served log-probs 4.4e-2 (mean)
+    from transformers', and an update of layer 1's dense MLP changed nothing. The pin fails
+    when an SGLang release reads those fields; then the refusal (server.check_servable) can go.
+    """
+    import subprocess
+
     from megatron_dapo.errors import UserError
-    from megatron_dapo.rollout.sglang import engine as engine_module
 
     dense = make(tmp_path / "dense", seed=0, mlp_only_layers=[1])
-    other = load_file(str(make(tmp_path / "other", seed=1, mlp_only_layers=[1]) / "model.safetensors"))
     try:
         launched = launch(dense, tmp_path / "refused.log", "refused")
     except UserError as err:
@@ -111,25 +114,11 @@ def test_sglang_0_5_18_serves_dense_layers_of_qwen3_moe_as_sparse_ones(tmp_path,
         launched.shutdown()
         pytest.fail("a Qwen3-MoE with a dense layer was launched on SGLang")
     assert not (tmp_path / "refused.log").exists()
-    monkeypatch.setattr(engine_module, "check_servable", lambda path: None)
-    engine = launch(dense, tmp_path / "sglang_dense.log", "sglang_dense")
-    try:
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
-        before = engine.generate(PROMPTS, greedy)
-        # Not transformers' model (measured: mean 4.4e-2, max 0.11; 1.7e-7 for the all-sparse one).
-        assert float(gaps(dense, before, 1.0).mean()) > 1e-2
-        mlp = [n for n in other if n.startswith("model.layers.1.mlp.")]
-        assert sorted(mlp) == [f"model.layers.1.mlp.{p}_proj.weight" for p in ("down", "gate", "up")]
-        engine.update_weights([(n, other[n]) for n in mlp])  # accepted, then dropped by load_weights
-        engine.finish_weight_update(version=1)
-        after = engine.generate(PROMPTS, greedy)
-        assert [r.output_ids for r in after] == [r.output_ids for r in before]
-        assert [r.logprobs for r in after] == [r.logprobs for r in before]
-        engine.update_weights([("model.norm.weight", other["model.norm.weight"])])  # a tensor it does load
-        engine.finish_weight_update(version=2)
-        assert [r.logprobs for r in engine.generate(PROMPTS, greedy)] != [r.logprobs for r in before]
-    finally:
-        engine.shutdown()
+    origin = subprocess.run([sglang_python(), "-c", "import importlib.util; print(importlib.util.find_spec('sglang').origin)"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    source = (Path(origin).parent / "srt" / "models" / "qwen3_moe.py").read_text()
+    assert "self.is_layer_sparse = True" in source
+    assert "mlp_only_layers" not in source and "decoder_sparse_step" not in source
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
