@@ -112,6 +112,32 @@ def hf_log_probs(directory: str | Path, tokens: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits.float(), dim=-1)
 
 
+def reference_log_probs(checkpoint: str | Path, prompt: list[int], output: list[int],
+                        temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T)[token] of each output token from transformers in float32."""
+    logp = hf_log_probs(checkpoint, torch.tensor([prompt + output]))[0]
+    scaled = torch.log_softmax(logp / temperature, dim=-1) if temperature not in (0.0, 1.0) else logp
+    positions = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
+    return scaled[positions, torch.tensor(output)]
+
+
+def sampled_gaps(checkpoint: str | Path, prompts: list[list[int]], results: list, temperature: float) -> torch.Tensor:
+    """|engine - transformers| of every sampled token's log-prob (GenerationResults of `prompts`)."""
+    return torch.cat([(torch.tensor(r.logprobs) - reference_log_probs(checkpoint, prompts[r.prompt_index],
+                                                                     r.output_ids, temperature)).abs()
+                      for r in results])
+
+
+SERVER_MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
+"""The tiny Qwen3-MoE the server tiers serve (3 layers, hidden 128; dense layers as TINY_MOE_SHAPE has them)."""
+
+
+def make_server_moe(directory: str | Path, seed: int, **moe: object) -> Path:
+    """A SERVER_MOE checkpoint (fields in `moe` override it)."""
+    return make_tiny_checkpoint(directory, "qwen3_moe", num_layers=3, moe={**SERVER_MOE, **moe},
+                                shape={"hidden_size": 128}, seed=seed)
+
+
 def with_experts_of(base: str | Path, donor: str | Path, directory: str | Path) -> Path:
     """A checkpoint with `base`'s weights but `donor`'s experts (what an update of the experts alone serves).
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import hf_log_probs, make_tiny_checkpoint, with_experts_of
+from model_utils import make_server_moe, sampled_gaps, with_experts_of
 from safetensors.torch import load_file
 
 from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
@@ -38,13 +38,7 @@ pytestmark = [
     pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
 ]
 
-SHAPE = {"hidden_size": 128}
-MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64, "mlp_only_layers": []}
 PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]
-
-
-def make(directory: Path, seed: int, **moe) -> Path:
-    return make_tiny_checkpoint(directory, "qwen3_moe", num_layers=3, moe={**MOE, **moe}, shape=SHAPE, seed=seed)
 
 
 def launch(checkpoint: Path, log: Path, name: str) -> SGLangEngine:
@@ -56,7 +50,9 @@ def launch(checkpoint: Path, log: Path, name: str) -> SGLangEngine:
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sglang_moe")
-    made = {"a": make(root / "a", seed=0), "b": make(root / "b", seed=1)}
+    # All sparse: SGLang 0.5.18 serves no dense layer (the first test).
+    made = {"a": make_server_moe(root / "a", seed=0, mlp_only_layers=[]),
+            "b": make_server_moe(root / "b", seed=1, mlp_only_layers=[])}
     made["b_with_a_experts"] = with_experts_of(made["b"], made["a"], root / "b_with_a_experts")
     return made
 
@@ -68,16 +64,8 @@ def engine(checkpoints, tmp_path_factory):
     engine.shutdown()
 
 
-def gaps(checkpoint: Path, results: list[GenerationResult], temperature: float) -> torch.Tensor:
-    """|engine - transformers| of every sampled token's log_softmax(logits / T) (float32 reference)."""
-    out = []
-    for r in results:
-        prompt = PROMPTS[r.prompt_index]
-        logp = hf_log_probs(checkpoint, torch.tensor([prompt + r.output_ids]))[0]  # [S, V]
-        scaled = torch.log_softmax(logp / temperature, dim=-1)
-        positions = torch.arange(len(prompt) - 1, len(prompt) + len(r.output_ids) - 1)
-        out.append((torch.tensor(r.logprobs) - scaled[positions, torch.tensor(r.output_ids)]).abs())
-    return torch.cat(out)
+def gaps(checkpoint: Path, results, temperature: float) -> torch.Tensor:
+    return sampled_gaps(checkpoint, PROMPTS, results, temperature)
 
 
 def sample(engine: SGLangEngine, temperature: float = 1.0) -> list[GenerationResult]:
@@ -105,7 +93,7 @@ def test_sglang_0_5_18_serves_dense_layers_of_qwen3_moe_as_sparse_ones(tmp_path)
 
     from megatron_dapo.errors import UserError
 
-    dense = make(tmp_path / "dense", seed=0, mlp_only_layers=[1])
+    dense = make_server_moe(tmp_path / "dense", seed=0, mlp_only_layers=[1])
     try:
         launched = launch(dense, tmp_path / "refused.log", "refused")
     except UserError as err:

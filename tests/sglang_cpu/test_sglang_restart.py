@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from model_utils import reference_log_probs
 from safetensors.torch import load_file
-from test_sglang_server import launch, make_checkpoint, reference_log_probs
+from test_sglang_server import launch, make_checkpoint
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted, SamplingParams

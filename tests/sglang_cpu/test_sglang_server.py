@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import TINY_SHAPE, hf_log_probs
+from model_utils import TINY_SHAPE, sampled_gaps
 from safetensors.torch import load_file
 
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams
@@ -79,20 +79,8 @@ def weights_a(engine, checkpoints):
     engine.finish_weight_update(version=0)
 
 
-def reference_log_probs(checkpoint: Path, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T)[token] of each output token from transformers in float32."""
-    logp = hf_log_probs(checkpoint, torch.tensor([prompt + output]))[0]
-    scaled = torch.log_softmax(logp / temperature, dim=-1) if temperature not in (0.0, 1.0) else logp
-    positions = torch.arange(len(prompt) - 1, len(prompt) + len(output) - 1)
-    return scaled[positions, torch.tensor(output)]
-
-
 def gaps(checkpoint: Path, results: list[GenerationResult], temperature: float) -> torch.Tensor:
-    return torch.cat([
-        (torch.tensor(r.logprobs) - reference_log_probs(checkpoint, PROMPTS[r.prompt_index], r.output_ids,
-                                                         temperature)).abs()
-        for r in results
-    ])
+    return sampled_gaps(checkpoint, PROMPTS, results, temperature)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_utils import hf_log_probs, make_tiny_checkpoint, with_experts_of
+from model_utils import make_server_moe, sampled_gaps, with_experts_of
 from safetensors.torch import load_file
 
 from megatron_dapo.errors import UserError
@@ -31,20 +31,14 @@ pytestmark = [
     pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (scripts/install_vllm_cpu.sh)"),
 ]
 
-SHAPE = {"hidden_size": 128}
-MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64}
 PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]
 PROBE = Path(__file__).with_name("vllm_moe_reload_probe.py")
-
-
-def make(directory: Path, seed: int, **moe: int) -> Path:
-    return make_tiny_checkpoint(directory, "qwen3_moe", num_layers=3, moe={**MOE, **moe}, shape=SHAPE, seed=seed)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm_moe")
-    made = {"a": make(root / "a", seed=0), "b": make(root / "b", seed=1)}
+    made = {"a": make_server_moe(root / "a", seed=0), "b": make_server_moe(root / "b", seed=1)}
     made["a_with_b_experts"] = with_experts_of(made["a"], made["b"], root / "a_with_b_experts")
     return made
 
@@ -61,15 +55,7 @@ def engine(checkpoints, tmp_path_factory):
 
 
 def gaps(checkpoint: Path, results, temperature: float) -> torch.Tensor:
-    """|engine - transformers| of every sampled token's log_softmax(logits / T) (float32 reference)."""
-    out = []
-    for r in results:
-        prompt = PROMPTS[r.prompt_index]
-        logp = hf_log_probs(checkpoint, torch.tensor([prompt + r.output_ids]))[0]  # [S, V]
-        scaled = torch.log_softmax(logp / temperature, dim=-1)
-        positions = torch.arange(len(prompt) - 1, len(prompt) + len(r.output_ids) - 1)
-        out.append((torch.tensor(r.logprobs) - scaled[positions, torch.tensor(r.output_ids)]).abs())
-    return torch.cat(out)
+    return sampled_gaps(checkpoint, PROMPTS, results, temperature)
 
 
 def sample(engine, temperature: float = 1.0):
@@ -127,7 +113,7 @@ def test_padded_moe_cannot_be_updated_and_is_refused_before_launch(tmp_path):
     """moe_intermediate_size 48 is padded to 64 at load; vLLM's reload then fails to copy 96 rows into 128."""
     from megatron_dapo.rollout.vllm.engine import VLLMEngine
 
-    padded = make(tmp_path / "padded", seed=0, moe_intermediate_size=48)
+    padded = make_server_moe(tmp_path / "padded", seed=0, moe_intermediate_size=48)
     assert _probe(padded) == {"error": "The size of tensor a (128) must match the size of tensor b (96) "
                                        "at non-singleton dimension 1"}
     with pytest.raises(UserError, match=r"moe_intermediate_size=48, not a multiple of 32"):
