@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
 from megatron_dapo.rollout.engine import GenerationResult
+from megatron_dapo.rollout.routes import routes_from_bytes, routes_to_bytes
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,7 +46,8 @@ class CollectState:
         for c in self.carried:
             assert sampler is not None, "carried groups come from the controller's sampler"
             carried.append({"position": sampler.position_of(c.record), "versions": list(c.versions),
-                            "results": [[r.sample_index, r.output_ids, r.logprobs, r.finish_reason]
+                            "results": [[r.sample_index, r.output_ids, r.logprobs, r.finish_reason,
+                                         None if r.routed_experts is None else routes_to_bytes(r.routed_experts)]
                                         for r in c.results]})
         return {"keep_rate": self.keep_rate, "carried": carried}
 
@@ -56,8 +58,10 @@ class CollectState:
         for c in state.get("carried", []):
             assert sampler is not None, "carried groups need the controller's sampler"
             results = [GenerationResult(prompt_index=0, sample_index=int(j), output_ids=list(ids),
-                                        logprobs=[float(x) for x in lps], finish_reason=why)
-                       for j, ids, lps, why in c["results"]]
+                                        logprobs=[float(x) for x in lps], finish_reason=why,
+                                        routed_experts=None if not routes or routes[0] is None
+                                        else routes_from_bytes(routes[0]))
+                       for j, ids, lps, why, *routes in c["results"]]
             self.carried.append(CarriedGroup(record=sampler.record_at(int(c["position"])), results=results,
                                              versions=[int(v) for v in c["versions"]]))
 

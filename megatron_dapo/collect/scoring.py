@@ -52,7 +52,7 @@ def generate_and_score(
 
 def make_sample(prompt: PromptRecord, r: GenerationResult) -> Sample:
     return Sample(prompt_ids=prompt.prompt_ids, response_ids=r.output_ids, rollout_log_probs=r.logprobs,
-                  finish_reason=r.finish_reason, weight_versions=r.weight_versions)
+                  finish_reason=r.finish_reason, weight_versions=r.weight_versions, routed_experts=r.routed_experts)
 
 
 def score_groups(groups: Sequence[Group], *, rewards: RewardPool, tokenizer: Tokenizer) -> RewardStats:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from megatron_dapo.data.datasets import PromptRecord
 from megatron_dapo.rollout.engine import SamplingParams
 
@@ -39,6 +41,9 @@ class Sample:
     weight_versions: tuple[int, ...] = ()
     """Which versions, oldest first, where the engine reports them (the asynchronous loop's
     staleness is the age of the first)."""
+    routed_experts: np.ndarray | None = None
+    """[len(prompt) + len(response) - 1, L, k] the engine's expert ids per token and MoE layer
+    (rollout/routes.py), for routing replay; None = not reported."""
 
     @property
     def reward(self) -> float:

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -104,6 +105,10 @@ class GenerationResult:
     weight_versions: tuple[int, ...] = ()
     """The weight versions its tokens were sampled under, oldest first (more than one when a
     weight update landed while it was generated); () = the engine does not report them."""
+    routed_experts: np.ndarray | None = None
+    """[len(prompt) + len(output_ids) - 1, L, k] uint8/int16 expert ids of every token the engine
+    forwarded, per MoE layer (rollout/routes.py); None = not reported (dense model, or an
+    engine without routes)."""
 
     def __post_init__(self) -> None:
         assert len(self.output_ids) == len(self.logprobs), (len(self.output_ids), len(self.logprobs))

@@ -56,7 +56,8 @@ def continuation(carried: GenerationResult, more: GenerationResult) -> Generatio
     """A carried partial response followed by what was generated after it."""
     return GenerationResult(prompt_index=more.prompt_index, sample_index=carried.sample_index,
                             output_ids=[*carried.output_ids, *more.output_ids],
-                            logprobs=[*carried.logprobs, *more.logprobs], finish_reason=more.finish_reason)
+                            logprobs=[*carried.logprobs, *more.logprobs], finish_reason=more.finish_reason,
+                            routed_experts=more.routed_experts)  # its prompt held the carried tokens
 
 
 class PromptFeed:

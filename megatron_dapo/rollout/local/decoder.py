@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -29,6 +30,7 @@ from transformers.cache_utils import DynamicLayer
 from megatron_dapo.rollout.engine import FinishReason, SamplingParams
 from megatron_dapo.rollout.local.kv_rows import RowBufferLayer
 from megatron_dapo.rollout.local.sampling import counter_uniforms, sample_next_tokens
+from megatron_dapo.rollout.routes import HFRouteRecorder
 
 __all__ = ["ContinuousDecoder", "DecodeRow", "FinishedRow"]
 
@@ -51,6 +53,8 @@ class DecodeRow:
     """Tokens already generated (a partial rollout continued): the row resumes after them."""
     prefix_logprobs: tuple[float, ...] = ()
     """The engine log-probs the prefix was sampled with (under older weights)."""
+    prefix_routes: np.ndarray | None = None
+    """The routes the carried response was reported with (kept if it never joins again)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +69,9 @@ class FinishedRow:
     """Temperature-scaled log-probs of the generated tokens."""
     finish_reason: FinishReason
     """stop, length or abort."""
+    routed_experts: np.ndarray | None = None
+    """[P + len(output_ids) - 1, L, k] expert ids of every token forwarded (rollout/routes.py);
+    None without a route recorder."""
 
 
 class ContinuousDecoder:
@@ -72,7 +79,7 @@ class ContinuousDecoder:
 
     def __init__(
         self, model: PreTrainedModel, *, params: SamplingParams, stop_ids: Sequence[int], max_rows: int,
-        device: torch.device,
+        device: torch.device, routes: HFRouteRecorder | None = None,
     ) -> None:
         """An empty batch.
 
@@ -82,6 +89,8 @@ class ContinuousDecoder:
             stop_ids: token ids that end a response (eos and the request's stop ids).
             max_rows: the most rows decoded together (bounds the KV cache).
             device: where the model runs; sampling and bookkeeping stay on CPU.
+            routes: records every forward's expert ids (an MoE model); each finished row then
+                carries the routes of its prompt and response tokens.
         """
         self._model = model
         self._params = params
@@ -100,6 +109,11 @@ class ContinuousDecoder:
         self._cache: DynamicCache | None = None
         self._mask = torch.zeros(0, 0, dtype=torch.long)  # [b, C]: which cache columns are real tokens
         self._next_ids = torch.zeros(0, dtype=torch.long)  # [b] the token each row feeds next
+        self._routes = routes if routes is not None and routes.num_layers else None
+        if self._routes is not None:  # response token j's routes, recorded when it is fed
+            self._out_routes = torch.zeros(max_rows, width, routes.num_layers, routes.top_k,
+                                           dtype=routes._torch_dtype)
+            self._ctx_routes: dict[int, torch.Tensor] = {}  # slot -> routes of its prefilled context
 
     @property
     def num_running(self) -> int:
@@ -126,7 +140,10 @@ class ContinuousDecoder:
         if self._rows:
             mask = torch.cat([self._mask, self._mask.new_ones(len(self._rows), 1)], dim=-1)
             positions = self._mask.sum(-1, keepdim=True)  # real tokens before the one fed now
-            logits.append(self._forward(self._next_ids.unsqueeze(-1), mask, positions, self._cache))
+            step_logits, routes = self._forward(self._next_ids.unsqueeze(-1), mask, positions, self._cache)
+            logits.append(step_logits)
+            if routes is not None:  # the fed token is each row's last generated one
+                self._out_routes[self._slots, self._counts - 1] = routes[:, 0]
             self._mask = mask
         if new_rows:
             # A prompt's n rows share one context: prefill each distinct context once, then
@@ -141,12 +158,15 @@ class ContinuousDecoder:
             input_ids = torch.zeros(len(contexts), width, dtype=torch.long)
             input_ids[new_mask.bool()] = torch.tensor([t for c in contexts for t in c], dtype=torch.long)
             positions = (new_mask.cumsum(-1) - 1).clamp(min=0)
-            prefill = self._forward(input_ids, new_mask, positions, new_cache)
+            prefill, routes = self._forward(input_ids, new_mask, positions, new_cache)
+            context_routes = None
+            if routes is not None:  # each row's context without its left padding
+                context_routes = [routes[inverse[r], width - int(lens[inverse[r]]):] for r in range(len(new_rows))]
             if len(contexts) < len(new_rows):
                 prefill, new_mask = prefill[inverse], new_mask[inverse]
                 new_cache.batch_select_indices(inverse.to(self._device))
             logits.append(prefill)
-            self._join(new_rows, new_cache, new_mask)
+            self._join(new_rows, new_cache, new_mask, context_routes)
         if not self._rows:
             return []
         return self._sample_and_retire(torch.cat(logits) if len(logits) > 1 else logits[0])
@@ -161,16 +181,23 @@ class ContinuousDecoder:
 
     def _forward(
         self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache | None
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits of each row's last position [b, V], and the routes [b, s, L, k] with a recorder."""
         device = self._device
-        return self._model(
+        logits = self._model(
             input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         ).logits[:, -1, :].cpu()  # [b, V]
+        routes = None if self._routes is None else self._routes.take(*input_ids.shape)
+        return logits, routes
 
-    def _join(self, rows: Sequence[DecodeRow], cache: DynamicCache, mask: torch.Tensor) -> None:
+    def _join(self, rows: Sequence[DecodeRow], cache: DynamicCache, mask: torch.Tensor,
+              context_routes: list[torch.Tensor] | None = None) -> None:
         """Append the prefilled rows to the batch (their cache after the running rows')."""
         slots = torch.tensor([self._free_slots.pop() for _ in rows], dtype=torch.long)
+        if context_routes is not None:
+            for slot, routes in zip(slots.tolist(), context_routes, strict=True):
+                self._ctx_routes[slot] = routes
         self._out_ids[slots] = 0
         self._out_lps[slots] = 0.0
         for slot, row in zip(slots.tolist(), rows):
@@ -215,8 +242,14 @@ class ContinuousDecoder:
 
     def _finished(self, b: int, reason: FinishReason) -> FinishedRow:
         slot, count = int(self._slots[b]), int(self._counts[b])
-        return FinishedRow(row=self._rows[b], output_ids=self._out_ids[slot, :count].tolist(),
-                           logprobs=self._out_lps[slot, :count].tolist(), finish_reason=reason)
+        row = self._rows[b]
+        routes = None
+        if self._routes is not None:  # the context's prefill, then each response token fed since
+            fed = self._out_routes[slot, len(row.prefix):max(count - 1, len(row.prefix))]
+            routes = torch.cat([self._ctx_routes[slot], fed]).numpy()
+        return FinishedRow(row=row, output_ids=self._out_ids[slot, :count].tolist(),
+                           logprobs=self._out_lps[slot, :count].tolist(), finish_reason=reason,
+                           routed_experts=routes)
 
     def _keep(self, keep: torch.Tensor) -> None:
         """Keep the rows where `keep` is True; free the others' slots and cache rows.

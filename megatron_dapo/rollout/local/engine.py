@@ -40,6 +40,7 @@ from megatron_dapo.rollout.engine import (
 from megatron_dapo.rollout.local.attention import attention_for
 from megatron_dapo.rollout.local.decoder import ContinuousDecoder, DecodeRow, FinishedRow
 from megatron_dapo.rollout.local.hf_tensors import hf_named_tensors, hf_parameter_names
+from megatron_dapo.rollout.routes import HFRouteRecorder, hf_routers
 from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed
 
 __all__ = ["LocalEngine"]
@@ -115,6 +116,8 @@ class LocalEngine:
         """Called before every decode step: an engine process applies weight updates and aborts
         that arrived meanwhile here (rollout/local/process.py), so a swap pauses decoding only
         for the copy, and rows in flight go on under the new weights."""
+        self._routes = HFRouteRecorder(self._model) if hf_routers(self._model) else None
+        """An MoE model reports every response's routed experts (rollout/routes.py)."""
         self._finished_versions: dict[tuple[int, int], list[int]] = {}
         """(prompt, sample) -> weight versions of a row that left the batch, until its result is made."""
 
@@ -194,10 +197,12 @@ class LocalEngine:
                     for row, carried in zip(rows, item.carried, strict=True):
                         if carried.finish_reason == "abort":
                             pending.append(replace(row, prefix=tuple(carried.output_ids),
-                                                   prefix_logprobs=tuple(carried.logprobs)))
+                                                   prefix_logprobs=tuple(carried.logprobs),
+                                                   prefix_routes=carried.routed_experts))
                         else:
                             done(FinishedRow(row=row, output_ids=carried.output_ids, logprobs=carried.logprobs,
-                                             finish_reason=carried.finish_reason))
+                                             finish_reason=carried.finish_reason,
+                                             routed_experts=carried.routed_experts))
                 else:
                     pending.extend(rows)
             return [pending.popleft() for _ in range(min(free, len(pending)))]
@@ -210,7 +215,7 @@ class LocalEngine:
         versions = self._finished_versions.pop((f.row.prompt_index, f.row.sample_index), [self.weight_version])
         return GenerationResult(prompt_index=f.row.prompt_index, sample_index=f.row.sample_index,
                                 output_ids=f.output_ids, logprobs=f.logprobs, finish_reason=f.finish_reason,
-                                weight_versions=tuple(versions))
+                                weight_versions=tuple(versions), routed_experts=f.routed_experts)
 
     def _check_ready(self) -> None:
         if self._released:
@@ -241,7 +246,7 @@ class LocalEngine:
             Every finished row, aborted ones included.
         """
         decoder = ContinuousDecoder(self._model, params=params, stop_ids=self._eos_ids | set(params.stop_token_ids),
-                                    max_rows=self._max_batch_size, device=self._device)
+                                    max_rows=self._max_batch_size, device=self._device, routes=self._routes)
         finished: list[FinishedRow] = []
         running: dict[tuple[int, int], list[int]] = {}  # (prompt, sample) -> versions of its tokens so far
         self._finished_versions.clear()
@@ -271,7 +276,7 @@ class LocalEngine:
                     joining.append(row)
                 else:  # the prompt (and any prefix) fills the context: nothing to generate
                     leave(FinishedRow(row=row, output_ids=list(row.prefix), logprobs=list(row.prefix_logprobs),
-                                      finish_reason="length"))
+                                      finish_reason="length", routed_experts=row.prefix_routes))
             if not joining and decoder.num_running == 0:
                 return finished
             for f in decoder.step(joining):
@@ -361,4 +366,4 @@ class LocalEngine:
 def _aborted(row: DecodeRow) -> GenerationResult:
     """A row that never joined: whatever it carried in, cut short."""
     return GenerationResult(prompt_index=row.prompt_index, sample_index=row.sample_index, output_ids=list(row.prefix),
-                            logprobs=list(row.prefix_logprobs), finish_reason="abort")
+                            logprobs=list(row.prefix_logprobs), finish_reason="abort", routed_experts=row.prefix_routes)

@@ -1,0 +1,94 @@
+"""Routed experts per token: what an engine reports for rollout routing replay (issue 26).
+
+An MoE engine routes every token it forwards through the top-k experts of each MoE layer;
+the actor can replay exactly those routes (`algorithm.routing_replay=rollout`, R3) so that
+its log-probs are computed on the engine's expert choices. An engine reports them per
+response as one compact integer array `[P + R - 1, L, k]` (`GenerationResult.routed_experts`):
+
+- rows: every token the engine forwarded, in order: the P prompt tokens, then each response
+  token but the last (the last sampled token is never fed back, and nothing reads a route of
+  it: the actor's log-probs of a row only use hidden states of earlier positions);
+- L: the MoE layers in model order (dense layers have no router and no column);
+- k: the expert ids the router chose (`num_experts_per_tok`), in the router's order;
+- dtype uint8 for up to 256 experts, else int16 (`route_dtype`): 2 x L x k bytes per token
+  at most, never per-token JSON.
+
+A continued partial rollout is prefilled again (prompt + carried tokens) under the new
+weights; the routes of those positions are then the new prefill's (the routes the later
+tokens' KV cache was computed with), and a response finished before the carry keeps its own.
+
+The local engine reports them always (`HFRouteRecorder` on transformers' Qwen3-MoE routers);
+the server engines: DESIGN.md, "Rollout routing replay".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["NO_ROUTE", "HFRouteRecorder", "route_dtype", "routes_from_bytes", "routes_to_bytes"]
+
+NO_ROUTE = -1
+"""Where a batch has no route for a token (padding, a row's last token, an engine without routes)."""
+
+
+def route_dtype(num_experts: int) -> np.dtype:
+    """The compact integer type of expert ids: uint8 up to 256 experts, else int16."""
+    if num_experts < 1 or num_experts > 2**15:
+        raise ValueError(f"num_experts={num_experts} must be in [1, 32768] to be stored as routes")
+    return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.int16)
+
+
+def routes_to_bytes(routes: np.ndarray) -> dict[str, object]:
+    """A JSON-able record of a routes array (checkpointed carried groups): hex bytes, shape, dtype."""
+    return {"shape": list(routes.shape), "dtype": routes.dtype.str, "hex": routes.tobytes().hex()}
+
+
+def routes_from_bytes(record: dict[str, object]) -> np.ndarray:
+    """Inverse of routes_to_bytes."""
+    data = bytes.fromhex(str(record["hex"]))
+    return np.frombuffer(data, dtype=np.dtype(str(record["dtype"]))).reshape(record["shape"]).copy()
+
+
+class HFRouteRecorder:
+    """Records the top-k expert ids of every MoE router of a transformers model, forward by forward.
+
+    transformers 5.19's Qwen3-MoE router (`Qwen3MoeTopKRouter.forward(hidden) -> (logits,
+    scores, indices)`, indices [b * s, k] for hidden [b, s, h] flattened row-major) is hooked;
+    `take(b, s)` returns the last forward's routes as [b, s, L, k] in the compact dtype.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.routers = hf_routers(model)
+        self.num_layers = len(self.routers)
+        self.top_k = int(self.routers[0].top_k) if self.routers else 0
+        self.dtype = route_dtype(int(self.routers[0].num_experts)) if self.routers else np.dtype(np.uint8)
+        self._torch_dtype = torch.uint8 if self.dtype == np.uint8 else torch.int16
+        self._last: list[torch.Tensor | None] = [None] * self.num_layers
+        self._handles = [router.register_forward_hook(self._hook(i)) for i, router in enumerate(self.routers)]
+
+    def _hook(self, layer: int):
+        def hook(_module: torch.nn.Module, _inputs: tuple, output: tuple) -> None:
+            self._last[layer] = output[2].detach().to("cpu", self._torch_dtype)
+
+        return hook
+
+    def take(self, batch: int, seq: int) -> torch.Tensor:
+        """Routes of the last forward, [batch, seq, L, k] (the forward's input was [batch, seq])."""
+        if any(t is None for t in self._last):
+            raise RuntimeError("a router did not run in the last forward; routes are incomplete")
+        routes = torch.stack([t.view(batch, seq, self.top_k) for t in self._last], dim=2)  # type: ignore[union-attr]
+        self._last = [None] * self.num_layers
+        return routes
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MoE routers of a transformers model in layer order ([] for a dense model)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    return [m for m in model.modules() if isinstance(m, Qwen3MoeTopKRouter)]
