@@ -27,6 +27,7 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.actor.reference import ReferencePolicy
+from megatron_dapo.actor.route_layout import pad_routes
 from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume
 from megatron_dapo.checkpoint.integrity import verify_checksums
@@ -338,8 +339,16 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
         recompute="full" if cfg.model.recompute_activations else "none",
         max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
         logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,
-        cp_comm_type=cfg.parallel.cp_comm_type,
+        cp_comm_type=cfg.parallel.cp_comm_type, routing_replay=_routing_replay(cfg, adapter),
         shared_prompts=cfg.trainer.shared_prompts if shared_prompts is None else shared_prompts)
+
+
+def _routing_replay(cfg: Config, adapter: DecoderAdapter) -> str:
+    mode = cfg.algorithm.routing_replay
+    if mode != "off" and not adapter.hf.is_moe:
+        raise UserError(f"algorithm.routing_replay={mode} needs a mixture-of-experts model, and "
+                        f"{cfg.model.hf_checkpoint} has no MoE layer; set algorithm.routing_replay=off")
+    return mode
 
 
 def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],
@@ -461,7 +470,7 @@ def _launcher_source() -> str:
 
 
 def _split_batch(groups: list[Group], mini_batch_groups: int, dp: int, overlong_filtering: bool) -> list[list[list[tuple]]]:
-    """[dp_rank][mini_batch] -> rows (prompt_ids, response_ids, advantage, rollout_lps, keep)."""
+    """[dp_rank][mini_batch] -> rows (prompt_ids, response_ids, advantage, rollout_lps, keep, routes)."""
     per_dp: list[list[list[tuple]]] = [[] for _ in range(dp)]
     for start in range(0, len(groups), mini_batch_groups):
         samples = [s for g in groups[start:start + mini_batch_groups] for s in g.samples]
@@ -469,7 +478,8 @@ def _split_batch(groups: list[Group], mini_batch_groups: int, dp: int, overlong_
         for rank, indices in enumerate(shards):
             per_dp[rank].append([
                 (samples[i].prompt_ids, samples[i].response_ids, samples[i].advantage,
-                 samples[i].rollout_log_probs, not (overlong_filtering and samples[i].truncated))
+                 samples[i].rollout_log_probs, not (overlong_filtering and samples[i].truncated),
+                 samples[i].routed_experts)
                 for i in indices])
     return per_dp
 
@@ -486,7 +496,7 @@ def _to_shard(rows: list[tuple]) -> Shard:
     mask = torch.zeros((num, width), dtype=torch.bool)
     advantages = torch.zeros((num, width), dtype=torch.float32)
     rollout_lp = torch.zeros((num, width), dtype=torch.float32)
-    for i, (prompt, response, adv, lps, keep) in enumerate(rows):
+    for i, (prompt, response, adv, lps, keep, _) in enumerate(rows):
         lp, lr = len(prompt), len(response)
         input_ids[i, :lp] = torch.tensor(prompt)
         input_ids[i, lp:lp + lr] = torch.tensor(response)
@@ -494,5 +504,5 @@ def _to_shard(rows: list[tuple]) -> Shard:
         advantages[i, lp:lp + lr] = adv
         rollout_lp[i, lp:lp + lr] = torch.tensor(lps)
     batch = RolloutBatch(input_ids=input_ids, seq_lens=torch.tensor(lengths[:num], dtype=torch.long),
-                         response_mask=mask, advantages=advantages)
+                         response_mask=mask, advantages=advantages, routes=pad_routes([row[5] for row in rows], width))
     return Shard(batch=batch, rollout_log_probs=rollout_lp)

@@ -201,6 +201,12 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
     if run.reference is not None:
         with timer("ref"):
             compute_ref_log_probs(run, shards)
+    replay = cfg.algorithm.routing_replay
+    if replay == "rollout":
+        for shard in shards:  # R3: every pass routes as the engine did
+            if shard.batch.routes is None and shard.batch.num_seqs:
+                raise RuntimeError("algorithm.routing_replay=rollout but the engine reported no routed experts")
+            shard.batch.replay_routes = shard.batch.routes
     source = cfg.old_log_probs_source
     drift: dict[str, float] = {}
     if source == "recompute":
@@ -218,7 +224,10 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
             compute_old_log_probs(run, shards[1:])
     fault_point("update", run.dims.rank)
     with timer("update_actor"):
-        actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward and epoch == i == 0)
+        # R2's first mini-batch without an old-log-prob pass trains on the old policy itself:
+        # its own routes are the old policy's, nothing to replay.
+        actor_metrics = [actor.train_step(shard.batch, run.loss, old_from_forward=old_from_forward and epoch == i == 0,
+                                          replay=replay != "off" and shard.batch.replay_routes is not None)
                          for epoch in range(cfg.trainer.ppo_epochs) for i, shard in enumerate(shards)]
     if old_from_forward:  # every mini-batch has its old log-probs now (the first from its forward)
         drift = rollout_mismatch(run, shards, correct=False)
@@ -226,16 +235,23 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
         run.resume_rollout_memory()
         sync_stats = run.sync_weights(version=version)
     metrics = mean_metrics(actor_metrics)
+    metrics.update(actor.route_metrics())  # moe/router_disagreement, moe/replay_route_mismatch
     metrics.update(drift)
     metrics["sync/num_bytes"] = float(sync_stats.num_bytes)
     return shards, metrics
 
 
 def compute_old_log_probs(run: Run, shards: list[Shard]) -> None:
-    """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place."""
+    """Fill each mini-batch's old_log_probs with the current policy's (step 5), in place.
+
+    Routing replay: R3 replays the engine's routes here too; R2 records this pass's routes
+    (batch.replay_routes) for the update to replay.
+    """
+    mode = run.cfg.algorithm.routing_replay
     for shard in shards:
-        shard.batch.old_log_probs, _ = run.actor.compute_log_probs(shard.batch, run.cfg.rollout.temperature,
-                                                                   response_only=True)
+        shard.batch.old_log_probs, _ = run.actor.compute_log_probs(
+            shard.batch, run.cfg.rollout.temperature, response_only=True, replay=mode == "rollout",
+            record_routes=mode == "old_policy")
 
 
 def compute_ref_log_probs(run: Run, shards: list[Shard]) -> None:

@@ -58,6 +58,7 @@ from megatron_dapo.actor.logprobs import (
 )
 from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_microbatch, pack_microbatches
 from megatron_dapo.actor.moe_metrics import RouterStats
+from megatron_dapo.actor.routing_replay import RouteReplay
 from megatron_dapo.actor.settings import WarmupConstantLR, make_optimizer_config
 from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
 from megatron_dapo.algo.objective import OBJECTIVE_METRICS, LossSettings, objective_metrics, policy_objective
@@ -92,6 +93,9 @@ class MegatronActor:
         sequence_parallel: Megatron sequence parallelism (dims.tp > 1); micro-batches are
             then padded to a multiple of the TP size.
         cp_comm_type: how context-parallel attention exchanges K/V (dims.cp > 1).
+        routing_replay: algorithm.routing_replay ("off" | "rollout" | "old_policy"); the passes
+            choose per call whether they replay (actor/routing_replay.py), this only refuses
+            what cannot replay.
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class MegatronActor:
         overlap_grad_reduce: bool | None = None,
         sequence_parallel: bool = False,
         cp_comm_type: str = "p2p",
+        routing_replay: str = "off",
     ) -> None:
         use_te = te_available()
         if dims.cp > 1 and not use_te:
@@ -133,6 +138,14 @@ class MegatronActor:
             # megatron-core 0.16.1's MoELayer.forward raises in training with TP > 1 and no SP.
             raise ValueError(f"a mixture-of-experts model at tensor_model_parallel_size={dims.tp} needs "
                              "sequence parallelism: set parallel.sequence_parallel=true")
+        if routing_replay != "off" and not adapter.hf.is_moe:
+            raise ValueError(f"algorithm.routing_replay={routing_replay} needs a mixture-of-experts model; "
+                             "set algorithm.routing_replay=off")
+        if routing_replay != "off" and recompute == "full":
+            # megatron-core 0.16.1 never switches a router to replaying in the recomputed forward.
+            raise ValueError(f"algorithm.routing_replay={routing_replay} cannot run with full activation "
+                             "recompute (the recomputed forward would route afresh); set "
+                             "model.recompute_activations=false")
         self.adapter = adapter
         self.dims = dims
         self.packed = packed
@@ -180,6 +193,22 @@ class MegatronActor:
         hf = adapter.hf
         self.router_stats = RouterStats(self.model, num_layers=hf.num_layers, num_experts=hf.num_experts,
                                         device=dims.device) if hf.is_moe else None
+        self.route_replay = RouteReplay(self.model, moe_layers=hf.moe_layers, top_k=hf.num_experts_per_tok,
+                                        dims=dims, sequence_parallel=sequence_parallel) if hf.is_moe else None
+        self._recorded_routes: torch.Tensor | None = None
+
+    def _routes_pass(self, *, replay: bool, record: bool) -> contextlib.AbstractContextManager:
+        """Routing replay/recording and route metrics for one pass (an MoE actor; nothing otherwise)."""
+        if self.route_replay is None:
+            if replay or record:
+                raise ValueError("routing replay needs a mixture-of-experts model")
+            return contextlib.nullcontext()
+        return self.route_replay.pass_(replay=replay, record=record)
+
+    def route_metrics(self) -> dict[str, float]:
+        """Collective over every rank: moe/router_disagreement and moe/replay_route_mismatch since
+        the last call ({} for a dense model or a batch without routes)."""
+        return self.route_replay.metrics() if self.route_replay is not None else {}
 
     # ------------------------------------------------------------------ micro-batching
 
@@ -213,11 +242,19 @@ class MegatronActor:
             if self.dims.cp > 1:  # this rank's load-balanced chunks; RoPE slices the same ones
                 held = cp_positions(input_ids.shape[1], self.dims.cp, self.dims.cp_rank)
                 input_ids, position_ids = split_sequence(input_ids, held), split_sequence(position_ids, held)
+            replay = self.route_replay if own_model else None
+            if replay is not None:
+                replay.prepare(mb)
             with token_positions(unwrap_model(model), position_ids[0] if mb.shared is not None else None):
                 output = model(input_ids, position_ids, None, packed_seq_params=mb.packed_seq_params())
+            if replay is not None and replay.recorded is not None and mb.indices:
+                rows = replay.recorded_rows(mb).to(torch.int16)  # [n, S_mb, L, k]
+                cols = min(rows.shape[1], self._recorded_routes.shape[1])  # SP may pad past the batch
+                self._recorded_routes[torch.as_tensor(mb.indices), :cols] = rows[:, :cols].cpu()
             return output, partial(loss_func, mb)
 
         first = microbatches[0].input_ids
+        own_model = model is None
         chunk = model if model is not None else self.model
         return get_forward_backward_func(pp_size=self.dims.pp)(
             forward_step_func=forward_step, data_iterator=iter(microbatches), model=[chunk],
@@ -291,7 +328,8 @@ class MegatronActor:
     # ----------------------------------------------------------------------- step 5
 
     def compute_log_probs(self, batch: RolloutBatch, temperature: float, model: Any | None = None, *,
-                          response_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          response_only: bool = False, replay: bool = False,
+                          record_routes: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies of this rank's sequences under the current weights (forward only).
 
         Collective over the model-parallel and data-parallel groups; the result is
@@ -303,6 +341,9 @@ class MegatronActor:
             model: another model of this actor's layout to run instead (the frozen reference).
             response_only: compute only where batch.response_mask is set (0 elsewhere), all
                 that step 5 needs.
+            replay: the MoE routers use batch.replay_routes (routing replay).
+            record_routes: the routes this pass used become batch.replay_routes ([B, S, L, k]
+                int16 on every rank of the replica; R2 replays them in the update).
 
         Returns:
             (log_probs [B, S], entropy [B, S]) fp32 on dims.device, aligned with
@@ -322,15 +363,24 @@ class MegatronActor:
             _scatter_rows(out[1], mb, entropy)
 
         (model if model is not None else self.model).eval()
-        with torch.no_grad():
+        if record_routes:
+            hf = self.adapter.hf
+            self._recorded_routes = torch.full((num_seqs, width, len(hf.moe_layers), hf.num_experts_per_tok), -1,
+                                               dtype=torch.int16)
+        passes = self._routes_pass(replay=replay, record=record_routes) if model is None else contextlib.nullcontext()
+        with torch.no_grad(), passes:
             self._run(microbatches, keep, forward_only=True, model=model)
         if self.dims.pp > 1:
             dist.broadcast(out, src=self.dims.pp_global_ranks[-1], group=self.dims.pp_group)
+        if record_routes:
+            batch.replay_routes = self.route_replay.merge_recorded(self._recorded_routes)
+            self._recorded_routes = None
         return out[0], out[1]
 
     # ----------------------------------------------------------------------- step 6
 
-    def train_step(self, batch: RolloutBatch, loss: LossSettings, *, old_from_forward: bool = False) -> dict[str, float]:
+    def train_step(self, batch: RolloutBatch, loss: LossSettings, *, old_from_forward: bool = False,
+                   replay: bool = False) -> dict[str, float]:
         """One optimizer step on this rank's share of a mini-batch with the DAPO loss.
 
         Collective over all ranks. The loss of every micro-batch is its local sum over the
@@ -346,6 +396,7 @@ class MegatronActor:
                 exactly 1 and batch.old_log_probs must be None. They are written to
                 batch.old_log_probs afterwards ([B, S], aligned like compute_log_probs'
                 result, on every rank of the replica), for metrics.
+            replay: the MoE routers use batch.replay_routes (routing replay).
 
         Returns:
             verl-named metrics, identical on every rank: actor/pg_loss, actor/pg_clipfrac,
@@ -399,7 +450,8 @@ class MegatronActor:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with self.router_stats.collecting() if self.router_stats is not None else contextlib.nullcontext():
+        stats = self.router_stats.collecting() if self.router_stats is not None else contextlib.nullcontext()
+        with stats, self._routes_pass(replay=replay, record=False):
             outputs = self._run(microbatches, loss_func, forward_only=False)
         sums = torch.zeros(len(OBJECTIVE_METRICS), dtype=torch.float32, device=dims.device)
         if dims.is_last_stage:
@@ -454,5 +506,6 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     return RolloutBatch(
         input_ids=move(batch.input_ids), seq_lens=move(batch.seq_lens), response_mask=move(batch.response_mask),
         old_log_probs=move(batch.old_log_probs), advantages=move(batch.advantages),
-        ref_log_probs=move(batch.ref_log_probs), is_weights=move(batch.is_weights),
+        ref_log_probs=move(batch.ref_log_probs), is_weights=move(batch.is_weights), routes=move(batch.routes),
+        replay_routes=move(batch.replay_routes),
     )

@@ -77,6 +77,12 @@ class RolloutBatch:
     """[B, S] fp32 log-probs of the reference policy (only with the KL loss)."""
     is_weights: torch.Tensor | None = None
     """[B, S] fp32 rollout-correction weights of each token's loss (None = 1)."""
+    routes: torch.Tensor | None = None
+    """[B, S, L, k] int16 expert ids of token t in each MoE layer, the engine's (rollout/routes.py)
+    or the old-log-prob pass's; -1 where there is none (padding, each row's last token)."""
+    replay_routes: torch.Tensor | None = None
+    """[B, S, L, k] int16 the routes the actor's forward passes replay (algorithm.routing_replay:
+    the engine's for `rollout`, the old-log-prob pass's for `old_policy`); None = free routing."""
 
     def __post_init__(self) -> None:
         num_seqs, seq_len = self.input_ids.shape
@@ -90,6 +96,11 @@ class RolloutBatch:
             if value is not None and value.shape != self.input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(value.shape)}; every per-token tensor must "
                                  f"match input_ids {tuple(self.input_ids.shape)}")
+        for name in ("routes", "replay_routes"):
+            value = getattr(self, name)
+            if value is not None and (value.dim() != 4 or value.shape[:2] != self.input_ids.shape):
+                raise ValueError(f"{name} has shape {tuple(value.shape)}; expected [B, S, L, k] with [B, S] = "
+                                 f"{tuple(self.input_ids.shape)}")
 
     @property
     def num_seqs(self) -> int:
@@ -106,7 +117,8 @@ class RolloutBatch:
         return RolloutBatch(
             input_ids=take(self.input_ids), seq_lens=self.seq_lens[idx], response_mask=take(self.response_mask),
             old_log_probs=take(self.old_log_probs), advantages=take(self.advantages),
-            ref_log_probs=take(self.ref_log_probs), is_weights=take(self.is_weights),
+            ref_log_probs=take(self.ref_log_probs), is_weights=take(self.is_weights), routes=take(self.routes),
+            replay_routes=take(self.replay_routes),
         )
 
 
@@ -266,6 +278,10 @@ class MicroBatch:
     (r, t), several rows pointing at the same position of their shared prompt (0 where invalid)."""
     shared: SharedPromptParams | None = None
     """Shared-prompt only: the segment structure the attention needs (actor/shared_layout.py)."""
+    routes: torch.Tensor | None = None
+    """[n, S, L, k] the engine's routes of token t (not shifted; actor/route_layout.py), or None."""
+    replay_routes: torch.Tensor | None = None
+    """[n, S, L, k] the routes to replay for token t (not shifted), or None (free routing)."""
 
     @property
     def packed(self) -> bool:
@@ -316,10 +332,14 @@ def _pad_width(batch: RolloutBatch, width: int) -> RolloutBatch:
     def pad(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else torch.nn.functional.pad(t, (0, extra))
 
+    def pad_routes(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.cat([t, t.new_full((t.shape[0], extra, *t.shape[2:]), -1)], dim=1)
+
     return RolloutBatch(
         input_ids=pad(batch.input_ids), seq_lens=batch.seq_lens, response_mask=pad(batch.response_mask),
         old_log_probs=pad(batch.old_log_probs), advantages=pad(batch.advantages),
-        ref_log_probs=pad(batch.ref_log_probs),
+        ref_log_probs=pad(batch.ref_log_probs), is_weights=pad(batch.is_weights), routes=pad_routes(batch.routes),
+        replay_routes=pad_routes(batch.replay_routes),
     )
 
 
@@ -389,4 +409,5 @@ def build_microbatch(batch: RolloutBatch, indices: Sequence[int], *, packed: boo
         loss_mask=loss_mask.bool(), old_log_probs=_shift(sub.old_log_probs, valid),
         advantages=_shift(sub.advantages, valid), ref_log_probs=_shift(sub.ref_log_probs, valid),
         is_weights=_shift(sub.is_weights, valid), flat_index=flat_index, cu_seqlens=cu_seqlens,
+        routes=sub.routes, replay_routes=sub.replay_routes,
     )

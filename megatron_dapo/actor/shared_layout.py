@@ -55,9 +55,14 @@ def prompt_groups(batch: RolloutBatch) -> list[tuple[int, int]]:
     whose response starts at its first token shares nothing.
     """
     lengths = _prompt_lengths(batch)
-    prompts = batch.input_ids[:, : max(lengths, default=0)].tolist()  # responses can be far longer
-    first: dict[tuple[int, ...], int] = {}
-    return [(first.setdefault(tuple(prompts[r][:plen]), r) if plen else r, plen) for r, plen in enumerate(lengths)]
+    width = max(lengths, default=0)
+    prompts = batch.input_ids[:, :width].tolist()  # responses can be far longer
+    # Rows share a prompt only where their routes of it agree too (an engine that prefilled the
+    # prompt once per row may have routed it differently): one forward can replay only one.
+    routes = [t[:, :width].cpu().numpy() for t in (batch.routes, batch.replay_routes) if t is not None]
+    first: dict[tuple, int] = {}
+    return [(first.setdefault((tuple(prompts[r][:plen]), *(t[r, :plen].tobytes() for t in routes)), r) if plen else r,
+             plen) for r, plen in enumerate(lengths)]
 
 
 def _padded_index(starts: Sequence[int], lens: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -196,4 +201,5 @@ def build_shared_microbatch(batch: RolloutBatch, indices: Sequence[int], *, pad_
         old_log_probs=_shift(sub.old_log_probs, valid), advantages=_shift(sub.advantages, valid),
         ref_log_probs=_shift(sub.ref_log_probs, valid), is_weights=_shift(sub.is_weights, valid),
         flat_index=None, cu_seqlens=None, source_index=source.to(device), shared=shared,
+        routes=sub.routes, replay_routes=sub.replay_routes,
     )

@@ -103,6 +103,10 @@ class AlgorithmConfig:
     """Dynamic sampling."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Engine/trainer mismatch correction (verl's names); all off = mismatch metrics only."""
+    routing_replay: Literal["off", "rollout", "old_policy"] = "off"
+    """MoE routing replay (DESIGN.md): rollout = the actor's passes route every token to the
+    experts the engine chose (R3); old_policy = the update replays the routes of the
+    old-log-prob pass (R2); off = every pass routes afresh (the routes are still compared)."""
 
     def __post_init__(self) -> None:
         _check(0 < self.clip_ratio_low < 1, "clip_ratio_low", "must be in (0, 1); DAPO uses 0.2")

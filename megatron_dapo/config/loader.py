@@ -94,6 +94,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise _FieldError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and ("off" if value is False else "on") in choices:
+            value = "off" if value is False else "on"  # YAML 1.1 reads a bare off/on as a boolean
         if value not in choices:
             hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             extra = f"; did you mean {hint[0]!r}?" if hint else ""

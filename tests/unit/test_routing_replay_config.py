@@ -1,0 +1,37 @@
+"""algorithm.routing_replay: bad combinations are one line and exit code 2 (issue 26)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_dapo import cli
+
+MOE = "model: {scratch: {family: qwen3_moe}}\n"
+BAD = [
+    (MOE + "algorithm: {routing_replay: rollout}\nrollout: {engine: sglang}",
+     "{f}: algorithm.routing_replay='rollout': needs the engine's routed experts, which "
+     "rollout.engine=sglang does not report here; use rollout.engine=local, or algorithm.routing_replay=old_policy"),
+    ("algorithm: {routing_replay: old_policy}",
+     "{f}: algorithm.routing_replay='old_policy': needs a mixture-of-experts model "
+     "(model.scratch.family=qwen2); set algorithm.routing_replay=off"),
+    (MOE.replace("}}", "}, recompute_activations: true}") + "algorithm: {routing_replay: rollout}",
+     "{f}: algorithm.routing_replay='rollout': cannot run with model.recompute_activations=true (megatron-core "
+     "0.16.1 routes the recomputed forward afresh); set one of them off"),
+    ("algorithm: {routing_replay: r3}",
+     "{f}: algorithm.routing_replay='r3': must be one of 'off', 'rollout', 'old_policy', got 'r3'"),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), BAD)
+def test_bad_routing_replay_settings_are_one_line_and_exit_2(tmp_path, capsys, text, expected):
+    f = tmp_path / "exp.yaml"
+    f.write_text(text)
+    code = cli.run(["config", "validate", str(f)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == "error: " + expected.format(f=f) + "\n"
+
+
+def test_the_tiny_moe_run_validates_with_every_mode(capsys):
+    for mode in ("off", "rollout", "old_policy"):
+        assert cli.run(["config", "validate", "examples/tiny_moe_cpu.yaml", f"algorithm.routing_replay={mode}"]) == 0
