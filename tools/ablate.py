@@ -1,58 +1,133 @@
-"""Learning evidence with a spread: the default run over seeds, and DAPO vs naive GRPO at an equal token budget.
+"""Learning evidence with a spread: the default run over seeds, DAPO vs naive GRPO at an equal
+token budget, and DAPO with one component removed at a time.
 
-    python tools/ablate.py --seeds 1,2,3                      # DAPO and GRPO, 3 seeds each
-    python tools/ablate.py --seeds 1,2,3 --runs dapo          # the default run (make run) over 3 seeds
-    python tools/ablate.py --seeds 1 --steps 10 [key=value]   # a quick look
+    python tools/ablate.py --seeds 1001,1002,1003                    # DAPO and GRPO per seed
+    python tools/ablate.py --seeds 1,2,3 --runs dapo                 # the default run (make run) over seeds
+    python tools/ablate.py --seeds 1,2 --runs dapo,no-clip-higher,token-mean-off,no-dynamic-sampling,no-overlong
+    python tools/ablate.py --seeds 1 --steps 10 [key=value]          # a quick look
+    python tools/ablate.py --seeds 1,2,3,4 --jobs 2                  # two seeds at a time, one thread each
 
 Each seed is `trainer.seed=<s>` (scratch model, SFT draws, sampling) on examples/tiny_cpu.yaml
 (DAPO) and examples/grpo_tiny_cpu.yaml (symmetric clip 0.2, seq-mean-token-mean, no dynamic
-sampling, no overlong shaping). Every run of a seed shares its warm start (one cache entry).
+sampling, no overlong shaping). The component runs are DAPO with exactly one change (RUNS).
+Every run of a seed shares its warm start (one cache entry).
 
 Equal generated-token budget, not equal steps: dynamic sampling generates more per step
-than GRPO does, so GRPO runs `--grpo-steps-factor` times DAPO's steps and its curve is cut
-where its cumulative `train/num_generated_tokens` reaches the DAPO run's total; its
-"last" accuracy is the last evaluation within that budget (the table says whether GRPO
-reached the budget at all). Writes `<out>/ablation.md` (per-seed rows, then mean and
-min/max per run kind) and `<out>/ablation.png`. Report what comes out, whatever it is.
+than GRPO does, so every other run may take up to `--steps-factor` times DAPO's steps; it is
+stopped once its cumulative `train/num_generated_tokens` reaches the DAPO run's total and
+its curve is cut there; its "last" accuracy is the last evaluation within that budget (the
+table says whether it reached the budget at all).
+
+Against DAPO, per seed: the lead (DAPO's last held-out accuracy minus the other run's, in
+points; the same seed starts both from the same warm start), then over seeds its mean, a
+95% confidence interval (paired Student t) and the two-sided sign test. "Significant" means
+the interval excludes 0. Writes `<out>/ablation.md` and `<out>/ablation.png`.
+Report what comes out, whatever it is.
+
+`--jobs N` runs N seeds at once with `OMP_NUM_THREADS = cores // N` each; on CPU the run's
+numbers do not depend on its thread count (docs/benchmarks.md), only its wall time does.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RUNS = {"dapo": ("DAPO", "examples/tiny_cpu.yaml"), "grpo": ("GRPO (naive)", "examples/grpo_tiny_cpu.yaml")}
+DAPO_CONFIG = "examples/tiny_cpu.yaml"
+
+
+@dataclass(frozen=True)
+class RunKind:
+    """One arm of the ablation."""
+
+    label: str
+    config: str
+    overrides: tuple[str, ...] = ()
+
+
+RUNS: dict[str, RunKind] = {
+    "dapo": RunKind("DAPO", DAPO_CONFIG),
+    "grpo": RunKind("GRPO (naive)", "examples/grpo_tiny_cpu.yaml"),
+    # DAPO with one component taken out, the rest as in the default run.
+    "no-clip-higher": RunKind("DAPO - Clip-Higher", DAPO_CONFIG, ("algorithm.clip_ratio_high=0.2",)),
+    "token-mean-off": RunKind("DAPO - token-mean", DAPO_CONFIG, ("algorithm.loss_agg_mode=seq-mean-token-mean",)),
+    "no-dynamic-sampling": RunKind("DAPO - dynamic sampling", DAPO_CONFIG,
+                                   ("algorithm.filter_groups.enable=false", "data.gen_batch_size={train_batch_size}")),
+    "no-overlong": RunKind("DAPO - overlong shaping", DAPO_CONFIG, ("reward.overlong_buffer.enable=false",)),
+}
+
+# Two-sided 95% quantiles of Student's t, df 1..30 (beyond: the normal 1.96 is within 2%).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def dapo_setting(section: str, key: str) -> int:
+    """One integer setting of the default run (examples/tiny_cpu.yaml)."""
+    import yaml
+
+    return int(yaml.safe_load((REPO / DAPO_CONFIG).read_text())[section][key])
 
 
 def default_dapo_steps() -> int:
     """The default run's own step count (examples/tiny_cpu.yaml trainer.total_training_steps)."""
-    import yaml
-
-    return int(yaml.safe_load((REPO / RUNS["dapo"][1]).read_text())["trainer"]["total_training_steps"])
-
-
-def run_one(config: str, out_dir: Path, seed: int, steps: int, overrides: list[str]) -> float:
-    """Train one config into out_dir (fresh); returns wall seconds."""
-    extra = [f"trainer.output_dir={out_dir}", "trainer.resume=disable", f"trainer.seed={seed}",
-             f"trainer.total_training_steps={steps}", *overrides]
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "megatron_dapo.train", str(REPO / config), *extra], cwd=REPO, check=True)
-    return time.perf_counter() - start
+    return dapo_setting("trainer", "total_training_steps")
 
 
 def read_rows(out_dir: Path) -> list[dict]:
-    with (out_dir / "metrics.jsonl").open() as f:
-        return [json.loads(line) for line in f]
+    """metrics.jsonl of a run, skipping a torn last line (a run stopped at its budget)."""
+    rows = []
+    path = out_dir / "metrics.jsonl"
+    if not path.exists():
+        return rows
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
 
 
 def generated_tokens(rows: list[dict]) -> float:
     return sum(r.get("train/num_generated_tokens", 0.0) for r in rows)
+
+
+def run_one(kind: RunKind, out_dir: Path, seed: int, steps: int, overrides: list[str], *,
+            budget: float | None = None, threads: int | None = None) -> float:
+    """Train one run into out_dir (fresh), stopping it once it has generated `budget` tokens.
+
+    Returns:
+        Wall seconds.
+    """
+    batch = [o.split("=", 1)[1] for o in overrides if o.startswith("data.train_batch_size=")]
+    fields = {"train_batch_size": batch[-1] if batch else dapo_setting("data", "train_batch_size")}
+    extra = [f"trainer.output_dir={out_dir}", "trainer.resume=disable", f"trainer.seed={seed}",
+             f"trainer.total_training_steps={steps}", *(o.format(**fields) for o in kind.overrides), *overrides]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with (out_dir / "ablate.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_dapo.train", str(REPO / kind.config), *extra],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(2.0)
+            if budget is not None and generated_tokens(read_rows(out_dir)) >= budget:
+                proc.terminate()
+                proc.wait()
+                return time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{kind.label} seed {seed} failed (exit {proc.returncode}); see {out_dir / 'ablate.log'}")
+    return time.perf_counter() - start
 
 
 def cut_at_budget(rows: list[dict], budget: float | None) -> tuple[list[dict], bool]:
@@ -87,7 +162,27 @@ def aggregate(per_seed: list[dict[str, float]]) -> dict[str, tuple[float, float,
             for k in per_seed[0]}
 
 
+def paired_lead(leads: list[float]) -> dict[str, float]:
+    """Mean of paired differences, its 95% Student-t interval and the two-sided sign-test p-value.
+
+    Args:
+        leads: per-seed differences (points); ties (0) count for neither side in the sign test.
+    """
+    n = len(leads)
+    mean = statistics.fmean(leads)
+    half = float("nan")
+    if n >= 2:
+        t = _T975[n - 2] if n - 1 <= len(_T975) else 1.96
+        half = t * statistics.stdev(leads) / math.sqrt(n)
+    wins, losses = sum(d > 0 for d in leads), sum(d < 0 for d in leads)
+    m = wins + losses
+    tail = sum(math.comb(m, k) for k in range(min(wins, losses) + 1)) / 2**m if m else 1.0
+    return {"n": n, "mean": mean, "low": mean - half, "high": mean + half, "wins": wins, "losses": losses,
+            "sign_p": min(1.0, 2 * tail)}
+
+
 def write_table(results: dict[str, list[tuple[int, dict[str, float], float, bool]]], path: Path) -> str:
+    """Per-seed rows and mean [min, max] per run, then each run's paired lead against the first run."""
     lines = ["| run | seed | val acc first | last | best | gain (points) | RL steps | generated tokens | "
              "budget reached | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, seeds in results.items():
@@ -105,6 +200,20 @@ def write_table(results: dict[str, list[tuple[int, dict[str, float], float, bool
         lines.append(f"| **{name}: mean [min, max]** | {len(seeds)} seeds | {fmt('val_first')} | {fmt('val_last')} | "
                      f"{fmt('val_best')} | {fmt('gain_points', '+.1f')} | {fmt('steps', '.0f')} | "
                      f"{fmt('gen_tokens', '.0f')} | | {statistics.fmean(walls):.0f} [{min(walls):.0f}, {max(walls):.0f}] |")
+    names = list(results)
+    if len(names) > 1:
+        base = names[0]
+        lines += ["", f"| {base} minus | seeds | lead, mean (points) | 95% CI (paired t) | {base} ahead / behind | "
+                  "sign test p | significant |", "|---|---|---|---|---|---|---|"]
+        for other in names[1:]:
+            last = {seed: s["val_last"] for seed, s, _, _ in results[other]}
+            leads = [100 * (s["val_last"] - last[seed]) for seed, s, _, _ in results[base] if seed in last]
+            if not leads:
+                continue
+            p = paired_lead(leads)
+            sig = "yes" if p["low"] > 0 or p["high"] < 0 else "no"
+            lines.append(f"| {other} | {p['n']} | {p['mean']:+.1f} | [{p['low']:+.1f}, {p['high']:+.1f}] | "
+                         f"{p['wins']} / {p['losses']} | {p['sign_p']:.3f} | {sig} |")
     table = "\n".join(lines) + "\n"
     path.write_text(table)
     return table
@@ -117,7 +226,8 @@ def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
-    for (name, runs), color in zip(curves.items(), ("C0", "C1")):
+    for index, (name, runs) in enumerate(curves.items()):
+        color = f"C{index}"
         for i, rows in enumerate(runs):
             tokens, acc, total = [], [], 0.0
             for r in rows:
@@ -125,12 +235,30 @@ def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
                 if r.get("val/acc") is not None:
                     tokens.append(total)
                     acc.append(r["val/acc"])
-            ax.plot(tokens, acc, marker="o", color=color, alpha=0.8, label=name if i == 0 else None)
+            ax.plot(tokens, acc, marker="o", markersize=2, color=color, alpha=0.7, label=name if i == 0 else None)
     ax.set(title="held-out accuracy (avg@4, T=1.0, top_p=0.7) per seed", xlabel="generated tokens", ylabel="acc")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def run_seed(seed: int, kinds: list[str], args: argparse.Namespace, threads: int | None) -> list[tuple]:
+    """Every run kind of one seed, DAPO first (its total generated tokens are the others' budget)."""
+    out, budget = [], None
+    for kind in kinds:
+        spec = RUNS[kind]
+        steps = args.steps if kind == "dapo" or "dapo" not in kinds else round(args.steps * args.steps_factor)
+        run_dir = args.out / f"{kind}_seed{seed}"
+        wall = run_one(spec, run_dir, seed, steps, args.overrides, budget=budget, threads=threads)
+        rows, reached = cut_at_budget(read_rows(run_dir), budget)
+        if kind == "dapo":
+            budget = generated_tokens(rows)
+        s = summarize(rows)
+        print(f"{spec.label} seed {seed}: val acc first {s['val_first']:.3f} last {s['val_last']:.3f} "
+              f"best {s['val_best']:.3f} ({s['gain_points']:+.1f} points), {wall:.0f} s", flush=True)
+        out.append((kind, seed, s, wall, reached, rows))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,11 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "ablation", help="output directory")
     parser.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[42],
                         help="comma-separated trainer.seed values, e.g. 1,2,3")
-    parser.add_argument("--runs", default="dapo,grpo", help="which runs per seed: dapo, grpo or dapo,grpo")
+    parser.add_argument("--runs", default="dapo,grpo", help=f"runs per seed, comma-separated, from: {','.join(RUNS)}")
     parser.add_argument("--steps", type=int, default=None,
                         help="RL steps of the DAPO run (default: the default run's trainer.total_training_steps)")
-    parser.add_argument("--grpo-steps-factor", type=float, default=3.0,
-                        help="GRPO runs this many times the DAPO steps, then is cut at DAPO's token budget")
+    parser.add_argument("--steps-factor", "--grpo-steps-factor", type=float, default=3.0,
+                        help="the other runs may take this many times DAPO's steps; they stop at DAPO's token budget")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds run at once (threads split between them)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     args = parser.parse_args(argv)
     if args.steps is None:
@@ -150,24 +279,20 @@ def main(argv: list[str] | None = None) -> int:
     kinds = args.runs.split(",")
     if any(k not in RUNS for k in kinds):
         parser.error(f"--runs {args.runs}: choose from {','.join(RUNS)}")
+    if "dapo" in kinds:
+        kinds = ["dapo"] + [k for k in kinds if k != "dapo"]
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, list[tuple[int, dict[str, float], float, bool]]] = {RUNS[k][0]: [] for k in kinds}
-    curves: dict[str, list[list[dict]]] = {RUNS[k][0]: [] for k in kinds}
-    for seed in args.seeds:
-        budget = None
-        for kind in kinds:
-            name, config = RUNS[kind]
-            steps = args.steps if kind == "dapo" or "dapo" not in kinds else round(args.steps * args.grpo_steps_factor)
-            run_dir = args.out / f"{kind}_seed{seed}"
-            wall = run_one(config, run_dir, seed, steps, args.overrides)
-            rows, reached = cut_at_budget(read_rows(run_dir), budget)
-            if kind == "dapo":
-                budget = generated_tokens(rows)
-            results[name].append((seed, summarize(rows), wall, reached))
-            curves[name].append(rows)
-            s = results[name][-1][1]
-            print(f"{name} seed {seed}: val acc first {s['val_first']:.3f} last {s['val_last']:.3f} "
-                  f"best {s['val_best']:.3f} ({s['gain_points']:+.1f} points), {wall:.0f} s", flush=True)
+    threads = max(1, (os.cpu_count() or 1) // args.jobs) if args.jobs > 1 else None
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        per_seed = list(pool.map(lambda s: run_seed(s, kinds, args, threads), args.seeds))
+    results: dict[str, list[tuple[int, dict[str, float], float, bool]]] = {RUNS[k].label: [] for k in kinds}
+    curves: dict[str, list[list[dict]]] = {RUNS[k].label: [] for k in kinds}
+    for runs in per_seed:
+        for kind, seed, s, wall, reached, rows in runs:
+            results[RUNS[kind].label].append((seed, s, wall, reached))
+            curves[RUNS[kind].label].append(rows)
     print(write_table(results, args.out / "ablation.md"), end="")
     plot(curves, args.out / "ablation.png")
     print(f"wrote {args.out / 'ablation.md'} and {args.out / 'ablation.png'}")

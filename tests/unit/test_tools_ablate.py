@@ -1,6 +1,9 @@
 """tools/ablate.py: the equal-token-budget cut and the per-seed spread it reports."""
 
 import importlib.util
+import json
+import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -8,6 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("ablate", REPO / "tools" / "ablate.py")
 ablate = importlib.util.module_from_spec(spec)
+sys.modules["ablate"] = ablate  # its dataclasses look their module up
 spec.loader.exec_module(ablate)
 
 
@@ -38,3 +42,58 @@ def test_aggregate_and_table_give_mean_min_max_over_seeds(tmp_path):
                                tmp_path / "t.md")
     assert "| DAPO | 1 | 0.300 | 0.550 | 0.550 | +25.0 |" in table
     assert "| **DAPO: mean [min, max]** | 2 seeds | 0.325 [0.300, 0.350] |" in table
+
+
+def test_paired_lead_gives_the_student_t_interval_and_the_sign_test():
+    p = ablate.paired_lead([2.0, 4.0, -1.0, 3.0])
+    half = 3.182 * statistics.stdev([2.0, 4.0, -1.0, 3.0]) / 2  # t(0.975, df 3) x sd / sqrt(4)
+    assert p["mean"] == pytest.approx(2.0) and p["low"] == pytest.approx(2.0 - half)
+    assert p["high"] == pytest.approx(2.0 + half) and (p["wins"], p["losses"]) == (3, 1)
+    assert p["sign_p"] == pytest.approx(2 * 5 / 16)  # P(<= 1 loss of 4 fair coins), two-sided
+    assert ablate.paired_lead([1.0] * 8)["sign_p"] == pytest.approx(2 / 256)
+
+
+def test_table_reports_each_runs_paired_lead_against_the_first(tmp_path):
+    dapo = [(s, ablate.summarize(rows([10], [0.3, last])), 1.0, True) for s, last in ((1, 0.6), (2, 0.55), (3, 0.5))]
+    grpo = [(s, ablate.summarize(rows([10], [0.3, last])), 1.0, True) for s, last in ((1, 0.54), (2, 0.5), (3, 0.45))]
+    table = ablate.write_table({"DAPO": dapo, "GRPO": grpo}, tmp_path / "t.md")
+    lead = [line for line in table.splitlines() if line.startswith("| GRPO | 3 | +")]
+    assert lead == ["| GRPO | 3 | +5.3 | [+3.9, +6.8] | 3 / 0 | 0.250 | yes |"]  # leads 6, 5, 5 points
+
+
+class _FakeTrainer:
+    """Stands in for the training process: each poll appends one step of 100 generated tokens."""
+
+    def __init__(self, argv, cwd, env, stdout, stderr):
+        self.out = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("trainer.output_dir=")))
+        self.steps, self.terminated, self.returncode = 0, False, None
+
+    def poll(self):
+        if self.terminated or self.steps >= 10:
+            self.returncode = 0
+            return 0
+        self.steps += 1
+        with (self.out / "metrics.jsonl").open("a") as f:
+            f.write(json.dumps({"step": self.steps, "train/num_generated_tokens": 100}) + "\n")
+        return None
+
+    def terminate(self):
+        self.terminated = True
+
+    def wait(self):
+        return 0
+
+
+def test_run_one_stops_the_run_once_it_has_generated_the_budget(tmp_path, monkeypatch):
+    monkeypatch.setattr(ablate.subprocess, "Popen", _FakeTrainer)
+    monkeypatch.setattr(ablate.time, "sleep", lambda s: None)
+    ablate.run_one(ablate.RUNS["grpo"], tmp_path / "g", 1, 30, [], budget=350)
+    assert ablate.generated_tokens(ablate.read_rows(tmp_path / "g")) == 400  # stopped at the 4th step
+    ablate.run_one(ablate.RUNS["grpo"], tmp_path / "h", 1, 30, [], budget=None)
+    assert ablate.generated_tokens(ablate.read_rows(tmp_path / "h")) == 1000  # ran to its end
+
+
+def test_component_runs_differ_from_dapo_in_one_setting_each():
+    for name in ("no-clip-higher", "token-mean-off", "no-overlong"):
+        assert ablate.RUNS[name].config == ablate.DAPO_CONFIG and len(ablate.RUNS[name].overrides) == 1
+    assert ablate.RUNS["no-dynamic-sampling"].overrides[0] == "algorithm.filter_groups.enable=false"
