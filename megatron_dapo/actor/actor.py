@@ -197,13 +197,13 @@ class MegatronActor:
                                         dims=dims, sequence_parallel=sequence_parallel) if hf.is_moe else None
         self._recorded_routes: torch.Tensor | None = None
 
-    def _routes_pass(self, *, replay: bool, record: bool) -> contextlib.AbstractContextManager:
+    def _routes_pass(self, *, replay: bool, record: bool, compare: bool = True) -> contextlib.AbstractContextManager:
         """Routing replay/recording and route metrics for one pass (an MoE actor; nothing otherwise)."""
         if self.route_replay is None:
             if replay or record:
                 raise ValueError("routing replay needs a mixture-of-experts model")
             return contextlib.nullcontext()
-        return self.route_replay.pass_(replay=replay, record=record)
+        return self.route_replay.pass_(replay=replay, record=record, compare=compare)
 
     def route_metrics(self) -> dict[str, float]:
         """Collective over every rank: moe/router_disagreement and moe/replay_route_mismatch since
@@ -451,7 +451,8 @@ class MegatronActor:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = self.router_stats.collecting() if self.router_stats is not None else contextlib.nullcontext()
-        with stats, self._routes_pass(replay=replay, record=False):
+        # The routers are compared with the engine's only on the weights that generated the batch.
+        with stats, self._routes_pass(replay=replay, record=False, compare=old_from_forward):
             outputs = self._run(microbatches, loss_func, forward_only=False)
         sums = torch.zeros(len(OBJECTIVE_METRICS), dtype=torch.float32, device=dims.device)
         if dims.is_last_stage:

@@ -89,7 +89,7 @@ class RouteReplay:
         self.num_layers = len(moe_layers)
         self.dims = dims
         self.sequence_parallel = sequence_parallel
-        self.active = self._replaying = self._recording = False
+        self.active = self._replaying = self._recording = self._comparing = False
         # (token, layer) pairs: disagreeing, compared with the engine, mismatched, replayed.
         self.sums = torch.zeros(4, dtype=torch.float64)
         self.engine: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -116,9 +116,11 @@ class RouteReplay:
         self.sums[3] += float(has.sum())
 
     @contextlib.contextmanager
-    def pass_(self, *, replay: bool, record: bool) -> Iterator[None]:
-        """One pass over micro-batches: replay their replay_routes, record what the routers used."""
-        self.active, self._replaying, self._recording = True, replay, record
+    def pass_(self, *, replay: bool, record: bool, compare: bool = True) -> Iterator[None]:
+        """One pass over micro-batches: replay their replay_routes, record what the routers used,
+        and (compare) count where the routers' own top-k differs from the engine's routes: only
+        meaningful while the weights are those that generated the batch."""
+        self.active, self._replaying, self._recording, self._comparing = True, replay, record, compare
         try:
             yield
         finally:
@@ -141,7 +143,7 @@ class RouteReplay:
             targets, has = model_order_targets(mb, routes, self.num_layers, self.top_k)
             return targets[self._positions], has[self._positions]
 
-        self.engine = local(mb.routes)
+        self.engine = local(mb.routes) if self._comparing else None
         self.replay = None
         if self._replaying:
             if mb.replay_routes is None and mb.indices:
