@@ -87,6 +87,10 @@ class RolloutConfig:
     log-probs) and continued in the next step under the new weights (slime's --partial-rollout)."""
     partial_rollout_max_versions: int = 2
     """The most weight versions one response may span; a carried group that would exceed it is dropped."""
+    router_noise_std: float = 0.0
+    """Local engine, colocated, MoE only: Gaussian noise of this std on the engine's router logits
+    when it CHOOSES experts (the gates stay the clean softmax's): an engine/actor routing
+    mismatch made real on a CPU, for the routing-replay experiment (docs/benchmarks.md). 0 = off."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """colocated = engines share the actor's devices and take turns with it; disaggregated = engines
     on devices of their own (on CPU: the local engine in its own process, or one SGLang server the
@@ -122,6 +126,11 @@ class RolloutConfig:
         _check(self.placement == "colocated" or self.engine in ("local", "sglang"), "placement",
                f"disaggregated runs the local engine in its own process or one SGLang server; with engine "
                f"{self.engine} it is not built yet: use rollout.engine=local|sglang or placement=colocated")
+        _check(self.router_noise_std >= 0, "router_noise_std", "must be >= 0 (0 = off)")
+        if self.router_noise_std > 0:
+            _check(self.engine == "local" and self.placement == "colocated", "router_noise_std",
+                   "is a perturbation of the local engine in the trainer's process: needs rollout.engine=local "
+                   "and rollout.placement=colocated")
         _check(self.partial_rollout_max_versions >= 2, "partial_rollout_max_versions",
                "must be >= 2 (a continued response spans the version it started under and the next)")
         # vLLM 0.32 reports log-probs renormalised over the top-k/top-p support (logprobs mode

@@ -85,7 +85,8 @@ def _local_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, 
                               hang_timeout_s=cfg.rollout.engine_hang_timeout_s)]
     from megatron_dapo.rollout.local.engine import LocalEngine
 
-    return [LocalEngine(hf_dir, name="local0", device=device)]
+    return [LocalEngine(hf_dir, name="local0", device=device, router_noise_std=cfg.rollout.router_noise_std,
+                        router_noise_seed=cfg.trainer.seed)]
 
 
 def _local_eval(args: EvalEngineArgs) -> RolloutEngine:

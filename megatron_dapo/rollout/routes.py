@@ -26,7 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["NO_ROUTE", "HFRouteRecorder", "route_dtype", "routes_from_bytes", "routes_to_bytes"]
+__all__ = ["NO_ROUTE", "HFRouteRecorder", "perturb_router_choice", "route_dtype", "routes_from_bytes",
+           "routes_to_bytes"]
 
 NO_ROUTE = -1
 """Where a batch has no route for a token (padding, a row's last token, an engine without routes)."""
@@ -85,6 +86,30 @@ class HFRouteRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+
+def perturb_router_choice(model: torch.nn.Module, std: float, *, seed: int) -> None:
+    """Make every MoE router of `model` choose its top-k on logits + N(0, std^2) noise.
+
+    The gates stay the clean model's (softmax of the clean logits at the chosen experts,
+    renormalised for norm_topk_prob), so an actor that replays the chosen experts computes
+    exactly what this engine computed: the noise stands for kernels that break near-ties
+    differently. An experiment's perturbation, never a training setting.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    for router in hf_routers(model):
+        def forward(hidden: torch.Tensor, router: torch.nn.Module = router) -> tuple:
+            hidden = hidden.reshape(-1, router.hidden_dim)
+            logits = torch.nn.functional.linear(hidden, router.weight)
+            probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+            noise = torch.randn(logits.shape, generator=generator, dtype=torch.float32).to(logits)
+            indices = torch.topk(logits + std * noise, router.top_k, dim=-1).indices
+            top = probs.gather(-1, indices)
+            if router.norm_topk_prob:
+                top = top / top.sum(dim=-1, keepdim=True)
+            return logits, top.to(logits.dtype), indices
+
+        router.forward = forward
 
 
 def hf_routers(model: torch.nn.Module) -> list[torch.nn.Module]:

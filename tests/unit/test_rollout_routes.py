@@ -76,3 +76,42 @@ def test_routes_are_compact_and_round_trip_through_json():
     routes = np.arange(2 * 3 * 2, dtype=np.int16).reshape(2, 3, 2) + 300
     again = routes_from_bytes(routes_to_bytes(routes))
     assert again.dtype == np.int16 and (again == routes).all()
+
+
+def test_router_noise_changes_the_chosen_experts_only(moe_checkpoint):
+    """The experiment's perturbation: some routes differ from the model's own, and transformers
+    forced to the engine's routes gives the engine's log-probs (the gates are the clean ones)."""
+    engine = LocalEngine(moe_checkpoint, dtype=torch.float64, router_noise_std=0.5, router_noise_seed=1)
+    results = engine.generate(PROMPTS, SamplingParams(n=2, max_new_tokens=9, seed=3))
+    model = AutoModelForCausalLM.from_pretrained(moe_checkpoint, dtype=torch.float64,
+                                                 experts_implementation="eager").eval()
+    recorder = HFRouteRecorder(model)
+    forced: list[np.ndarray | None] = [None]
+    for layer, router in enumerate(recorder.routers):
+        original = router.forward
+
+        def forward(hidden, router=router, original=original, layer=layer):
+            logits, top, indices = original(hidden)
+            if forced[0] is None:
+                return logits, top, indices
+            indices = torch.from_numpy(forced[0][:, layer].astype(np.int64))
+            chosen = torch.softmax(logits, dim=-1, dtype=torch.float).gather(-1, indices)  # as transformers
+            return logits, (chosen / chosen.sum(-1, keepdim=True)).to(logits.dtype), indices
+
+        router.forward = forward
+    differ = 0
+    for r in results:
+        sequence = PROMPTS[r.prompt_index] + r.output_ids
+        with torch.no_grad():
+            model(torch.tensor([sequence]))
+        own = recorder.take(1, len(sequence))[0].numpy()[:-1]
+        differ += int((np.sort(own, -1) != np.sort(r.routed_experts, -1)).any(-1).sum())
+        forced[0] = np.concatenate([r.routed_experts, r.routed_experts[-1:]])  # the last token: any experts
+        with torch.no_grad():
+            logits = model(torch.tensor([sequence])).logits[0]
+        recorder.take(1, len(sequence))
+        forced[0] = None
+        logp = torch.log_softmax(logits, dim=-1)[len(PROMPTS[r.prompt_index]) - 1:-1]
+        expected = logp.gather(-1, torch.tensor(r.output_ids)[:, None])[:, 0]
+        assert float((expected - torch.tensor(r.logprobs, dtype=torch.float64)).abs().max()) < 1e-10
+    assert differ > 10, differ

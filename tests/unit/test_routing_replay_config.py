@@ -17,6 +17,10 @@ BAD = [
     (MOE.replace("}}", "}, recompute_activations: true}") + "algorithm: {routing_replay: rollout}",
      "{f}: algorithm.routing_replay='rollout': cannot run with model.recompute_activations=true (megatron-core "
      "0.16.1 routes the recomputed forward afresh); set one of them off"),
+    ("rollout: {router_noise_std: -1}", "{f}: rollout.router_noise_std=-1: must be >= 0 (0 = off)"),
+    ("rollout: {router_noise_std: 0.5, engine: sglang}",
+     "{f}: rollout.router_noise_std=0.5: is a perturbation of the local engine in the trainer's process: needs "
+     "rollout.engine=local and rollout.placement=colocated"),
     ("algorithm: {routing_replay: r3}",
      "{f}: algorithm.routing_replay='r3': must be one of 'off', 'rollout', 'old_policy', got 'r3'"),
 ]

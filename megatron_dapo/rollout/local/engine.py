@@ -40,7 +40,7 @@ from megatron_dapo.rollout.engine import (
 from megatron_dapo.rollout.local.attention import attention_for
 from megatron_dapo.rollout.local.decoder import ContinuousDecoder, DecodeRow, FinishedRow
 from megatron_dapo.rollout.local.hf_tensors import hf_named_tensors, hf_parameter_names
-from megatron_dapo.rollout.routes import HFRouteRecorder, hf_routers
+from megatron_dapo.rollout.routes import HFRouteRecorder, hf_routers, perturb_router_choice
 from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed
 
 __all__ = ["LocalEngine"]
@@ -58,6 +58,8 @@ class LocalEngine:
         max_batch_size: int = 256,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        router_noise_std: float = 0.0,
+        router_noise_seed: int = 0,
     ) -> None:
         """Build the model from a checkpoint directory.
 
@@ -72,6 +74,9 @@ class LocalEngine:
             device: where the model runs (the controller's device). Sampling always runs on
                 CPU in float64 with per-response generators, so a seeded run draws the same
                 tokens on any device.
+            router_noise_std: perturbs which experts an MoE router chooses (rollout/routes.py,
+                `perturb_router_choice`); 0 = the model's own routing.
+            router_noise_seed: seeds that noise.
         """
         self.name = name
         self._max_batch_size = max_batch_size
@@ -116,6 +121,8 @@ class LocalEngine:
         """Called before every decode step: an engine process applies weight updates and aborts
         that arrived meanwhile here (rollout/local/process.py), so a swap pauses decoding only
         for the copy, and rows in flight go on under the new weights."""
+        if router_noise_std > 0:
+            perturb_router_choice(self._model, router_noise_std, seed=router_noise_seed)
         self._routes = HFRouteRecorder(self._model) if hf_routers(self._model) else None
         """An MoE model reports every response's routed experts (rollout/routes.py)."""
         self._finished_versions: dict[tuple[int, int], list[int]] = {}
