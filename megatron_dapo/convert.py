@@ -1,20 +1,24 @@
 """HF <-> Megatron checkpoint conversion: the logic behind `megatron-dapo convert` and tools/convert_*.py.
 
-    megatron-dapo convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M]
+    megatron-dapo convert hf-to-mcore --hf DIR --out DIR [--tp N --pp M --ep E]
     megatron-dapo convert mcore-to-hf --ckpt DIR --out DIR [--hf-config-from DIR] [--max-shard-size 5GB]
 
-hf-to-mcore builds the model of the family named by config.json in the requested layout,
-reads only each rank's slices of the safetensors, and writes a model-only torch_dist
-checkpoint (checkpoint.save_model_checkpoint) with the HF config and tokenizer files
-embedded; the trainer loads it as an initial checkpoint, any layout. mcore-to-hf loads a
-training or converted checkpoint into a model (single process by default: TP=1, PP=1)
-and streams the adapter's HF tensors, one at a time, into safetensors shards written as
-soon as they fill, plus model.safetensors.index.json and the embedded config/tokenizer.
+One process (the default, whatever --tp/--pp/--ep say) streams: hf-to-mcore builds the model
+without touching its memory, reads each parameter from the safetensors shards with plain
+file reads only when the torch_dist writer reaches it, and frees it once written
+(checkpoint/streaming.py); mcore-to-hf loads one layer at a time and writes each HF tensor
+at its planned place in shards whose headers went first (models/hf_writer.py). Peak
+resident memory is about the largest layer plus the embedding, not the checkpoint (the
+command prints it). The checkpoint reshards at load, so the layout flags only choose the
+vocab padding (a multiple of 128 * tp, as that layout would write) and are checked
+against the model (heads, layers, experts). Under torchrun with world = tp * pp * ep each
+rank builds its shard and reads only its slices (load_hf), the collective path.
 
-Both run as one process by default, or under torchrun with world = tp * pp; the tool
-scripts keep their work under ``if __name__ == "__main__":`` because dist_checkpointing's
-writer starts a "spawn" Manager that re-imports the launching module.
-Conversion is lossless: HF -> Megatron (any TP/PP) -> HF is bit-exact.
+The result is a model-only torch_dist checkpoint (checkpoint.save_model_checkpoint) with
+the HF config and tokenizer files embedded; the trainer loads it as an initial checkpoint,
+any layout. The tool scripts keep their work under ``if __name__ == "__main__":`` because
+dist_checkpointing's writer starts a "spawn" Manager that re-imports the launching module.
+Conversion is lossless: HF -> Megatron (any TP/PP/EP) -> HF is bit-exact.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,10 +43,8 @@ from megatron_dapo.checkpoint import (
     read_manifest,
     save_model_checkpoint,
 )
-from megatron_dapo.checkpoint.files import chmod_as_created
 from megatron_dapo.errors import EXIT_USER_ERROR, UserError
 
-INDEX_FILE = "model.safetensors.index.json"
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {
     "": 1,
@@ -108,36 +111,57 @@ def _hf_dtype(hf_dir: Path, override: str | None) -> Any:
     return getattr(torch, _DTYPES[key])
 
 
-def _init_layout(tp: int, pp: int, adapter: Any, device: str) -> Any:
-    """Check the layout against the launcher before any process group exists, then build it."""
+def _check_layout(tp: int, pp: int, ep: int, adapter: Any, world: int) -> None:
+    """One line for a layout this model cannot take (heads, KV heads, layers, experts)."""
     import torch
 
     from megatron_dapo import parallel
 
-    world = parallel.launcher_ranks()[1]
-    if world != tp * pp:
+    if ep > 1 and not adapter.hf.is_moe:
         raise UserError(
-            f"--tp {tp} --pp {pp} needs {tp * pp} processes but {world} were launched; run "
-            f"`torchrun --nproc-per-node {tp * pp} ...` (or drop --tp/--pp for one process)"
+            f"--ep {ep} needs a mixture-of-experts model, but {adapter.hf.architecture} has no experts; drop --ep"
         )
-    parallel.validate_layout(
-        world_size=world,
-        tp=tp,
-        pp=pp,
-        cp=1,
-        device=torch.device("cpu"),
-        num_attention_heads=adapter.hf.num_attention_heads,
-        num_query_groups=adapter.hf.num_kv_heads,
-        num_layers=adapter.hf.num_layers,
-    )
+    try:
+        parallel.validate_layout(
+            world_size=world, tp=tp, pp=pp, cp=1, device=torch.device("cpu"),
+            num_attention_heads=adapter.hf.num_attention_heads, num_query_groups=adapter.hf.num_kv_heads,
+            num_layers=adapter.hf.num_layers, ep=ep, num_experts=adapter.hf.num_experts if adapter.hf.is_moe else None,
+        )
+    except ValueError as e:
+        raise UserError(f"--tp {tp} --pp {pp} --ep {ep}: {e}") from None
+
+
+def _processes() -> int:
+    from megatron_dapo import parallel
+
+    return parallel.launcher_ranks()[1]
+
+
+def _init_layout(tp: int, pp: int, ep: int, adapter: Any, device: str) -> Any:
+    """Check the layout against the launcher before any process group exists, then build it."""
+    from megatron_dapo import parallel
+
+    world = _processes()
+    if world != tp * pp * ep:
+        raise UserError(
+            f"--tp {tp} --pp {pp} --ep {ep} needs {tp * pp * ep} processes but {world} were launched; run "
+            f"`torchrun --nproc-per-node {tp * pp * ep} ...`, or one process (no torchrun), which takes any layout"
+        )
+    _check_layout(tp, pp, ep, adapter, world)
     parallel.init_distributed(device)
     return parallel.initialize_model_parallel(
-        tp,
-        pp,
-        num_attention_heads=adapter.hf.num_attention_heads,
-        num_query_groups=adapter.hf.num_kv_heads,
-        num_layers=adapter.hf.num_layers,
+        tp, pp, num_attention_heads=adapter.hf.num_attention_heads, num_query_groups=adapter.hf.num_kv_heads,
+        num_layers=adapter.hf.num_layers, ep=ep, num_experts=adapter.hf.num_experts if adapter.hf.is_moe else None,
     )
+
+
+def peak_rss_bytes() -> int:
+    """This process' peak resident set size so far (Linux ru_maxrss is in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
 
 
 def adapter_for_checkpoint(adapter: Any, manifest: dict[str, Any], tp: int) -> Any:
@@ -162,17 +186,18 @@ def adapter_for_checkpoint(adapter: Any, manifest: dict[str, Any], tp: int) -> A
 
 
 def hf_to_mcore(
-    hf_dir: str, out: str, *, tp: int = 1, pp: int = 1, dtype: str | None = None, device: str = "cpu"
+    hf_dir: str, out: str, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None, device: str = "cpu"
 ) -> Path:
-    """Convert an HF checkpoint into a model-only torch_dist checkpoint; collective.
+    """Convert an HF checkpoint into a model-only torch_dist checkpoint; collective under torchrun.
 
     Args:
         hf_dir: HF directory (config.json + safetensors + tokenizer files).
         out: new output directory.
-        tp: tensor-parallel size of the writing layout (the result loads at any layout).
-        pp: pipeline-parallel size of the writing layout.
+        tp: tensor-parallel size of the target layout (the result loads at any layout).
+        pp: pipeline-parallel size of the target layout.
+        ep: expert-parallel size of the target layout (MoE models).
         dtype: stored parameter dtype; default: the HF config's.
-        device: "cpu", "cuda" or "auto".
+        device: "cpu", "cuda" or "auto" (the torchrun path; one process streams on CPU).
 
     Returns:
         The output directory.
@@ -182,7 +207,9 @@ def hf_to_mcore(
     torch_dtype = _hf_dtype(hf, dtype)
     if Path(out).exists() and any(Path(out).iterdir()):
         raise CheckpointError(f"output directory {out} exists and is not empty; pass a new --out directory")
-    dims = _init_layout(tp, pp, adapter, device)
+    if _processes() == 1:
+        return _hf_to_mcore_streaming(hf, Path(out), adapter, torch_dtype, tp=tp, pp=pp, ep=ep)
+    dims = _init_layout(tp, pp, ep, adapter, device)
     model = adapter.build_model(dims, dtype=torch_dtype, init_weights=False)
     try:
         adapter.load_hf(model, hf, dims)
@@ -191,6 +218,33 @@ def hf_to_mcore(
     except (ValueError, KeyError) as e:
         raise CheckpointError(f"HF checkpoint {hf}: {e}") from None
     return save_model_checkpoint(out, [model], hf_dir=hf, model_family=adapter.hf.family)
+
+
+def _hf_to_mcore_streaming(hf: Path, out: Path, adapter: Any, dtype: Any, *, tp: int, pp: int, ep: int) -> Path:
+    """One process: each parameter read from the shards when the writer reaches it, freed once written."""
+    from megatron_dapo import parallel
+    from megatron_dapo.checkpoint.streaming import streaming_save_strategy
+    from megatron_dapo.models import mapping
+    from megatron_dapo.models.adapter import unwrap_model
+    from megatron_dapo.models.hf_checkpoint import HFCheckpoint
+
+    _check_layout(tp, pp, ep, adapter, world=tp * pp * ep)
+    ckpt = HFCheckpoint(hf, mapped=False)
+    mapping.check_checkpoint(adapter.hf, ckpt)
+    # The vocab padded as the target layout pads it (128 * tp), so the checkpoint equals what
+    # tp * pp * ep processes would write; every layer and expert is whole at TP = EP = 1.
+    written = dataclasses.replace(adapter, make_vocab_size_divisible_by=adapter.make_vocab_size_divisible_by * tp)
+    parallel.init_distributed("cpu")
+    dims = parallel.initialize_model_parallel(1, 1)
+    model = written.build_model(dims, dtype=dtype, init_weights=False)
+    maps = {tm.mcore_name: tm for tm in written.tensor_maps(model, dims)}
+    padded = written.padded_vocab_size(1)
+
+    def fill(name: str, param: Any) -> Any:
+        return mapping.load_shard(maps[name], ckpt, adapter.hf, 1, 0, padded).to(param.dtype)
+
+    strategy = streaming_save_strategy(unwrap_model(model), fill)
+    return save_model_checkpoint(out, [model], hf_dir=hf, model_family=adapter.hf.family, sharded_strategy=strategy)
 
 
 # ----------------------------------------------------------------------------- mcore -> HF
@@ -207,53 +261,6 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Path:
     return p
 
 
-class _ShardWriter:
-    """Writes HF tensors into safetensors shards as they fill; never holds more than one shard."""
-
-    def __init__(self, out: Path, max_shard_bytes: int) -> None:
-        self.out = out
-        self.max_shard_bytes = max_shard_bytes
-        self.pending: dict[str, Any] = {}
-        self.pending_bytes = 0
-        self.files: list[tuple[Path, list[str]]] = []
-        self.total_bytes = 0
-
-    def add(self, name: str, tensor: Any) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
-            self.flush()
-        # A copy: the adapter may yield views of live parameters.
-        self.pending[name] = tensor.detach().to("cpu").contiguous().clone()
-        self.pending_bytes += nbytes
-        self.total_bytes += nbytes
-
-    def flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.pending:
-            return
-        path = self.out / f".tmp-shard-{len(self.files) + 1:05d}.safetensors"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        chmod_as_created(path)
-        self.files.append((path, list(self.pending)))
-        self.pending, self.pending_bytes = {}, 0
-
-    def finish(self) -> list[Path]:
-        """Name the shards HF-style (model-0000i-of-0000n) and write the index."""
-        self.flush()
-        total = len(self.files)
-        weight_map: dict[str, str] = {}
-        final = []
-        for i, (tmp, names) in enumerate(self.files, start=1):
-            name = "model.safetensors" if total == 1 else f"model-{i:05d}-of-{total:05d}.safetensors"
-            os.replace(tmp, self.out / name)
-            final.append(self.out / name)
-            weight_map.update(dict.fromkeys(names, name))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        return final
-
-
 def mcore_to_hf(
     ckpt: str,
     out: str,
@@ -262,9 +269,10 @@ def mcore_to_hf(
     max_shard_size: str = "5GB",
     tp: int = 1,
     pp: int = 1,
+    ep: int = 1,
     device: str = "cpu",
 ) -> Path:
-    """Export a torch_dist checkpoint (training or converted) as an HF directory; collective.
+    """Export a torch_dist checkpoint (training or converted) as an HF directory; collective under torchrun.
 
     Args:
         ckpt: a checkpoint directory, or a checkpoints root (its ``latest`` is used).
@@ -272,14 +280,17 @@ def mcore_to_hf(
         hf_config_from: HF directory with config.json + tokenizer files; default the
             checkpoint's embedded ``hf/``.
         max_shard_size: largest safetensors shard, e.g. "5GB".
-        tp: tensor-parallel size to load with (memory per rank ~ model / (tp*pp)).
-        pp: pipeline-parallel size to load with.
+        tp: tensor-parallel size to load with under torchrun (memory per rank ~ model / (tp*pp)).
+        pp: pipeline-parallel size to load with under torchrun.
+        ep: expert-parallel size to load with under torchrun (MoE models).
         device: "cpu", "cuda" or "auto".
 
     Returns:
         The output directory.
     """
     import torch.distributed as dist
+
+    from megatron_dapo.models.hf_writer import StreamingShardWriter, hf_specs
 
     max_bytes = parse_size(max_shard_size)
     path = resolve_checkpoint(ckpt)
@@ -302,24 +313,70 @@ def mcore_to_hf(
         raise CheckpointError(
             f"output directory {out_dir} exists and is not empty; pass a new --out directory"
         )
-    adapter = adapter_for_checkpoint(adapter, manifest, tp)
-    dims = _init_layout(tp, pp, adapter, device)
     dtype = _hf_dtype(hf_src, manifest.get("params_dtype"))
+    if _processes() == 1:
+        _check_layout(tp, pp, ep, adapter, world=tp * pp * ep)
+        return _mcore_to_hf_streaming(path, manifest, out_dir, hf_src, adapter, dtype, max_bytes)
+    adapter = adapter_for_checkpoint(adapter, manifest, tp)
+    dims = _init_layout(tp, pp, ep, adapter, device)
     model = adapter.build_model(dims, dtype=dtype, init_weights=False)
     CheckpointManager(path.parent).load(path, [model], model_family=adapter.hf.family, load_rng=False)
 
     writer = None
     if dims.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        writer = _ShardWriter(out_dir, max_bytes)
+        writer = StreamingShardWriter(out_dir, hf_specs(adapter.hf, dtype), max_bytes)
     for name, tensor in adapter.export_hf(model, dims):
         if writer is not None:
-            writer.add(name, tensor)
+            writer.write(name, tensor)
     if writer is not None:
         writer.finish()
         copy_hf_files(hf_src, out_dir)
     if dist.is_initialized():
         dist.barrier()
+    return out_dir
+
+
+def _mcore_to_hf_streaming(
+    path: Path, manifest: dict[str, Any], out_dir: Path, hf_src: Path, adapter: Any, dtype: Any, max_bytes: int
+) -> Path:
+    """One process: the checkpoint loaded a layer at a time, each HF tensor written where its shard planned it."""
+    from megatron_dapo import parallel
+    from megatron_dapo.checkpoint import check_compatible
+    from megatron_dapo.checkpoint.integrity import verify_checksums
+    from megatron_dapo.checkpoint.streaming import load_groups
+    from megatron_dapo.models import mapping
+    from megatron_dapo.models.adapter import unwrap_model
+    from megatron_dapo.models.hf_writer import StreamingShardWriter, hf_specs
+
+    adapter = adapter_for_checkpoint(adapter, manifest, 1)
+    parallel.init_distributed("cpu")
+    dims = parallel.initialize_model_parallel(1, 1)
+    model = adapter.build_model(dims, dtype=dtype, init_weights=False)
+    check_compatible(manifest, [model], str(path), adapter.hf.family)
+    verify_checksums(path, manifest)
+    groups: list[list[Any]] = []
+    for tm in adapter.tensor_maps(model, dims):
+        if tm.mirror:
+            continue
+        if not groups or groups[-1][0].sort_key[0] != tm.sort_key[0]:
+            groups.append([])
+        groups[-1].append(tm)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    writer = StreamingShardWriter(out_dir, hf_specs(adapter.hf, dtype), max_bytes)
+    try:
+        names = [[tm.mcore_name for tm in group] for group in groups]
+        for group, loaded in zip(groups, load_groups(path, unwrap_model(model), names), strict=True):
+            for tm in group:
+                for name, tensor in zip(tm.hf_names, mapping.hf_from_shards(tm, [loaded[tm.mcore_name]], adapter.hf),
+                                        strict=True):
+                    writer.write(name, tensor)
+            del loaded  # else it stays alive while the next group loads (two layers, not one)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    copy_hf_files(hf_src, out_dir)
     return out_dir
 
 
@@ -332,9 +389,11 @@ def _add_hf_to_mcore_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", required=True, help="new directory for the torch_dist checkpoint")
     parser.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel size (needs tp*pp processes via torchrun)"
+        "--tp", type=int, default=1,
+        help="tensor-parallel size of the target layout (one process takes any; torchrun needs tp*pp*ep)",
     )
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the target layout")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size of the target layout (MoE)")
     parser.add_argument(
         "--dtype", default=None, help="stored dtype (float32|bfloat16|float16); default: the HF config's"
     )
@@ -354,6 +413,7 @@ def _add_mcore_to_hf_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size to load with (torchrun)")
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load with (torchrun)")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size to load with (torchrun, MoE)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="where to run")
 
 
@@ -361,12 +421,25 @@ def _run_hf_to_mcore(args: argparse.Namespace) -> int:
     from megatron_dapo import parallel
 
     try:
-        out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype, device=args.device)
+        out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
+                          device=args.device)
     finally:
         parallel.destroy()
     if _is_rank0():
-        print(f"wrote {out} (tp={args.tp} pp={args.pp}; loads at any layout)")
+        print(f"wrote {out} (tp={args.tp} pp={args.pp} ep={args.ep}; loads at any layout)")
+        _print_memory(_weights_bytes(Path(args.hf)))
     return 0
+
+
+def _weights_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.glob("*.safetensors"))
+
+
+def _print_memory(checkpoint_bytes: int) -> None:
+    """The process' peak RSS against the checkpoint's size (rank 0's, under torchrun)."""
+    peak = peak_rss_bytes()
+    ratio = f" = {peak / checkpoint_bytes:.2f}x" if checkpoint_bytes else ""
+    print(f"peak RSS {_gib(peak)} for a {_gib(checkpoint_bytes)} checkpoint{ratio}")
 
 
 def _run_mcore_to_hf(args: argparse.Namespace) -> int:
@@ -380,12 +453,14 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             tp=args.tp,
             pp=args.pp,
+            ep=args.ep,
             device=args.device,
         )
     finally:
         parallel.destroy()
     if _is_rank0():
         print(f"wrote {out}")
+        _print_memory(_weights_bytes(Path(out)))
     return 0
 
 

@@ -71,8 +71,13 @@ def write_checkpoint(
     model_family: str | None,
     with_rng: bool,
     optimizer_sharding: str = OPTIMIZER_SHARDINGS[0],
+    sharded_strategy: Any | None = None,
 ) -> None:
-    """Fill the (empty, existing) directory ``tmp`` on every rank; the manifest goes in last."""
+    """Fill the (empty, existing) directory ``tmp`` on every rank; the manifest goes in last.
+
+    ``sharded_strategy`` replaces dist_checkpointing's default torch_dist writer (the
+    streaming converter's, checkpoint/streaming.py); None keeps megatron's.
+    """
     from megatron.core import dist_checkpointing
 
     if importlib.util.find_spec("psutil") is None:
@@ -90,7 +95,8 @@ def write_checkpoint(
         )
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, str(tmp / DIST_DIR), content_metadata=optim_metadata(optimizer_sharding))
+    dist_checkpointing.save(state, str(tmp / DIST_DIR), sharded_strategy=sharded_strategy,
+                            content_metadata=optim_metadata(optimizer_sharding))
     if with_rng:
         buf = io.BytesIO()
         torch.save(capture_rng_state(), buf)

@@ -352,6 +352,7 @@ def save_model_checkpoint(
     *,
     hf_dir: str | os.PathLike[str] | None = None,
     model_family: str | None = None,
+    sharded_strategy: Any | None = None,
 ) -> Path:
     """Write a model-only checkpoint (no optimizer, RNG or trainer state) to ``out``; collective.
 
@@ -363,6 +364,8 @@ def save_model_checkpoint(
         model_chunks: this rank's model chunks, weights loaded.
         hf_dir: HF directory whose config + tokenizer files are embedded (for export).
         model_family: family name if hf_dir is None.
+        sharded_strategy: dist_checkpointing save strategy; None = megatron's torch_dist writer
+            (checkpoint/streaming.py has the one-tensor-at-a-time one).
 
     Returns:
         ``out`` as a Path.
@@ -388,6 +391,7 @@ def save_model_checkpoint(
         hf_dir=hf_dir,
         model_family=model_family,
         with_rng=False,
+        sharded_strategy=sharded_strategy,
     )
     if process_rank() == 0:
         if out.exists():

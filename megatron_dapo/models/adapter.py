@@ -471,6 +471,10 @@ class DecoderAdapter:
                 param.data = param.data.to(dtype)
         return model.to(dims.device)
 
+    def tensor_maps(self, model: Any, dims: ParallelDims) -> list[mapping.TensorMap]:
+        """How each of this rank's parameters is made of HF tensors (export order; the converter's plan)."""
+        return self._maps(unwrap_model(model), dims)
+
     def _maps(self, gpt: GPTModel, dims: ParallelDims | None = None) -> list[mapping.TensorMap]:
         layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(gpt.decoder.layers)}
         expert_offset = dims.ep_rank * (self.hf.num_experts // dims.ep) if dims is not None and self.hf.is_moe else 0

@@ -159,6 +159,7 @@ def expert_shapes(hf: HFModelConfig) -> dict[str, tuple[int, ...]]:
 
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 """safetensors dtype names a weight may be stored in."""
+_STORED_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 
 
 def check_checkpoint(hf: HFModelConfig, ckpt: HFCheckpoint) -> None:
@@ -300,15 +301,14 @@ def load_shard(
     if tm.kind == "vocab":
         rows = padded_vocab // tp
         start, stop = tp_rank * rows, (tp_rank + 1) * rows
-        # An empty read (start >= V) still carries the stored dtype and hidden size.
-        real = ckpt.read(tm.hf_names[0], start=min(start, hf.vocab_size), stop=min(stop, hf.vocab_size))
-        shard = real.new_zeros(rows, real.shape[1])
-        shard[: real.shape[0]] = real
+        # Read straight into the padded shard: the embedding is the largest tensor, so no second copy.
+        name = tm.hf_names[0]
+        first, last = min(start, hf.vocab_size), min(stop, hf.vocab_size)
+        shard = torch.zeros(rows, ckpt.shapes[name][1], dtype=_STORED_DTYPES[ckpt.dtypes[name]])
+        ckpt.read(name, start=first, stop=last, out=shard[: last - first])
         return shard
     if tm.kind == "fc1":
-        rows = hf.intermediate_size // tp
-        gate, up = (ckpt.read(n, start=tp_rank * rows, stop=(tp_rank + 1) * rows) for n in tm.hf_names)
-        return torch.cat([gate, up], dim=0)
+        return _read_gate_up(tm, ckpt, hf.intermediate_size // tp, tp_rank)
     assert tm.kind == "qkv", tm.kind
     d = hf.head_dim
     num_groups = hf.num_kv_heads // tp
@@ -335,9 +335,16 @@ def _load_expert_shard(tm: TensorMap, ckpt: HFCheckpoint, etp: int, etp_rank: in
     if tm.kind == "expert_row":
         cols = ckpt.shapes[tm.hf_names[0]][1] // etp
         return ckpt.read(tm.hf_names[0], dim=1, start=etp_rank * cols, stop=(etp_rank + 1) * cols)
-    rows = ckpt.shapes[tm.hf_names[0]][0] // etp
-    gate, up = (ckpt.read(n, start=etp_rank * rows, stop=(etp_rank + 1) * rows) for n in tm.hf_names)
-    return torch.cat([gate, up], dim=0)
+    return _read_gate_up(tm, ckpt, ckpt.shapes[tm.hf_names[0]][0] // etp, etp_rank)
+
+
+def _read_gate_up(tm: TensorMap, ckpt: HFCheckpoint, rows: int, rank: int) -> torch.Tensor:
+    """[gate rows of this rank; up rows of this rank], read straight into one buffer."""
+    gate = tm.hf_names[0]
+    fused = torch.empty(2 * rows, ckpt.shapes[gate][1], dtype=_STORED_DTYPES[ckpt.dtypes[gate]])
+    for half, name in zip(fused.chunk(2, dim=0), tm.hf_names, strict=True):
+        ckpt.read(name, start=rank * rows, stop=(rank + 1) * rows, out=half)
+    return fused
 
 
 def hf_from_shards(tm: TensorMap, shards: list[torch.Tensor], hf: HFModelConfig) -> list[torch.Tensor]:
@@ -354,12 +361,12 @@ def hf_from_shards(tm: TensorMap, shards: list[torch.Tensor], hf: HFModelConfig)
     if tm.kind == "replicated":
         return [shards[0]]
     if tm.kind in ("row", "expert_row"):
-        return [torch.cat(shards, dim=1)]
+        return [_cat(shards, dim=1)]
     if tm.kind == "vocab":
-        return [torch.cat(shards, dim=0)[: hf.vocab_size]]
+        return [_cat(shards, dim=0)[: hf.vocab_size]]
     if tm.kind in ("fc1", "expert_fc1"):
         halves = [s.chunk(2, dim=0) for s in shards]
-        return [torch.cat([h[0] for h in halves], dim=0), torch.cat([h[1] for h in halves], dim=0)]
+        return [_cat([h[0] for h in halves], dim=0), _cat([h[1] for h in halves], dim=0)]
     assert tm.kind == "qkv", tm.kind
     d = hf.head_dim
     heads_per_group = hf.num_attention_heads // hf.num_kv_heads
@@ -368,3 +375,8 @@ def hf_from_shards(tm: TensorMap, shards: list[torch.Tensor], hf: HFModelConfig)
     grouped = torch.cat([s.reshape(-1, (heads_per_group + 2) * d, *trailing) for s in shards], dim=0)
     q, k, v = grouped.split([heads_per_group * d, d, d], dim=1)
     return [q.reshape(-1, *trailing), k.reshape(-1, *trailing), v.reshape(-1, *trailing)]
+
+
+def _cat(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, except that one part is returned as it is (a view: no copy of a 1.5 GB embedding)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_dapo.checkpoint.files import current_umask
-from megatron_dapo.convert import _ShardWriter
 from megatron_dapo.embedded import atomic_dir
+from megatron_dapo.models.hf_writer import StreamingShardWriter, TensorSpec
 
 
 @pytest.fixture
@@ -28,9 +28,10 @@ def test_current_umask_does_not_change_it(umask_022) -> None:
 
 
 def test_exported_shards_are_readable_by_others(tmp_path: Path, umask_022) -> None:
-    writer = _ShardWriter(tmp_path, max_shard_bytes=64)
-    writer.add("a", torch.zeros(16))
-    writer.add("b", torch.ones(16))
+    specs = [TensorSpec("a", (16,), torch.float32), TensorSpec("b", (16,), torch.float32)]
+    writer = StreamingShardWriter(tmp_path, specs, max_shard_bytes=64)
+    writer.write("a", torch.zeros(16))
+    writer.write("b", torch.ones(16))
     files = writer.finish()
     assert [f.name for f in files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     # Before: 0600, as safetensors creates them.
