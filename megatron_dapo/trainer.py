@@ -207,6 +207,10 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
             if shard.batch.routes is None and shard.batch.num_seqs:
                 raise RuntimeError("algorithm.routing_replay=rollout but the engine reported no routed experts")
             shard.batch.replay_routes = shard.batch.routes
+    probe: dict[str, float] = {}
+    if replay == "rollout" and shards and shards[0].batch.routes is not None:
+        with timer("replay_probe"):
+            probe = free_routing_mismatch(run, shards[0])
     source = cfg.old_log_probs_source
     drift: dict[str, float] = {}
     if source == "recompute":
@@ -237,6 +241,7 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
     metrics = mean_metrics(actor_metrics)
     metrics.update(actor.route_metrics())  # moe/router_disagreement, moe/replay_route_mismatch
     metrics.update(drift)
+    metrics.update(probe)
     metrics["sync/num_bytes"] = float(sync_stats.num_bytes)
     return shards, metrics
 
@@ -252,6 +257,25 @@ def compute_old_log_probs(run: Run, shards: list[Shard]) -> None:
         shard.batch.old_log_probs, _ = run.actor.compute_log_probs(
             shard.batch, run.cfg.rollout.temperature, response_only=True, replay=mode == "rollout",
             record_routes=mode == "old_policy")
+
+
+def free_routing_mismatch(run: Run, shard: Shard) -> dict[str, float]:
+    """R3: what the replay removes, measured on one mini-batch by a forward WITHOUT replay.
+
+    Before any update (the weights that generated the batch): `moe/logprob_gap_no_replay` (mean
+    |actor - engine| log-prob) and `moe/mismatch_kl_k3_no_replay` (as rollout_corr/kl_k3), next
+    to the replayed passes' rollout/train_logprob_abs_diff and rollout_corr/kl_k3; this pass is
+    also the one moe/router_disagreement comes from. Costs one forward of the mini-batch.
+    """
+    batch = shard.batch
+    free, _ = run.actor.compute_log_probs(batch, run.cfg.rollout.temperature, response_only=True)
+    mask = batch.response_mask.to(free.device)
+    log_ratio = (free - shard.rollout_log_probs.to(free.device))[mask].double().clamp(-20.0, 20.0)
+    sums = torch.tensor([float(log_ratio.abs().sum()), float((log_ratio.exp() - 1 - log_ratio).sum()),
+                         float(mask.sum())], dtype=torch.float64)  # CPU: the control plane
+    dist.all_reduce(sums, group=run.dims.dp_group)
+    tokens = max(float(sums[2]), 1.0)
+    return {"moe/logprob_gap_no_replay": float(sums[0]) / tokens, "moe/mismatch_kl_k3_no_replay": float(sums[1]) / tokens}
 
 
 def compute_ref_log_probs(run: Run, shards: list[Shard]) -> None:

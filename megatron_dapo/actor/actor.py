@@ -203,7 +203,8 @@ class MegatronActor:
             if replay or record:
                 raise ValueError("routing replay needs a mixture-of-experts model")
             return contextlib.nullcontext()
-        return self.route_replay.pass_(replay=replay, record=record, compare=compare)
+        # The router's own choice is compared with the engine's only in a pass that does not replay.
+        return self.route_replay.pass_(replay=replay, record=record, compare=compare and not replay)
 
     def route_metrics(self) -> dict[str, float]:
         """Collective over every rank: moe/router_disagreement and moe/replay_route_mismatch since

@@ -162,21 +162,16 @@ def _check(out: dict, setup: dict, shared_once: bool | None) -> None:
     assert out["update_metrics"]["moe/replay_route_mismatch"] == 0.0
 
 
-# (tp, pp, ep, shared prompts, token budget): 200 holds the batch in one micro-batch, 30 and 20
-# cut it into 3 and 5 (a shared prompt split over micro-batches is forwarded, and counted, twice).
-SINGLE = [(1, 1, 1, True, 200), (1, 1, 1, True, 20), (1, 1, 1, False, 200)]
+# (tp, pp, ep, shared prompts, token budget) on 2 processes (one spawn: CI time); TP 1 x PP 1
+# x EP 1 is then DP 2 with the whole batch on each rank. Budget 200 holds the batch in one
+# micro-batch, 30 and 20 cut it into 3 and 5 (a shared prompt split over micro-batches is
+# forwarded, and counted, twice: shared_once None).
+LAYOUTS = {(1, 1, 1, True, 200): True, (1, 1, 1, True, 20): None, (1, 1, 1, False, 200): False,
+           (2, 1, 1, True, 200): True, (1, 2, 1, False, 30): False, (1, 1, 2, False, 200): False}
 
 
-def test_replay_is_token_exact_in_one_process_shared_prompts_and_padded(setup: dict) -> None:
-    (out,) = run_distributed(_worker, 1, SINGLE, setup["dir"])
-    _check(out[SINGLE[0]], setup, shared_once=True)
-    _check(out[SINGLE[1]], setup, shared_once=None)
-    _check(out[SINGLE[2]], setup, shared_once=False)
-
-
-def test_replay_is_token_exact_at_tp2_sp_pp2_ep2(setup: dict) -> None:
-    variants = [(2, 1, 1, True, 200), (1, 2, 1, False, 30), (1, 1, 2, False, 200)]
-    out = run_distributed(_worker, 2, variants, setup["dir"], timeout_s=300)
-    for variant in variants:
+def test_replay_is_token_exact_with_shared_prompts_padded_rows_tp2_sp_pp2_ep2(setup: dict) -> None:
+    out = run_distributed(_worker, 2, list(LAYOUTS), setup["dir"], timeout_s=400)
+    for variant, shared_once in LAYOUTS.items():
         for rank_out in out:
-            _check(rank_out[variant], setup, shared_once=variant[3])
+            _check(rank_out[variant], setup, shared_once=shared_once)
