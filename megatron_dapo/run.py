@@ -331,11 +331,13 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
     """
     dtype = model_dtype(cfg, dims.device)
     optim = optim or cfg.optim
+    decay_steps = optim.lr_decay_steps if optim.lr_decay_steps is not None else cfg.optimizer_steps
     return MegatronActor(
         adapter=adapter, dims=dims,
         optimizer_config=make_optimizer_config(optim, dtype=dtype,
                                                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
-        lr_warmup_steps=optim.lr_warmup_steps, hf_checkpoint=hf_dir,
+        lr_warmup_steps=optim.lr_warmup_steps, lr_decay=(optim.lr_decay_style, decay_steps, optim.min_lr_ratio),
+        hf_checkpoint=hf_dir,
         recompute="full" if cfg.model.recompute_activations else "none",
         max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
         logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,

@@ -59,14 +59,14 @@ from megatron_dapo.actor.logprobs import (
 from megatron_dapo.actor.microbatch import MicroBatch, RolloutBatch, build_microbatch, pack_microbatches
 from megatron_dapo.actor.moe_metrics import RouterStats
 from megatron_dapo.actor.routing_replay import RouteReplay
-from megatron_dapo.actor.settings import WarmupConstantLR, make_optimizer_config
+from megatron_dapo.actor.settings import LRSchedule, make_optimizer_config
 from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
 from megatron_dapo.algo.objective import OBJECTIVE_METRICS, LossSettings, objective_metrics, policy_objective
 from megatron_dapo.models import ModelAdapter, te_available, unwrap_model
 from megatron_dapo.models.shared_prompts import token_positions
 from megatron_dapo.parallel import ParallelDims
 
-__all__ = ["MegatronActor", "WarmupConstantLR", "make_optimizer_config"]
+__all__ = ["LRSchedule", "MegatronActor", "make_optimizer_config"]
 
 
 
@@ -79,6 +79,8 @@ class MegatronActor:
         optimizer_config: megatron-core OptimizerConfig (make_optimizer_config); its
             params_dtype is the model dtype.
         lr_warmup_steps: linear warm-up steps of the learning rate.
+        lr_decay: (style, decay_steps, min_lr_ratio) of the decay after warm-up (LRSchedule);
+            None = constant.
         hf_checkpoint: HF checkpoint directory to load; None keeps the random init.
         recompute: activation recompute, "none" | "full" | "selective".
         max_tokens_per_microbatch: token budget of one micro-batch (trainer.max_tokens_per_microbatch).
@@ -105,6 +107,7 @@ class MegatronActor:
         dims: ParallelDims,
         optimizer_config: OptimizerConfig,
         lr_warmup_steps: int = 0,
+        lr_decay: tuple[str, int, float] | None = None,
         hf_checkpoint: str | Path | None = None,
         recompute: str = "none",
         max_tokens_per_microbatch: int = 16384,
@@ -188,7 +191,9 @@ class MegatronActor:
         self.optimizer = get_megatron_optimizer(optimizer_config, [self.model])
         if optimizer_config.fp16:
             config.grad_scale_func = self.optimizer.scale_loss
-        self.scheduler = WarmupConstantLR(lr=optimizer_config.lr, warmup_steps=lr_warmup_steps)
+        style, decay_steps, min_lr_ratio = lr_decay or ("constant", 0, 0.0)
+        self.scheduler = LRSchedule(lr=optimizer_config.lr, warmup_steps=lr_warmup_steps, decay_style=style,
+                                    decay_steps=decay_steps, min_lr_ratio=min_lr_ratio)
         self.weight_decay = optimizer_config.weight_decay
         hf = adapter.hf
         self.router_stats = RouterStats(self.model, num_layers=hf.num_layers, num_experts=hf.num_experts,

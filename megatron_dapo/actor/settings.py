@@ -10,32 +10,52 @@ from megatron.core.optimizer import OptimizerConfig
 
 from megatron_dapo.config import OptimConfig
 
-__all__ = ["WarmupConstantLR", "make_optimizer_config"]
+__all__ = ["LR_DECAY_STYLES", "LRSchedule", "make_optimizer_config"]
+
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclass(kw_only=True, slots=True)
-class WarmupConstantLR:
-    """Linear warm-up over `warmup_steps` optimizer steps, then constant (the DAPO paper)."""
+class LRSchedule:
+    """Linear warm-up over `warmup_steps` optimizer steps, then constant (the DAPO paper) or a
+    linear / cosine decay to `min_lr_ratio` x lr at optimizer step `decay_steps` (Megatron's
+    lr_decay_style, verl's lr_scheduler_type with min_lr_ratio), constant after it."""
 
     lr: float
     """Learning rate after warm-up."""
     warmup_steps: int = 0
     """Steps of warm-up; update k (0-based) uses lr x (k + 1) / warmup_steps, so none is wasted at 0."""
+    decay_style: str = "constant"
+    """constant | linear | cosine (LR_DECAY_STYLES)."""
+    decay_steps: int = 0
+    """The optimizer step at which the decay reaches its floor (warm-up included)."""
+    min_lr_ratio: float = 0.0
+    """The floor, as a fraction of lr."""
     num_steps: int = 0
     """Optimizer steps taken so far (checkpointed)."""
 
+    def __post_init__(self) -> None:
+        if self.decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"decay_style={self.decay_style!r}: choose one of {', '.join(LR_DECAY_STYLES)}")
+
     def current(self) -> float:
         """The learning rate of the next optimizer step."""
-        if self.num_steps >= self.warmup_steps:
+        if self.num_steps < self.warmup_steps:
+            return self.lr * (self.num_steps + 1) / self.warmup_steps
+        span = self.decay_steps - self.warmup_steps
+        if self.decay_style == "constant" or span <= 0:
             return self.lr
-        return self.lr * (self.num_steps + 1) / self.warmup_steps
+        progress = min(1.0, (self.num_steps - self.warmup_steps) / span)
+        shape = 1.0 - progress if self.decay_style == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape)
 
     def state_dict(self) -> dict[str, float | int]:
         """What a checkpoint stores (the schedule's position and shape)."""
         return {"lr": self.lr, "warmup_steps": self.warmup_steps, "num_steps": self.num_steps}
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
-        """Resume the schedule's position; lr and warm-up stay as configured for this run."""
+        """Resume the schedule's position; lr, warm-up and decay stay as configured for this run."""
         self.num_steps = int(state["num_steps"])
 
 

@@ -118,6 +118,12 @@ class Config:
         return "recompute" if correcting else "current"
 
     @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole RL run (the lr decay's default length)."""
+        t = self.trainer
+        return t.total_training_steps * (self.data.train_batch_size // t.ppo_mini_batch_size) * t.ppo_epochs
+
+    @property
     def old_log_prob_pass_fraction(self) -> float:
         """The share of the batch the forward-only old-log-prob pass covers (planner and docs)."""
         source = self.old_log_probs_source

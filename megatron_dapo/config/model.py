@@ -74,7 +74,7 @@ class SFTWarmStartConfig:
     batch_size: int = 32
     """Sequences per SFT step."""
     lr: float = 3e-3
-    """Peak learning rate of SFT (cosine decay to 10%)."""
+    """Learning rate of SFT (10 warm-up steps, then constant)."""
     target_acc_min: float | None = None
     """Stop SFT at the first check whose held-out accuracy (the trainer's val/acc: val files,
     rollout.val_kwargs, seed trainer.seed + 1) is in [target_acc_min, target_acc_max], so every

@@ -11,7 +11,7 @@ from megatron_dapo.config.fields import _check
 
 @dataclass(kw_only=True, slots=True)
 class OptimConfig:
-    """AdamW with linear warm-up then constant learning rate (the paper's schedule)."""
+    """AdamW with linear warm-up, then a constant learning rate (the paper's schedule) or a decay."""
 
     lr: float = 1e-6
     """Learning rate after warm-up."""
@@ -27,6 +27,14 @@ class OptimConfig:
     """Global gradient-norm clip (0 = off)."""
     lr_warmup_steps: int = 0
     """Optimizer steps of linear warm-up (paper: 20 rollout steps x updates per step)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """After warm-up: constant (the paper), or a linear / cosine decay to min_lr_ratio x lr at
+    lr_decay_steps (Megatron's lr_decay_style, verl's lr_scheduler_type)."""
+    lr_decay_steps: int | None = None
+    """Optimizer step at which the decay reaches its floor, warm-up included; None = the run's
+    last (trainer.total_training_steps x train_batch_size / ppo_mini_batch_size x ppo_epochs)."""
+    min_lr_ratio: float = 0.0
+    """The decay's floor as a fraction of lr."""
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "lr", "must be > 0")
@@ -36,6 +44,11 @@ class OptimConfig:
         _check(self.adam_eps > 0, "adam_eps", "must be > 0")
         _check(self.clip_grad >= 0, "clip_grad", "must be >= 0 (0 = off)")
         _check(self.lr_warmup_steps >= 0, "lr_warmup_steps", "must be >= 0")
+        _check(self.lr_decay_style in ("constant", "linear", "cosine"), "lr_decay_style",
+               f"is {self.lr_decay_style!r}; choose constant, linear or cosine")
+        _check(self.lr_decay_steps is None or self.lr_decay_steps > self.lr_warmup_steps, "lr_decay_steps",
+               f"must be > lr_warmup_steps={self.lr_warmup_steps} (or null: the run's last optimizer step)")
+        _check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -75,11 +75,15 @@ def test_one_update_per_step_skips_the_old_log_prob_pass(tmp_path, cache_dir):
     # the old log-probs, so the first (only) update of each step is exactly on-policy.
     out = tmp_path / "run"
     config = write_config(tmp_path / "tiny.yaml")
+    # The same run checks the lr decay's wiring: linear from 1e-3 at update 0 to 0.5e-3 at the
+    # run's last optimizer step (2 here), so update 1 runs at 0.75e-3.
     proc = run_trainer(config, f"trainer.output_dir={out}", "trainer.ppo_mini_batch_size=4",
-                       "trainer.val_before_train=false", "trainer.test_freq=0", cache_dir=cache_dir)
+                       "trainer.val_before_train=false", "trainer.test_freq=0", "optim.lr_warmup_steps=0",
+                       "optim.lr_decay_style=linear", "optim.min_lr_ratio=0.5", cache_dir=cache_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
+    assert [r["actor/lr"] for r in rows] == pytest.approx([1e-3, 0.75e-3])
     for row in rows:
         assert "timing_s/old_log_prob" not in row
         assert row["actor/ppo_kl"] == 0.0
@@ -94,11 +98,15 @@ def test_kl_loss_against_the_frozen_reference_starts_at_zero(tmp_path, cache_dir
     config = write_config(tmp_path / "tiny.yaml",
                           algorithm={"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "low_var_kl",
                                      "filter_groups": {"enable": True, "max_num_gen_batches": 6}})
+    # The same run checks the lr decay's wiring: linear from 1e-3 at update 0 to 0.5e-3 at the
+    # run's last optimizer step (2 here), so update 1 runs at 0.75e-3.
     proc = run_trainer(config, f"trainer.output_dir={out}", "trainer.ppo_mini_batch_size=4",
-                       "trainer.val_before_train=false", "trainer.test_freq=0", cache_dir=cache_dir)
+                       "trainer.val_before_train=false", "trainer.test_freq=0", "optim.lr_warmup_steps=0",
+                       "optim.lr_decay_style=linear", "optim.min_lr_ratio=0.5", cache_dir=cache_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2]
+    assert [r["actor/lr"] for r in rows] == pytest.approx([1e-3, 0.75e-3])
     assert rows[0]["actor/kl_loss"] == 0.0
     assert rows[1]["actor/kl_loss"] > 0.0
     assert all(r["timing_s/ref"] > 0 for r in rows)

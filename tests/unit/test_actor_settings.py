@@ -5,19 +5,45 @@ import math
 import pytest
 import torch
 
-from megatron_dapo.actor.actor import WarmupConstantLR, make_optimizer_config
+from megatron_dapo.actor.actor import LRSchedule, make_optimizer_config
 from megatron_dapo.algo import LossSettings
 from megatron_dapo.config import AlgorithmConfig, OptimConfig
 
 
 def test_warmup_is_linear_from_the_first_step_then_constant() -> None:
-    sched = WarmupConstantLR(lr=1e-6, warmup_steps=4)
+    sched = LRSchedule(lr=1e-6, warmup_steps=4)
     lrs = []
     for _ in range(6):
         lrs.append(sched.current())
         sched.num_steps += 1
     assert lrs == pytest.approx([0.25e-6, 0.5e-6, 0.75e-6, 1e-6, 1e-6, 1e-6], rel=1e-12)
-    assert WarmupConstantLR(lr=3e-4).current() == 3e-4
+    assert LRSchedule(lr=3e-4).current() == 3e-4
+
+
+def test_decay_reaches_its_floor_at_decay_steps_then_stays() -> None:
+    def lrs(style: str) -> list[float]:
+        sched = LRSchedule(lr=1.0, warmup_steps=2, decay_style=style, decay_steps=6, min_lr_ratio=0.1)
+        out = []
+        for _ in range(8):
+            out.append(sched.current())
+            sched.num_steps += 1
+        return out
+
+    assert lrs("linear") == pytest.approx([0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1])
+    half = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4))
+    assert lrs("cosine") == pytest.approx([0.5, 1.0, 1.0, half, 0.55, 1.1 - half, 0.1, 0.1])
+    assert lrs("constant") == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="decay_style='step'"):
+        LRSchedule(lr=1.0, decay_style="step")
+
+
+def test_the_decay_spans_the_whole_run_by_default() -> None:
+    from megatron_dapo.config import Config
+
+    cfg = Config()
+    cfg.trainer.total_training_steps, cfg.data.train_batch_size, cfg.trainer.ppo_mini_batch_size = 10, 16, 8
+    cfg.trainer.ppo_epochs = 2
+    assert cfg.optimizer_steps == 10 * 2 * 2
 
 
 def test_loss_settings_from_config_copy_every_field() -> None:
