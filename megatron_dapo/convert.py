@@ -366,12 +366,16 @@ def _mcore_to_hf_streaming(
     writer = StreamingShardWriter(out_dir, hf_specs(adapter.hf, dtype), max_bytes)
     try:
         names = [[tm.mcore_name for tm in group] for group in groups]
-        for group, loaded in zip(groups, load_groups(path, unwrap_model(model), names), strict=True):
+        stream = load_groups(path, unwrap_model(model), names)
+        for group in groups:
+            # next(), not zip() or enumerate(): those keep their last result tuple, and with it
+            # the previous layer, alive until the next layer has been read.
+            loaded = next(stream)
             for tm in group:
                 for name, tensor in zip(tm.hf_names, mapping.hf_from_shards(tm, [loaded[tm.mcore_name]], adapter.hf),
                                         strict=True):
                     writer.write(name, tensor)
-            del loaded  # else it stays alive while the next group loads (two layers, not one)
+            del loaded, tensor  # else they stay alive while the next group loads (two layers, not one)
         writer.finish()
     except BaseException:
         writer.abort()

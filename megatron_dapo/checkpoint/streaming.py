@@ -20,8 +20,12 @@ PP=2 and exports it bit-exactly.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import math
+import struct
+import sys
+import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -172,6 +176,7 @@ def load_groups(
                     start = sh.data.storage_offset() - param.storage_offset()
                     full.view(-1)[start : start + sh.data.numel()].copy_(region.reshape(-1))
             out[name] = full
+            del full, region  # held by these names, the group would outlive its yield
         yield out
         del out
 
@@ -200,8 +205,8 @@ def _read_region(dist_dir: Path, metadata: Any, sh: Any) -> torch.Tensor:
             raise CheckpointError(f"checkpoint {dist_dir.parent}: {sh.key} is stored transformed "
                                   f"({storage.transform_descriptors}); export it with torchrun instead")
         with open(dist_dir / storage.relative_path, "rb") as f:
-            stored = torch.load(_Window(f, storage.offset, storage.length), map_location="cpu", weights_only=True)
-        stored = stored.reshape(chunk.sizes)
+            stored = _load_stored(_Window(f, storage.offset, storage.length), tuple(chunk.sizes),
+                                  info.properties.dtype)
         if c_lo == lo and c_hi == hi:
             return stored.reshape(sh.local_shape)
         if out is None:
@@ -215,6 +220,38 @@ def _read_region(dist_dir: Path, metadata: Any, sh: Any) -> torch.Tensor:
         raise CheckpointError(f"checkpoint {dist_dir.parent}: the stored chunks of {sh.key} do not cover "
                               f"{lo}..{hi}; the checkpoint is incomplete: use an earlier one")
     return out.reshape(sh.local_shape)
+
+
+def _load_stored(window: _Window, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """One tensor DCP wrote with torch.save, read straight into its buffer.
+
+    torch.load of a file object reads a storage's record into a buffer and then copies it
+    into the storage: twice the largest tensor (the 1.5 GB embedding) for a moment. A
+    one-tensor torch.save archive stores its only storage uncompressed as ``<archive>/data/0``,
+    so its bytes are read in place; anything else goes through torch.load.
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    with zipfile.ZipFile(window) as archive:
+        records = [i for i in archive.infolist() if i.filename.endswith("/data/0")]
+        storages = [i for i in archive.infolist() if "/data/" in i.filename and not i.filename.endswith("/serialization_id")]
+        simple = (len(records) == 1 and len(storages) == 1 and records[0].compress_type == zipfile.ZIP_STORED
+                  and records[0].file_size == nbytes and sys.byteorder == "little")
+    if not simple:
+        window.seek(0)
+        return torch.load(window, map_location="cpu", weights_only=True).reshape(shape)
+    window.seek(records[0].header_offset)
+    header = window.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    window.seek(records[0].header_offset + 30 + name_len + extra_len)
+    out = torch.empty(shape, dtype=dtype)
+    view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
+    done = 0
+    while done < nbytes:
+        got = window.readinto(view[done:])
+        if not got:
+            raise CheckpointError(f"{window.f.name} ends inside a stored tensor; the checkpoint is truncated")
+        done += got
+    return out
 
 
 class _Window(io.RawIOBase):

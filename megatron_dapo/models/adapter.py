@@ -581,6 +581,12 @@ class DecoderAdapter:
         self, tm: mapping.TensorMap, local: torch.Tensor, dims: ParallelDims
     ) -> list[torch.Tensor]:
         size, group = (dims.tp, dims.tp_group) if tm.expert is None else (dims.etp, dims.etp_group)
+        if tm.kind == "vocab" and size > 1:
+            # Gathered in place: a list of shards and their concatenation would hold the
+            # largest tensor (the 1.5 GB embedding of a 32B model) twice on every rank.
+            full = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(full, local.contiguous(), group=group)
+            return [full[: self.hf.vocab_size]]
         if tm.kind == "replicated" or size == 1:
             shards = [local]
         else:

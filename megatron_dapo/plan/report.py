@@ -29,6 +29,7 @@ import argparse
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config.loader import load_config
 from megatron_dapo.errors import CliParser
+from megatron_dapo.plan import host
 from megatron_dapo.plan.dims import EMBEDDED_VOCAB_SIZE, resolve_model
 from megatron_dapo.plan.model import GIB, GPUS, Assumptions, Hardware, Plan, check_expert_layout, make_plan
 from megatron_dapo.plan.search import format_search, search_layouts
@@ -170,6 +171,15 @@ def _actor_rows(plan: Plan) -> list[str]:
     return rows
 
 
+def _host_rows(plan: Plan) -> list[str]:
+    convert, convert_formula = host.converter_peak_bytes(plan.model, plan.tp)
+    export, export_formula = host.export_transient_bytes(plan.model, plan.tp)
+    return [
+        f"  convert (1 proc.) {_gib(convert)}  peak RSS of `megatron-dapo convert` either way: {convert_formula}",
+        f"  weight export     {_gib(export)}  per actor rank, on its device, on top of its weights: {export_formula}",
+    ]
+
+
 def format_plan(plan: Plan) -> str:
     """The human-readable report."""
     m, hw, a = plan.model, plan.hardware, plan.assumptions
@@ -196,6 +206,9 @@ def format_plan(plan: Plan) -> str:
         f"sequences of {plan.max_sequence_tokens} (mem_fraction x GPU - weights) / KV per token",
         f"  rollout phase     {_gib(plan.rollout_phase_bytes)}  actor model states + mem_fraction x GPU + overhead: "
         f"{'fits' if plan.rollout_fits else 'DOES NOT FIT'}",
+        "",
+        "conversion and weight export (benchmarks/scale.py measured both at these shapes, 2 layers, on CPU)",
+        *_host_rows(plan),
         "",
         f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'} on {hw.mem_gib:g} GiB GPUs",
         "",

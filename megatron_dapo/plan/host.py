@@ -1,0 +1,53 @@
+"""Host-memory side of a run the GPU plan leaves out: checkpoint conversion and the weight export's transients.
+
+Both were measured on the flagship's shapes at few layers (benchmarks/scale.py, issue 28)
+and the formulas below are what those measurements follow (docs/benchmarks.md has the rows):
+
+- **Conversion, one process** (convert.py streams, checkpoint/streaming.py): the process'
+  imports, plus the largest thing alive at once: one tensor while hf-to-mcore writes (the
+  vocab-padded embedding or output layer, V_pad x h), or one layer's parameters while
+  mcore-to-hf reads a layer at a time. Nothing scales with the number of layers.
+- **Weight export per rank** (models/adapter.export_hf, every rank of a TP x PP replica gets
+  every full tensor): on top of its own parameters, the largest gathered tensor: the vocab
+  matrices are gathered in place (V_pad x h once), every other tensor through a list of
+  shards and a concatenation (twice its size: a gated fc1's gate and up, 2 x F x h each).
+  The controller also holds one bucket (rollout.update_weights_bucket_megabytes).
+"""
+
+from __future__ import annotations
+
+from megatron_dapo.plan.dims import ModelDims
+
+GIB = 1024**3
+IMPORT_BASELINE_BYTES = int(0.47 * GIB)
+"""RSS of a CPU process that imported torch 2.13 and megatron-core 0.16.1 and joined a gloo
+group, before any weight (measured 2026-11-25: the converter's peak on a 6 MB checkpoint)."""
+
+
+def padded_vocab(dims: ModelDims, tp: int, divisible_by: int = 128) -> int:
+    """Megatron's vocab rows at TP ``tp``: V rounded up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tp
+    return -(-dims.vocab_size // multiple) * multiple
+
+
+def largest_layer_bytes(dims: ModelDims, bytes_per_param: int = 2) -> int:
+    """One transformer layer's parameters (the largest layer: sparse if the model has any)."""
+    return max(dims.layer_params(sparse=False) if dims.num_moe_layers < dims.num_layers else 0,
+               dims.layer_params(sparse=True) if dims.is_moe else 0) * bytes_per_param
+
+
+def converter_peak_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2) -> tuple[int, str]:
+    """Peak RSS of one-process conversion (either direction) for the layout's tp, with its formula."""
+    vocab = padded_vocab(dims, tp) * dims.hidden_size * bytes_per_param
+    layer = largest_layer_bytes(dims, bytes_per_param)
+    return IMPORT_BASELINE_BYTES + max(vocab, layer), "imports 0.47 GiB + max(V_pad x h, one layer) x 2 B"
+
+
+def export_transient_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2) -> tuple[int, str]:
+    """Largest tensor memory one rank holds while export_hf gathers (on top of its own parameters)."""
+    vocab = padded_vocab(dims, tp) * dims.hidden_size * bytes_per_param
+    widths = [dims.intermediate_size] if dims.num_moe_layers < dims.num_layers else []
+    if dims.is_moe:
+        widths.append(dims.moe_intermediate_size)
+    fc1 = 2 * 2 * max(widths) * dims.hidden_size * bytes_per_param if tp > 1 else 0
+    return max(vocab, fc1), "max(V_pad x h in place, 2 x fc1 (2F x h) via shards + concatenation) x 2 B"
