@@ -1,0 +1,42 @@
+"""plan/host.py: the converter's and the weight export's memory, by hand for the flagship's shapes.
+
+The numbers these formulas give were checked against measurements of the real shapes at 2
+layers (benchmarks/scale.py, docs/benchmarks.md, 2026-11-25): converter 1.92 GiB measured.
+"""
+
+from __future__ import annotations
+
+import json
+
+from megatron_dapo.plan import host
+from megatron_dapo.plan.dims import MODEL_CONFIG_DIR, ModelDims
+
+
+def _dims(name: str, **changes: object) -> ModelDims:
+    raw = json.loads((MODEL_CONFIG_DIR / f"{name}.json").read_text())
+    raw.update(changes)
+    return ModelDims.from_hf(raw, name, "test")
+
+
+def test_qwen32b_converter_peak_is_imports_plus_the_padded_embedding_at_any_depth() -> None:
+    for layers in (2, 64):
+        dims = _dims("Qwen2.5-32B", num_hidden_layers=layers)
+        peak, formula = host.converter_peak_bytes(dims, tp=8)
+        assert host.padded_vocab(dims, 8) == 152_576  # 152,064 rounded up to 1024
+        assert peak == host.IMPORT_BASELINE_BYTES + 152_576 * 5120 * 2
+        assert "V_pad x h" in formula
+
+
+def test_a_layer_larger_than_the_embedding_sets_the_converter_peak() -> None:
+    dims = _dims("Qwen3-30B-A3B", num_hidden_layers=2, num_experts=512)
+    layer = host.largest_layer_bytes(dims)
+    assert layer > host.padded_vocab(dims, 1) * 2048 * 2
+    assert host.converter_peak_bytes(dims, tp=1)[0] == host.IMPORT_BASELINE_BYTES + layer
+
+
+def test_export_transient_is_the_embedding_in_place_or_twice_the_widest_fc1() -> None:
+    dims = _dims("Qwen2.5-32B")
+    assert host.export_transient_bytes(dims, 8)[0] == 152_576 * 5120 * 2  # > 2 x 2F x h x 2 B = 1.13 GB
+    narrow = _dims("Qwen2.5-32B", vocab_size=1024)
+    assert host.export_transient_bytes(narrow, 8)[0] == 2 * 2 * 27648 * 5120 * 2
+    assert host.export_transient_bytes(narrow, 1)[0] == 1024 * 5120 * 2  # no gather at TP=1
