@@ -73,6 +73,8 @@ def per_run(rows: list[dict]) -> dict[str, float]:
 
 
 def _fmt(values: list[float], digits: str) -> str:
+    if any(v != v for v in values):  # nan: the metric does not exist in this variant
+        return "-"
     if len(values) == 1:
         return format(values[0], digits)
     return f"{format(statistics.mean(values), digits)} ± {format(statistics.stdev(values), digits)}"
