@@ -355,13 +355,17 @@ def _mcore_to_hf_streaming(
     model = adapter.build_model(dims, dtype=dtype, init_weights=False)
     check_compatible(manifest, [model], str(path), adapter.hf.family)
     verify_checksums(path, manifest)
+    # One group per layer, but one per expert for a layer's routed experts: a Qwen3-235B-class
+    # layer holds 4.8 GB of experts, more than its embedding.
     groups: list[list[Any]] = []
     for tm in adapter.tensor_maps(model, dims):
         if tm.mirror:
             continue
-        if not groups or groups[-1][0].sort_key[0] != tm.sort_key[0]:
-            groups.append([])
+        key = tm.sort_key[:3] if tm.expert is not None else tm.sort_key[:1]
+        if not groups or groups[-1][0] != key:
+            groups.append([key])
         groups[-1].append(tm)
+    groups = [group[1:] for group in groups]
     out_dir.mkdir(parents=True, exist_ok=True)
     writer = StreamingShardWriter(out_dir, hf_specs(adapter.hf, dtype), max_bytes)
     try:

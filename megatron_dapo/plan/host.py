@@ -5,8 +5,9 @@ and the formulas below are what those measurements follow (docs/benchmarks.md ha
 
 - **Conversion, one process** (convert.py streams, checkpoint/streaming.py): the process'
   imports, plus the largest thing alive at once: one tensor while hf-to-mcore writes (the
-  vocab-padded embedding or output layer, V_pad x h), or one layer's parameters while
-  mcore-to-hf reads a layer at a time. Nothing scales with the number of layers.
+  vocab-padded embedding or output layer, V_pad x h), or one group while mcore-to-hf reads
+  (a layer without its routed experts, or one expert). Nothing scales with the number of
+  layers or experts.
 - **Weight export per rank** (models/adapter.export_hf, every rank of a TP x PP replica gets
   every full tensor): on top of its own parameters, the largest gathered tensor: the vocab
   matrices are gathered in place (V_pad x h once), every other tensor through a list of
@@ -30,17 +31,25 @@ def padded_vocab(dims: ModelDims, tp: int, divisible_by: int = 128) -> int:
     return -(-dims.vocab_size // multiple) * multiple
 
 
-def largest_layer_bytes(dims: ModelDims, bytes_per_param: int = 2) -> int:
-    """One transformer layer's parameters (the largest layer: sparse if the model has any)."""
-    return max(dims.layer_params(sparse=False) if dims.num_moe_layers < dims.num_layers else 0,
-               dims.layer_params(sparse=True) if dims.is_moe else 0) * bytes_per_param
+def largest_group_bytes(dims: ModelDims, bytes_per_param: int = 2) -> int:
+    """The most parameter bytes the converter holds besides the vocab matrices: mcore-to-hf's group
+    (a dense layer, or a sparse layer without its routed experts, or one expert, which it reads
+    one by one), or hf-to-mcore's widest fc1 while it writes its halves (the whole 2F x h and one half)."""
+    groups = [dims.layer_params(sparse=False)] if dims.num_moe_layers < dims.num_layers else []
+    if dims.is_moe:
+        groups += [dims.layer_params(sparse=True, experts=0), dims.expert_params()]
+    widths = [dims.intermediate_size] if dims.num_moe_layers < dims.num_layers else []
+    if dims.is_moe:
+        widths.append(dims.moe_intermediate_size)
+    fc1_halves = 3 * max(widths) * dims.hidden_size  # 2F x h whole + F x h half
+    return max([*groups, fc1_halves]) * bytes_per_param
 
 
 def converter_peak_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2) -> tuple[int, str]:
     """Peak RSS of one-process conversion (either direction) for the layout's tp, with its formula."""
     vocab = padded_vocab(dims, tp) * dims.hidden_size * bytes_per_param
-    layer = largest_layer_bytes(dims, bytes_per_param)
-    return IMPORT_BASELINE_BYTES + max(vocab, layer), "imports 0.47 GiB + max(V_pad x h, one layer) x 2 B"
+    return (IMPORT_BASELINE_BYTES + max(vocab, largest_group_bytes(dims, bytes_per_param)),
+            "imports 0.47 GiB + max(V_pad x h, a layer without its experts, one expert) x 2 B")
 
 
 def export_transient_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2) -> tuple[int, str]:

@@ -27,11 +27,12 @@ def test_qwen32b_converter_peak_is_imports_plus_the_padded_embedding_at_any_dept
         assert "V_pad x h" in formula
 
 
-def test_a_layer_larger_than_the_embedding_sets_the_converter_peak() -> None:
-    dims = _dims("Qwen3-30B-A3B", num_hidden_layers=2, num_experts=512)
-    layer = host.largest_layer_bytes(dims)
-    assert layer > host.padded_vocab(dims, 1) * 2048 * 2
-    assert host.converter_peak_bytes(dims, tp=1)[0] == host.IMPORT_BASELINE_BYTES + layer
+def test_a_layer_larger_than_the_embedding_sets_the_converter_peak_but_experts_count_one_by_one() -> None:
+    dense = _dims("Qwen2.5-32B", num_hidden_layers=2, vocab_size=1024)
+    assert host.converter_peak_bytes(dense, tp=1)[0] == host.IMPORT_BASELINE_BYTES + dense.layer_params() * 2
+    moe = _dims("Qwen3-30B-A3B", num_hidden_layers=2)
+    assert moe.layer_params(sparse=True) * 2 > host.padded_vocab(moe, 1) * 2048 * 2  # a whole layer would set it
+    assert host.converter_peak_bytes(moe, tp=1)[0] == host.IMPORT_BASELINE_BYTES + 151_936 * 2048 * 2  # 1187 x 128: no padding
 
 
 def test_export_transient_is_the_embedding_in_place_or_twice_the_widest_fc1() -> None:
