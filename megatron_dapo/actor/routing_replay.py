@@ -59,8 +59,8 @@ class LayerReplay:
         if owner.engine is not None:
             targets, has = owner.engine[0][:, self.moe_index], owner.engine[1]
             differs = (indices.sort(-1).values != targets.sort(-1).values).any(-1) & has
-            owner.sums[0] += float(differs.sum())
-            owner.sums[1] += float(has.sum())
+            owner.sums[0] += differs.sum()
+            owner.sums[1] += has.sum()
         if owner.replay is not None:
             indices = owner.replay[0][:, self.moe_index]
             probs = scores.gather(1, indices)
@@ -90,8 +90,9 @@ class RouteReplay:
         self.dims = dims
         self.sequence_parallel = sequence_parallel
         self.active = self._replaying = self._recording = self._comparing = False
-        # (token, layer) pairs: disagreeing, compared with the engine, mismatched, replayed.
-        self.sums = torch.zeros(4, dtype=torch.float64)
+        # (token, layer) pairs: disagreeing, compared with the engine, mismatched, replayed. On the
+        # model's device: the hooks run in every router's forward and must not wait for the GPU.
+        self.sums = torch.zeros(4, dtype=torch.float64, device=dims.device)
         self.engine: tuple[torch.Tensor, torch.Tensor] | None = None
         self.replay: tuple[torch.Tensor, torch.Tensor] | None = None
         self.recorded: torch.Tensor | None = None
@@ -112,8 +113,8 @@ class RouteReplay:
         routing_map = output[1].reshape(-1, output[1].shape[-1])  # [T, E] bool
         targets, has = self.replay[0][:, router.router_replay.moe_index], self.replay[1]
         wanted = torch.zeros_like(routing_map).scatter_(1, targets, True)
-        self.sums[2] += float(((routing_map != wanted).any(-1) & has).sum())
-        self.sums[3] += float(has.sum())
+        self.sums[2] += ((routing_map != wanted).any(-1) & has).sum()
+        self.sums[3] += has.sum()
 
     @contextlib.contextmanager
     def pass_(self, *, replay: bool, record: bool, compare: bool = True) -> Iterator[None]:
@@ -181,6 +182,7 @@ class RouteReplay:
         self.sums.zero_()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(sums)
+        sums = sums.cpu()
         # Ranks that see the same tokens (TP without SP) add equal copies, which ratios do not see.
         out = {}
         if sums[1] > 0:
