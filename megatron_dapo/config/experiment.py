@@ -63,6 +63,9 @@ class Config:
             _check(not r.partial_rollout, "rollout.partial_rollout",
                    "is not supported with trainer.max_staleness > 0 yet (a carried response's oldest tokens "
                    "could exceed the bound); set one of them off")
+        moe = self._moe_model()
+        if moe is not None:
+            check_moe_layout(self.parallel, moe)
         if a.routing_replay != "off":
             _check(not self.model.recompute_activations, "algorithm.routing_replay",
                    "cannot run with model.recompute_activations=true (megatron-core 0.16.1 routes the "
@@ -149,6 +152,18 @@ class Config:
         heads = int(hf.get("num_attention_heads", 0))
         return heads, int(hf.get("num_key_value_heads", heads)), int(hf.get("num_hidden_layers", 0)), str(cfg_path)
 
+    def _moe_model(self) -> str | None:
+        """Names the configured model if it is a mixture of experts (config.json's expert count), else None."""
+        if self.model.hf_checkpoint is None:
+            return "model.scratch.family=qwen3_moe" if self.model.scratch.family == "qwen3_moe" else None
+        cfg_path = Path(self.model.hf_checkpoint) / "config.json"
+        try:
+            hf = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None  # _model_shape has reported an unreadable file; a missing one is checked at load
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        return f"{experts} experts in {cfg_path}" if isinstance(experts, int) and experts > 1 else None
+
     def check_model_shape(self, heads: int, kv_heads: int, layers: int, where: str) -> None:
         """Reject parallel sizes the model cannot be split into (ConfigError, one line)."""
         try:
@@ -207,6 +222,23 @@ class Config:
                 f"to at least {-(-dp // self.rollout.n)} or launch fewer processes"
             )
         return dp
+
+
+def check_moe_layout(p: ParallelConfig, model: str) -> None:
+    """A mixture-of-experts model's layout rules that megatron-core would otherwise raise inside the actor.
+
+    Args:
+        p: the parallel section.
+        model: names the model in the message (the scratch family, or the HF checkpoint).
+
+    Raises:
+        _FieldError: TP > 1 without sequence parallelism (megatron-core 0.16.1's MoELayer.forward
+            raises in training with TP > 1 and no SP).
+    """
+    _check(p.tensor_model_parallel_size == 1 or p.sequence_parallel, "parallel.sequence_parallel",
+           f"must be true with parallel.tensor_model_parallel_size={p.tensor_model_parallel_size} for a "
+           f"mixture-of-experts model ({model}; megatron-core's MoE layer needs it at TP > 1); set "
+           "parallel.sequence_parallel=true")
 
 
 def _divisors(n: int, most: int = 12) -> str:

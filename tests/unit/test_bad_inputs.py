@@ -61,6 +61,12 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
     ("scratch-moe-dense-layer-outside", {}, ["config", "validate", "{d}/c.yaml", "model.scratch.family=qwen3_moe",
                                               "model.scratch.mlp_only_layers=[0,7]"],
      "command line: model.scratch.mlp_only_layers=[0, 7]: has [7], outside the layers [0, 4)"),
+    ("scratch-moe-tp-without-sp", {}, ["config", "validate", "{d}/c.yaml", "model.scratch.family=qwen3_moe",
+                                       "parallel.tensor_model_parallel_size=2"],
+     "command line: model.scratch.family='qwen3_moe' conflicts with {d}/c.yaml: parallel.sequence_parallel: "
+     "must be true with parallel.tensor_model_parallel_size=2 for a mixture-of-experts model "
+     "(model.scratch.family=qwen3_moe; megatron-core's MoE layer needs it at TP > 1); set "
+     "parallel.sequence_parallel=true"),
     ("yaml-missing-file", {}, ["config", "validate", "{d}/nope.yaml"],
      "{d}/nope.yaml: no such config file; pick one of examples/*.yaml"),
     ("lr-inf-in-file", {"c.yaml": "optim: {lr: .inf}\n"}, ["config", "validate", "{d}/c.yaml"],

@@ -188,6 +188,19 @@ def test_hf_checkpoint_shape_is_checked(tmp_path):
                             f"num_attention_heads=40 of {tmp_path / 'config.json'}; use one of [1, 2, 4, 5, 8, 10, 20, 40]")
 
 
+def test_an_hf_mixture_of_experts_at_tp_needs_sequence_parallelism(tmp_path):
+    # megatron-core's MoE layer raises inside the actor at TP > 1 without SP: the config says so first.
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 32, "num_key_value_heads": 4, '
+                                          '"num_hidden_layers": 48, "num_experts": 128}')
+    with pytest.raises(ConfigError, match=r"parallel.sequence_parallel: must be true with parallel.tensor_model_"
+                                          r"parallel_size=2 for a mixture-of-experts model \(128 experts in "):
+        load_config(None, [f"model.hf_checkpoint={tmp_path}", "parallel.tensor_model_parallel_size=2"])
+    load_config(None, [f"model.hf_checkpoint={tmp_path}", "parallel.tensor_model_parallel_size=2",
+                       "parallel.sequence_parallel=true"])
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 32, "num_key_value_heads": 4, "num_hidden_layers": 48}')
+    load_config(None, [f"model.hf_checkpoint={tmp_path}", "parallel.tensor_model_parallel_size=2"])
+
+
 def test_console_script_show_prints_override():
     example = EXAMPLES[0]
     out = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "config", "show", str(example),
