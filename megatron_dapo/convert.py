@@ -24,6 +24,7 @@ Conversion is lossless: HF -> Megatron (any TP/PP/EP) -> HF is bit-exact.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -153,6 +154,23 @@ def _init_layout(tp: int, pp: int, ep: int, adapter: Any, device: str) -> Any:
         tp, pp, num_attention_heads=adapter.hf.num_attention_heads, num_query_groups=adapter.hf.num_kv_heads,
         num_layers=adapter.hf.num_layers, ep=ep, num_experts=adapter.hf.num_experts if adapter.hf.is_moe else None,
     )
+
+
+def return_large_frees_to_the_os(threshold: int = 1 << 20) -> None:
+    """glibc: allocations of at least `threshold` bytes are mmapped, so freeing one returns it to the OS.
+
+    glibc raises its mmap threshold to the size of each mmapped block freed (up to 32 MiB), so
+    after the first expert tensor a converter's thousands of 3 MB expert tensors come from the
+    heap, whose freed space is kept and fragmented: the Qwen3-30B-A3B shape's peak RSS varied
+    by 6% from run to run over the same work (docs/benchmarks.md). A fixed threshold turns the
+    dynamic one off. No-op where the C library is not glibc.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_mmap_threshold = -3  # <malloc.h>
+    libc.mallopt(m_mmap_threshold, threshold)
 
 
 def peak_rss_bytes() -> int:
@@ -428,6 +446,7 @@ def _add_mcore_to_hf_args(parser: argparse.ArgumentParser) -> None:
 def _run_hf_to_mcore(args: argparse.Namespace) -> int:
     from megatron_dapo import parallel
 
+    return_large_frees_to_the_os()
     try:
         out = hf_to_mcore(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, dtype=args.dtype,
                           device=args.device)
@@ -453,6 +472,7 @@ def _print_memory(checkpoint_bytes: int) -> None:
 def _run_mcore_to_hf(args: argparse.Namespace) -> int:
     from megatron_dapo import parallel
 
+    return_large_frees_to_the_os()
     try:
         out = mcore_to_hf(
             args.ckpt,
