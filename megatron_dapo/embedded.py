@@ -81,12 +81,14 @@ def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
     """Write (or reuse) the arithmetic task's train/val/SFT files and tokenizer."""
     check_task(embedded)
     mix = _mix(embedded)
-    key = digest({"mix": asdict(mix), "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
-                   "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size,
-                   "sentencepiece": _version("sentencepiece")})
+    parts = {"mix": asdict(mix), "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
+             "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size, "sentencepiece": _version("sentencepiece")}
+    if embedded.sft_balance_columns >= 2:
+        # Only when on, so the cache keys of existing runs stay what they were.
+        parts["sft_balance_columns"] = {"candidates": embedded.sft_balance_columns, "keys": "fact-in-column"}
     return prepare_arithmetic_task(
-        cache_dir / f"arithmetic-{key}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
-        num_sft=embedded.num_sft, seed=embedded.seed,
+        cache_dir / f"arithmetic-{digest(parts)}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
+        num_sft=embedded.num_sft, seed=embedded.seed, sft_balance_columns=embedded.sft_balance_columns,
         tokenizer_settings=SentencePieceSettings(vocab_size=embedded.tokenizer_vocab_size),
     )
 

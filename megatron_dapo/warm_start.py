@@ -97,15 +97,17 @@ class AccuracyBand:
         self.checks: list[dict[str, float]] = []
         self.best: dict[str, torch.Tensor] | None = None
         self.best_step = 0
+        self.near = False
+        """The last check read at least half of the band's lower end (the same on every rank)."""
 
     def distance(self, acc: float) -> float:
         low, high = self.band
         return max(low - acc, acc - high, 0.0)
 
     def __call__(self, model: Any, step: int) -> bool:
-        """Check after `step`; True (on every rank) when SFT should stop."""
+        """Check after `step`; True (on every rank) when SFT should stop. Sets `near` on every rank."""
         tensors = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in self.adapter.export_hf(model, self.dims)]
-        stop = None
+        decision = None
         if self.evaluate is not None:
             acc = self.evaluate(tensors)
             logger.info("sft warm start step %d: held-out acc %.4f (target band [%.2f, %.2f])", step, acc, *self.band)
@@ -113,10 +115,11 @@ class AccuracyBand:
                 self.best, self.best_step = dict(tensors), step
             self.checks.append({"step": step, "acc": acc})
             # Above the band is a stop too: more steps only climb further from it.
-            stop = acc >= self.band[0]
-        box = [stop]
+            decision = (acc >= self.band[0], acc >= self.band[0] / 2)
+        box = [decision]
         dist.broadcast_object_list(box, src=0)
-        return bool(box[0])
+        stop, self.near = box[0]
+        return bool(stop)
 
 
 def warm_start(cfg: Config, actor: MegatronActor, control: parallel.ControlGroups, adapter: DecoderAdapter,
@@ -134,7 +137,8 @@ def warm_start(cfg: Config, actor: MegatronActor, control: parallel.ControlGroup
         evaluate_fn = _held_out_accuracy(cfg, init_dir, sources, closers) if dims.is_controller else None
         band = AccuracyBand(adapter, dims, s.band, evaluate_fn)
         steps = run_sft(actor, control, sources["sft_path"], sources["tokenizer"], num_steps=s.num_steps,
-                        batch_size=s.batch_size, seed=cfg.trainer.seed, check=band, check_interval=s.check_interval)
+                        batch_size=s.batch_size, seed=cfg.trainer.seed, check=band, check_interval=s.check_interval,
+                        fine_check_interval=s.fine_check_interval)
     finally:
         for close in closers:
             close()
@@ -183,7 +187,7 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
 
 def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str, tokenizer_path: str, *,
             num_steps: int, batch_size: int, seed: int, check: AccuracyBand | None = None,
-            check_interval: int = 0) -> int:
+            check_interval: int = 0, fine_check_interval: int | None = None) -> int:
     """Supervised steps on worked solutions through the actor's DAPO train step (collective).
 
     Args:
@@ -196,6 +200,7 @@ def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str
         seed: draws the sequences of each step.
         check: held-out accuracy band, asked every `check_interval` steps and after the last.
         check_interval: steps between checks.
+        fine_check_interval: steps between checks once one has come near the band (`AccuracyBand.near`).
 
     Returns:
         The number of steps taken.
@@ -205,6 +210,7 @@ def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str
     rng = random.Random(seed)
     # Ratio 1 everywhere: no clip is active and the gradient is that of the token-mean NLL.
     loss = LossSettings(clip_ratio_low=0.2, clip_ratio_high=0.2, loss_agg_mode="token-mean")
+    next_check = check_interval
     for step in range(1, num_steps + 1):
         per_dp = None
         if dims.is_controller:
@@ -218,8 +224,10 @@ def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str
             # Before this step's update, on this rank's share: the token-mean NLL.
             nll = -batch.old_log_probs[batch.response_mask].mean()
             logger.info("sft warm start step %d/%d: nll %.4f", step, num_steps, float(nll))
-        if check is not None and (step % check_interval == 0 or step == num_steps) and check(actor.model, step):
-            return step
+        if check is not None and (step >= next_check or step == num_steps):
+            if check(actor.model, step):
+                return step
+            next_check = step + (fine_check_interval if check.near and fine_check_interval else check_interval)
     return num_steps
 
 

@@ -24,6 +24,11 @@ class EmbeddedTaskConfig:
     """Worked solutions for the SFT warm start."""
     seed: int = 1234
     """Generator seed (train, SFT and val are disjoint from val)."""
+    sft_balance_columns: int = 8
+    """SFT corpus only: k >= 2 takes each +/- problem as the least-taught of k of its kind, so
+    every one-digit fact of a column, carries and borrows included, is taught about equally
+    often (data.arithmetic.ColumnBalancer); 0 draws worked solutions as the mix does, which
+    teaches some carry facts once in 4,000 problems (docs/benchmarks.md, issue 27)."""
     add: float = 0.3
     """Weight of a+b problems."""
     sub: float = 0.3
@@ -43,6 +48,7 @@ class EmbeddedTaskConfig:
         _check(self.num_train > 0, "num_train", "must be > 0")
         _check(self.num_val > 0, "num_val", "must be > 0")
         _check(self.num_sft > 0, "num_sft", "must be > 0")
+        _check(self.sft_balance_columns >= 0, "sft_balance_columns", "must be >= 0 (0 = off, k >= 2 candidates)")
         for name in ("add", "sub", "mul", "two_step"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
         _check(self.add + self.sub + self.mul + self.two_step > 0, "add", "the weights must not all be 0")

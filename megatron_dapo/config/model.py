@@ -84,12 +84,18 @@ class SFTWarmStartConfig:
     """Upper end of the band; a check above it stops SFT too, keeping the check nearest the band."""
     check_interval: int = 50
     """SFT steps between held-out accuracy checks (with a target band)."""
+    fine_check_interval: int | None = 10
+    """Steps between checks once a check has read at least half of target_acc_min: accuracy can
+    climb through the whole band between two coarse checks (0.26 -> 0.42 in 50 steps, seen on
+    the embedded task), and RL would start from wherever it landed. None = check_interval."""
 
     def __post_init__(self) -> None:
         _check(self.num_steps >= 0, "num_steps", "must be >= 0")
         _check(self.batch_size > 0, "batch_size", "must be > 0")
         _check(self.lr > 0, "lr", "must be > 0")
         _check(self.check_interval > 0, "check_interval", "must be > 0")
+        _check(self.fine_check_interval is None or self.fine_check_interval > 0, "fine_check_interval",
+               "must be > 0 (or null: check_interval throughout)")
         _check((self.target_acc_min is None) == (self.target_acc_max is None), "target_acc_max",
                "set both target_acc_min and target_acc_max (a band), or neither (a fixed num_steps)")
         if self.target_acc_min is not None and self.target_acc_max is not None:

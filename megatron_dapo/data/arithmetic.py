@@ -26,7 +26,7 @@ import json
 import os
 import random
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -191,6 +191,11 @@ def draw_problem(rng: random.Random, mix: ArithmeticMix) -> ArithmeticProblem:
     # The kind is drawn once and only its operands are redrawn, so rejecting negative
     # results does not shift the mix away from its weights.
     kind = rng.choices(PROBLEM_KINDS, weights=[getattr(mix, k) for k in PROBLEM_KINDS])[0]
+    return draw_problem_of_kind(rng, mix, kind)
+
+
+def draw_problem_of_kind(rng: random.Random, mix: ArithmeticMix, kind: str) -> ArithmeticProblem:
+    """Draws one problem of the given kind (one of PROBLEM_KINDS); see `draw_problem`."""
     if kind == "two_step":
         while True:
             problem, inner = _draw_two_step(rng, mix)
@@ -208,12 +213,57 @@ def draw_problem(rng: random.Random, mix: ArithmeticMix) -> ArithmeticProblem:
     return ArithmeticProblem(expression=f"{a}{op}{b}", steps=[str(answer)], answer=answer, kind=kind, lines=lines)
 
 
+class ColumnBalancer:
+    """Chooses, among candidate problems of one kind, the one whose column facts were taught least.
+
+    Drawn naturally, a two-digit sum's tens column with a carry ("5+6+1=12") needs two
+    two-digit operands and a carry out of the units: each of the ~100 carry facts appears
+    about twice in a 4,000-problem corpus, the plain facts up to ~100 times (every units
+    column and every one-digit problem has one). A warm start stopped in its accuracy band
+    then knows the plain facts and not the carries, and RL cannot teach a fact its sampler
+    never writes (docs/benchmarks.md, issue 27). Picking the least-seen candidate evens the
+    facts out; the kinds keep the mix's weights, since only operands are redrawn.
+    """
+
+    def __init__(self, candidates: int) -> None:
+        """Args:
+            candidates: problems drawn per pick (>= 2); more evens the facts out further.
+        """
+        assert candidates >= 2, candidates
+        self.candidates = candidates
+        self.counts: dict[str, int] = {}
+
+    def pick(self, rng: random.Random, mix: ArithmeticMix, first: ArithmeticProblem,
+             allowed: Callable[[ArithmeticProblem], bool]) -> ArithmeticProblem:
+        """`first` or one of `candidates - 1` more problems of its kind, whichever has the rarest column fact."""
+        if not first.lines:
+            return first
+        pool = [first, *(draw_problem_of_kind(rng, mix, first.kind) for _ in range(self.candidates - 1))]
+        pool = [p for p in pool if p.lines and allowed(p)] or [first]
+
+        def rarity(p: ArithmeticProblem) -> tuple[int, int]:
+            seen = [self.counts.get(key, 0) for key in self.keys(p)]
+            return min(seen), sum(seen)
+
+        chosen = min(pool, key=rarity)
+        for key in self.keys(chosen):
+            self.counts[key] = self.counts.get(key, 0) + 1
+        return chosen
+
+    @staticmethod
+    def keys(p: ArithmeticProblem) -> list[tuple[int, str]]:
+        """A fact in its column: "3+1=4" in the tens column and in the units column are two keys, so
+        balancing carries does not teach the tens column that a carry always comes."""
+        return list(enumerate(p.lines or ()))
+
+
 def generate_problems(
     num_problems: int,
     mix: ArithmeticMix,
     seed: int | str,
     exclude: frozenset[str] = frozenset(),
     unique: bool = False,
+    balance_columns: int = 0,
 ) -> list[ArithmeticProblem]:
     """Draws `num_problems` problems deterministically from `seed`.
 
@@ -223,6 +273,8 @@ def generate_problems(
         seed: seeds a private `random.Random`; equal seeds give equal problems.
         exclude: expressions never returned (e.g. the validation set's).
         unique: no expression is returned twice.
+        balance_columns: 0 or 1 draws problems as the mix does; k >= 2 takes, for each +/-
+            problem, the least-taught of k of its kind (`ColumnBalancer`).
 
     Returns:
         The problems, in draw order.
@@ -230,6 +282,11 @@ def generate_problems(
     rng = random.Random(seed)
     problems: list[ArithmeticProblem] = []
     seen: set[str] = set()
+    balancer = ColumnBalancer(balance_columns) if balance_columns >= 2 else None
+
+    def allowed(p: ArithmeticProblem) -> bool:
+        return p.expression not in exclude and not (unique and p.expression in seen)
+
     # A mix with a tiny problem space (1-digit sums only) cannot fill a large unique
     # split; give up with a clear error instead of looping forever.
     max_draws = 100 * num_problems + 10_000
@@ -237,8 +294,10 @@ def generate_problems(
         if len(problems) == num_problems:
             return problems
         problem = draw_problem(rng, mix)
-        if problem.expression in exclude or (unique and problem.expression in seen):
+        if not allowed(problem):
             continue
+        if balancer is not None:
+            problem = balancer.pick(rng, mix, problem, allowed)
         seen.add(problem.expression)
         problems.append(problem)
     if len(problems) == num_problems:
@@ -289,6 +348,7 @@ def prepare_arithmetic_task(
     num_sft: int,
     seed: int,
     tokenizer_settings: SentencePieceSettings,
+    sft_balance_columns: int = 0,
 ) -> ArithmeticTask:
     """Writes the train/val/SFT files of the arithmetic task and builds its tokenizer.
 
@@ -300,6 +360,7 @@ def prepare_arithmetic_task(
         num_sft: worked solutions for the warm start.
         seed: seeds every split; the same seed rewrites identical files.
         tokenizer_settings: how the tokenizer is trained; it is cached by settings and corpus.
+        sft_balance_columns: `generate_problems`' balance_columns for the SFT split only.
 
     Returns:
         The paths written.
@@ -312,7 +373,7 @@ def prepare_arithmetic_task(
     val = generate_problems(num_val, mix, seed=f"{seed}:val", unique=True)
     held_out = frozenset(p.expression for p in val)
     train = generate_problems(num_train, mix, seed=f"{seed}:train", exclude=held_out)
-    sft = generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out)
+    sft = generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out, balance_columns=sft_balance_columns)
 
     corpus = [text for p in (*train, *val, *sft) for text in (p.prompt(), p.solution())]
     tokenizer = load_or_train_sentencepiece(corpus, out_dir / "tokenizer", tokenizer_settings)

@@ -14,3 +14,10 @@ def char_parity(solution_str: str, ground_truth: str, extra_info: dict | None = 
 def always_fails(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
     """A broken reward function: the run must stop with this error, not train on -1."""
     raise ZeroDivisionError("the grader divided by zero")
+
+
+def even_answer(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """+1 when the problem's answer is even, whatever the response: an accuracy that depends on the
+    prompts alone, the same on every machine and for every model (the warm start's band tests)."""
+    acc = int(ground_truth) % 2 == 0
+    return {"score": 1.0 if acc else -1.0, "acc": acc}

@@ -55,3 +55,29 @@ def test_band_check_at_tp2(tmp_path):
     record = warm_start_record(cache_dir)
     assert record["chosen_step"] == 5 and record["steps"] == 5
     assert read_rows(run_dir)[0]["val/acc"] == record["checks"][0]["acc"]
+
+
+def test_checks_come_every_fine_interval_once_one_reads_half_the_band(tmp_path):
+    # even_answer scores the prompts, not the model: every check reads the share of even answers
+    # in the held-out split, v. A band starting above v but at most 2v is never reached, and
+    # every check after the first is "near" it, so they come every fine_check_interval steps.
+    cache_dir = tmp_path / "cache"
+    sft = {**SFT["sft_warm_start"], "target_acc_min": 0.0, "target_acc_max": 1.0, "fine_check_interval": 2}
+    reward = {"reward_fn": "e2e_reward_fns:even_answer"}
+    # A group's responses all score alike here, so dynamic sampling would keep none: it is off.
+    algorithm = {"filter_groups": {"enable": False}}
+    config = write_config(tmp_path / "tiny.yaml", model={"sft_warm_start": sft}, reward=reward, algorithm=algorithm)
+    proc = run_trainer(config, f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_training_steps=1",
+                       "trainer.val_before_train=false", cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    v = warm_start_record(cache_dir)["checks"][0]["acc"]
+    assert 0 < v < 1
+    sft.update(target_acc_min=min(1.0, 1.5 * v), target_acc_max=1.0)
+    config = write_config(tmp_path / "tiny2.yaml", model={"sft_warm_start": sft}, reward=reward, algorithm=algorithm)
+    proc = run_trainer(config, f"trainer.output_dir={tmp_path / 'run2'}", "trainer.total_training_steps=1",
+                       "trainer.val_before_train=false", cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (record,) = [json.loads(p.read_text()) for p in cache_dir.glob("sft-*/warm_start.json")
+                 if json.loads(p.read_text())["band"][0] > 0]
+    assert [c["step"] for c in record["checks"]] == [5, 7, 9, 10]
+    assert all(c["acc"] == v for c in record["checks"])

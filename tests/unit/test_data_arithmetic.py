@@ -208,3 +208,35 @@ def test_columns_style_solution_and_direct_style():
         assert c.solution().endswith(f"\nAnswer: {c.answer}")
         assert c.solution().split("\n")[:-1] == c.lines
         assert d.solution() == f"{d.expression}={d.answer}\nAnswer: {d.answer}"
+
+
+def test_balanced_sft_teaches_every_column_fact_and_keeps_the_mix() -> None:
+    # The default run's mix: drawn naturally, some carry facts of the tens column appear once in
+    # 4,000 problems; the balancer brings every fact-in-column up while the kinds keep their weights
+    # and the held-out expressions stay out.
+    mix = ArithmeticMix(add=0.45, sub=0.45, mul=0.1, two_step=0.0, max_digits=2)
+    held_out = frozenset(p.expression for p in generate_problems(128, mix, seed="val", unique=True))
+
+    def column_counts(problems: list) -> dict:
+        counts: dict = {}
+        for p in problems:
+            for key in enumerate(p.lines or ()):
+                counts[key] = counts.get(key, 0) + 1
+        return counts
+
+    natural = generate_problems(4000, mix, seed="sft", exclude=held_out)
+    balanced = generate_problems(4000, mix, seed="sft", exclude=held_out, balance_columns=8)
+    assert min(column_counts(natural).values()) <= 2
+    assert min(column_counts(balanced).values()) >= 5
+    assert set(column_counts(balanced)) >= set(column_counts(natural))
+    for kind, weight in (("add", 0.45), ("sub", 0.45), ("mul", 0.1)):
+        share = sum(p.kind == kind for p in balanced) / len(balanced)
+        assert abs(share - weight) < 0.03, (kind, share)
+    assert not held_out & {p.expression for p in balanced}
+    assert all(p.answer == evaluate(p.expression) for p in balanced)
+    # Carries keep their natural share of the tens column: a tens column is not taught that a carry always comes.
+    tens = [p.lines[1] for p in balanced if p.lines and len(p.lines) > 1]
+    carried = sum(line.split("=")[0].count("+") + line.split("=")[0].count("-") == 2 for line in tens) / len(tens)
+    assert 0.35 < carried < 0.55
+    assert [p.expression for p in balanced] == [p.expression for p in generate_problems(
+        4000, mix, seed="sft", exclude=held_out, balance_columns=8)]
