@@ -166,11 +166,12 @@ def return_large_frees_to_the_os(threshold: int = 1 << 20) -> None:
     dynamic one off. No-op where the C library is not glibc.
     """
     try:
-        libc = ctypes.CDLL("libc.so.6")
+        mallopt = getattr(ctypes.CDLL("libc.so.6"), "mallopt", None)  # musl's libc.so.6 shim has none
     except OSError:
         return
-    m_mmap_threshold = -3  # <malloc.h>
-    libc.mallopt(m_mmap_threshold, threshold)
+    if mallopt is not None:
+        m_mmap_threshold = -3  # <malloc.h>
+        mallopt(m_mmap_threshold, threshold)
 
 
 def peak_rss_bytes() -> int:

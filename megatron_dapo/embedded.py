@@ -84,7 +84,7 @@ def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
     parts = {"mix": asdict(mix), "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
              "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size, "sentencepiece": _version("sentencepiece")}
     if embedded.sft_balance_columns >= 2:
-        # Only when on, so the cache keys of existing runs stay what they were.
+        # Only when on, so the cache keys of runs that set it to 0 stay what they were.
         parts["sft_balance_columns"] = {"candidates": embedded.sft_balance_columns, "keys": "fact-in-column"}
     return prepare_arithmetic_task(
         cache_dir / f"arithmetic-{digest(parts)}", mix, num_train=embedded.num_train, num_val=embedded.num_val,

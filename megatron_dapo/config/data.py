@@ -48,7 +48,8 @@ class EmbeddedTaskConfig:
         _check(self.num_train > 0, "num_train", "must be > 0")
         _check(self.num_val > 0, "num_val", "must be > 0")
         _check(self.num_sft > 0, "num_sft", "must be > 0")
-        _check(self.sft_balance_columns >= 0, "sft_balance_columns", "must be >= 0 (0 = off, k >= 2 candidates)")
+        _check(self.sft_balance_columns == 0 or self.sft_balance_columns >= 2, "sft_balance_columns",
+               "must be 0 (off) or k >= 2 (candidates per problem)")
         for name in ("add", "sub", "mul", "two_step"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
         _check(self.add + self.sub + self.mul + self.two_step > 0, "add", "the weights must not all be 0")

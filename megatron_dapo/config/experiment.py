@@ -160,7 +160,7 @@ class Config:
         try:
             hf = json.loads(cfg_path.read_text())
         except (OSError, json.JSONDecodeError):
-            return None  # _model_shape has reported an unreadable file; a missing one is checked at load
+            return None  # _model_shape reports an unreadable file; a missing one is checked at load
         experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
         return f"{experts} experts in {cfg_path}" if isinstance(experts, int) and experts > 1 else None
 

@@ -222,7 +222,9 @@ class ColumnBalancer:
     column and every one-digit problem has one). A warm start stopped in its accuracy band
     then knows the plain facts and not the carries, and RL cannot teach a fact its sampler
     never writes (docs/benchmarks.md, issue 27). Picking the least-seen candidate evens the
-    facts out; the kinds keep the mix's weights, since only operands are redrawn.
+    facts out; the kinds keep the mix's weights, since only operands are redrawn. Operand
+    lengths do not: the rare facts live in two-column problems, so one-column +/- problems
+    fall from about 26% to about 6% of the corpus (the RL prompts and held-out split keep the mix).
     """
 
     def __init__(self, candidates: int) -> None:
@@ -231,7 +233,7 @@ class ColumnBalancer:
         """
         assert candidates >= 2, candidates
         self.candidates = candidates
-        self.counts: dict[str, int] = {}
+        self.counts: dict[tuple[int, str], int] = {}
 
     def pick(self, rng: random.Random, mix: ArithmeticMix, first: ArithmeticProblem,
              allowed: Callable[[ArithmeticProblem], bool]) -> ArithmeticProblem:
@@ -374,8 +376,11 @@ def prepare_arithmetic_task(
     held_out = frozenset(p.expression for p in val)
     train = generate_problems(num_train, mix, seed=f"{seed}:train", exclude=held_out)
     sft = generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out, balance_columns=sft_balance_columns)
+    # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus leaves it
+    # (and every checkpoint trained with it) as it was, so older runs resume and evaluate unchanged.
+    drawn_sft = sft if sft_balance_columns < 2 else generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out)
 
-    corpus = [text for p in (*train, *val, *sft) for text in (p.prompt(), p.solution())]
+    corpus = [text for p in (*train, *val, *drawn_sft) for text in (p.prompt(), p.solution())]
     tokenizer = load_or_train_sentencepiece(corpus, out_dir / "tokenizer", tokenizer_settings)
     task = ArithmeticTask(
         train_path=out_dir / "train.jsonl",

@@ -240,3 +240,15 @@ def test_balanced_sft_teaches_every_column_fact_and_keeps_the_mix() -> None:
     assert 0.35 < carried < 0.55
     assert [p.expression for p in balanced] == [p.expression for p in generate_problems(
         4000, mix, seed="sft", exclude=held_out, balance_columns=8)]
+
+
+def test_balancing_the_sft_corpus_keeps_the_tokenizer(tmp_path: Path) -> None:
+    # Checkpoints trained before the SFT corpus was balanced must keep reading their tokens.
+    mix = ArithmeticMix(add=0.45, sub=0.45, mul=0.1, two_step=0.0, max_digits=2)
+    settings = SentencePieceSettings(vocab_size=320)
+    tasks = [prepare_arithmetic_task(tmp_path / str(k), mix, num_train=300, num_val=40, num_sft=300, seed=9,
+                                     tokenizer_settings=settings, sft_balance_columns=k) for k in (0, 8)]
+    assert tasks[0].tokenizer_path.read_bytes() == tasks[1].tokenizer_path.read_bytes()
+    assert tasks[0].sft_path.read_text() != tasks[1].sft_path.read_text()
+    assert tasks[0].val_path.read_text() == tasks[1].val_path.read_text()
+    assert tasks[0].train_path.read_text() == tasks[1].train_path.read_text()
