@@ -26,6 +26,9 @@ Report what comes out, whatever it is.
 
 `--jobs N` runs N seeds at once with `OMP_NUM_THREADS = cores // N` each; on CPU the run's
 numbers do not depend on its thread count (docs/benchmarks.md), only its wall time does.
+A run that already ended in `--out` with the same command is reused (`ablate.json` in its
+directory): a killed sweep resumes, and DAPO runs timed alone (`--runs dapo --jobs 1`) pair
+later with the other runs made two at a time (`--runs dapo,grpo --jobs 2`).
 """
 
 from __future__ import annotations
@@ -102,9 +105,17 @@ def generated_tokens(rows: list[dict]) -> float:
     return sum(r.get("train/num_generated_tokens", 0.0) for r in rows)
 
 
+DONE = "ablate.json"
+"""Written into a run's directory when it ends: what it ran, and its wall time."""
+
+
 def run_one(kind: RunKind, out_dir: Path, seed: int, steps: int, overrides: list[str], *,
             budget: float | None = None, threads: int | None = None) -> float:
     """Train one run into out_dir (fresh), stopping it once it has generated `budget` tokens.
+
+    A run that already ended in out_dir with the same command and budget (its `ablate.json`)
+    is not run again: its wall time is the one recorded, so a killed sweep resumes where it
+    stopped, and runs timed alone (--jobs 1) can be paired later with runs made two at a time.
 
     Returns:
         Wall seconds.
@@ -113,6 +124,13 @@ def run_one(kind: RunKind, out_dir: Path, seed: int, steps: int, overrides: list
     fields = {"train_batch_size": batch[-1] if batch else dapo_setting("data", "train_batch_size")}
     extra = [f"trainer.output_dir={out_dir}", "trainer.resume=disable", f"trainer.seed={seed}",
              f"trainer.total_training_steps={steps}", *(o.format(**fields) for o in kind.overrides), *overrides]
+    record = {"config": kind.config, "overrides": extra, "budget": budget}
+    done = out_dir / DONE
+    if done.is_file():
+        previous = json.loads(done.read_text())
+        if {k: previous.get(k) for k in record} == record:
+            return float(previous["wall_s"])
+        done.unlink()
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
@@ -124,10 +142,12 @@ def run_one(kind: RunKind, out_dir: Path, seed: int, steps: int, overrides: list
             if budget is not None and generated_tokens(read_rows(out_dir)) >= budget:
                 proc.terminate()
                 proc.wait()
-                return time.perf_counter() - start
-    if proc.returncode != 0:
+                break
+    if proc.returncode != 0 and not (budget is not None and generated_tokens(read_rows(out_dir)) >= budget):
         raise SystemExit(f"{kind.label} seed {seed} failed (exit {proc.returncode}); see {out_dir / 'ablate.log'}")
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    done.write_text(json.dumps({**record, "wall_s": wall, "threads": env.get("OMP_NUM_THREADS")}) + "\n")
+    return wall
 
 
 def cut_at_budget(rows: list[dict], budget: float | None) -> tuple[list[dict], bool]:

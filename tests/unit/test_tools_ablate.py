@@ -97,3 +97,21 @@ def test_component_runs_differ_from_dapo_in_one_setting_each():
     for name in ("no-clip-higher", "token-mean-off", "no-overlong"):
         assert ablate.RUNS[name].config == ablate.DAPO_CONFIG and len(ablate.RUNS[name].overrides) == 1
     assert ablate.RUNS["no-dynamic-sampling"].overrides[0] == "algorithm.filter_groups.enable=false"
+
+
+def test_a_run_that_ended_with_the_same_command_is_reused_not_rerun(tmp_path, monkeypatch):
+    started = []
+
+    class Counting(_FakeTrainer):
+        def __init__(self, *args, **kwargs):
+            started.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(ablate.subprocess, "Popen", Counting)
+    monkeypatch.setattr(ablate.time, "sleep", lambda s: None)
+    wall = ablate.run_one(ablate.RUNS["dapo"], tmp_path / "d", 1, 30, [])
+    assert ablate.run_one(ablate.RUNS["dapo"], tmp_path / "d", 1, 30, []) == wall and len(started) == 1
+    # Another budget, step count or override is another run.
+    ablate.run_one(ablate.RUNS["dapo"], tmp_path / "d", 1, 30, [], budget=350)
+    ablate.run_one(ablate.RUNS["dapo"], tmp_path / "d", 1, 30, ["optim.lr=1e-3"], budget=350)
+    assert len(started) == 3
