@@ -24,8 +24,9 @@ points; the same seed starts both from the same warm start), then over seeds its
 the interval excludes 0. Writes `<out>/ablation.md` and `<out>/ablation.png`.
 Report what comes out, whatever it is.
 
-`--jobs N` runs N seeds at once with `OMP_NUM_THREADS = cores // N` each; on CPU the run's
-numbers do not depend on its thread count (docs/benchmarks.md), only its wall time does.
+`--jobs N` runs N seeds at once with `OMP_NUM_THREADS = cores // N` each. The thread count
+changes float summation order: equal over 20 steps, but a whole run (its SFT warm start
+included) can land elsewhere (docs/benchmarks.md), so compare runs made with the same --jobs.
 A run that already ended in `--out` with the same command is reused (`ablate.json` in its
 directory): a killed sweep resumes, and DAPO runs timed alone (`--runs dapo --jobs 1`) pair
 later with the other runs made two at a time (`--runs dapo,grpo --jobs 2`).
