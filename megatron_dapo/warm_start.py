@@ -227,8 +227,16 @@ def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str
         if check is not None and (step >= next_check or step == num_steps):
             if check(actor.model, step):
                 return step
-            next_check = step + (fine_check_interval if check.near and fine_check_interval else check_interval)
+            next_check = step + check_gap(check.near, check_interval, fine_check_interval)
     return num_steps
+
+
+def check_gap(near: bool, check_interval: int, fine_check_interval: int | None) -> int:
+    """Steps to the next band check: the fine interval once a check came near the band, never more
+    than check_interval (a config with check_interval 5 keeps 5 under the default fine interval 10)."""
+    if near and fine_check_interval:
+        return min(fine_check_interval, check_interval)
+    return check_interval
 
 
 def export_hf_checkpoint(adapter: DecoderAdapter, model: Any, dims: parallel.ParallelDims, config_dir: Path,

@@ -71,3 +71,22 @@ def test_band_needs_both_ends(band, message):
 
     with pytest.raises(ConfigError, match=message):
         load_config(REPO / "examples" / "tiny_cpu.yaml", ["model.sft_warm_start.target_acc_max=null", band])
+
+
+def test_check_interval_below_the_default_fine_interval_loads_and_keeps_its_gap():
+    # CI, 2026-11-26: a config with check_interval=5 was refused once the fine interval's default
+    # (10) had to be <= check_interval; the fine interval only ever shortens the gap.
+    cfg = load_config(REPO / "examples" / "tiny_cpu.yaml", ["model.sft_warm_start.check_interval=5"])
+    s = cfg.model.sft_warm_start
+    assert (s.check_interval, s.fine_check_interval) == (5, 10)
+    assert warm_start.check_gap(True, s.check_interval, s.fine_check_interval) == 5
+    assert warm_start.check_gap(False, 50, 10) == 50
+    assert warm_start.check_gap(True, 50, 10) == 10
+    assert warm_start.check_gap(True, 50, None) == 50
+
+
+def test_fine_interval_must_be_positive():
+    from megatron_dapo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="fine_check_interval=0: must be > 0"):
+        load_config(REPO / "examples" / "tiny_cpu.yaml", ["model.sft_warm_start.fine_check_interval=0"])
