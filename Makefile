@@ -22,5 +22,9 @@ run: install
 lint: install
 	$(PYTHON) -m ruff check .
 
+# Two workers, a file at a time (tests/conftest.py orders the files): many tests wait on a
+# server, a child process or one core, so two at once fill the two cores CI has.
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests

@@ -41,7 +41,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang[srt]>=0.5.2,<0.6"],
         # rollout.engine=vllm on GPUs (CUDA build). CPU machines: scripts/install_vllm_cpu.sh.
         "vllm": ["vllm>=0.32,<0.33"],
-        "test": ["pytest>=8", "hypothesis>=6.100", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
         # benchmarks/vs_trl.py only; never imported by the trainer.
         "bench": ["trl>=1.16"],
     },
