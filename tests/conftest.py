@@ -18,9 +18,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
-# Test directories, slowest files first (CI, 2026-11-26: sglang_cpu 12 min, e2e 18 min over
-# 10 files, multirank 12 min over 26; unit 10 min over about 100 files).
-TIER_ORDER = ("sglang_cpu", "vllm_cpu", "e2e", "multirank", "slurm", "gpu", "unit")
+# Test directories, slowest files first (one core, 2026-11-26: sglang_cpu 12 min over 6 files,
+# vllm_cpu 10 min over 5, e2e 18 min over 10, multirank 12 min over 26, unit 3 min over about
+# 100). The slurm tier's file (3.5 min, mostly waiting on its daemons) goes early too: last, it
+# was the one long file left while the other worker had nothing to do.
+TIER_ORDER = ("sglang_cpu", "vllm_cpu", "slurm", "e2e", "multirank", "gpu", "unit")
 
 
 def _tier(item: pytest.Item) -> int:
