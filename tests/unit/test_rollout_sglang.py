@@ -364,3 +364,41 @@ def test_a_qwen3_moe_with_dense_layers_is_refused_before_sglang_starts(tmp_path)
         check_model("sglang", config(mlp_only_layers=[1]), "cpu")
     check_model("local", config(mlp_only_layers=[1]), "cpu")
 
+
+
+def test_cpu_serializer_outlasts_a_slow_shared_memory_manager(monkeypatch) -> None:
+    """torch's libshm gives torch_shm_manager 1 s to acknowledge each shared file (socket.h);
+    on a busy host it misses that and the weight update failed (CI, 2026-11-26). The serializer
+    tries again; any other error, or the fifth timeout, is raised."""
+    import base64
+    import pickle
+
+    from megatron_dapo.rollout.sglang import protocol
+
+    monkeypatch.setattr(protocol.time, "sleep", lambda s: None)
+    calls = {"n": 0}
+    failures = {"n": 2, "message": protocol.SHM_MANAGER_TIMEOUT}
+
+    class Flaky(protocol._WirePickler):
+        def dump(self, obj):
+            calls["n"] += 1
+            if calls["n"] <= failures["n"]:
+                raise RuntimeError(failures["message"] + "\nException raised from recv at socket.h:67")
+            return super().dump(obj)
+
+    monkeypatch.setattr(protocol, "_WirePickler", Flaky)
+    weight = torch.arange(6, dtype=torch.float32).view(2, 3)
+    wire = protocol.cpu_serialize([("w", weight)])
+    assert calls["n"] == 3
+    with protocol._file_system_sharing():
+        ((name, tensor),) = pickle.loads(base64.b64decode(wire))
+    assert name == "w" and torch.equal(tensor, weight)
+
+    calls["n"], failures["n"] = 0, 10
+    with pytest.raises(RuntimeError, match="Shared memory manager connection has timed out"):
+        protocol.cpu_serialize([("w", weight)])
+    assert calls["n"] == protocol.SHM_MANAGER_ATTEMPTS
+    calls["n"], failures["n"], failures["message"] = 0, 1, "something else"
+    with pytest.raises(RuntimeError, match="something else"):
+        protocol.cpu_serialize([("w", weight)])
+    assert calls["n"] == 1
