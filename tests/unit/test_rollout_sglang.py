@@ -365,7 +365,6 @@ def test_a_qwen3_moe_with_dense_layers_is_refused_before_sglang_starts(tmp_path)
     check_model("local", config(mlp_only_layers=[1]), "cpu")
 
 
-
 def test_cpu_serializer_outlasts_a_slow_shared_memory_manager(monkeypatch) -> None:
     """torch's libshm gives torch_shm_manager 1 s to acknowledge each shared file (socket.h);
     on a busy host it misses that and the weight update failed (CI, 2026-11-26). The serializer
