@@ -345,7 +345,7 @@ def mcore_to_hf(
     if dims.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         writer = StreamingShardWriter(out_dir, hf_specs(adapter.hf, dtype), max_bytes)
-    for name, tensor in adapter.export_hf(model, dims):
+    for name, tensor in adapter.export_hf(model, dims, receivers="controller"):
         if writer is not None:
             writer.write(name, tensor)
     if writer is not None:

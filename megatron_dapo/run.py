@@ -127,16 +127,18 @@ class Run:
         Args:
             version: the step whose update made these weights (the start or resume step at first).
         """
-        export = self.adapter.export_hf(self.actor.model, self.dims)
         bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
         if self.colocated is not None and not self._controller_feeds_colocated:
             # Each engine's own ranks feed it through shared memory (CUDA IPC on GPUs;
-            # rollout/sglang/colocated.py); the gathered export buffers go back to the driver
-            # before the engines generate.
+            # rollout/sglang/colocated.py), so every rank receives every tensor; the gathered
+            # export buffers go back to the driver before the engines generate.
+            export = self.adapter.export_hf(self.actor.model, self.dims, receivers="all")
             stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes, version=version)
             release_cached_memory(self.dims.device)
             return stats
-        # The controller forwards each bucket to its engines and keeps it for an engine it may restart.
+        # The controller forwards each bucket to its engines and keeps it for an engine it may
+        # restart; the other ranks only send it their shards (models/export.py).
+        export = self.adapter.export_hf(self.actor.model, self.dims, receivers="controller")
         engines = [self.rollout] if self.rollout is not None else []
         return sync_weights(export, engines, is_controller=self.dims.is_controller,  # type: ignore[list-item]
                             bucket_bytes=bucket_bytes, version=version)

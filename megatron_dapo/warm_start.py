@@ -106,7 +106,8 @@ class AccuracyBand:
 
     def __call__(self, model: Any, step: int) -> bool:
         """Check after `step`; True (on every rank) when SFT should stop. Sets `near` on every rank."""
-        tensors = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in self.adapter.export_hf(model, self.dims)]
+        tensors = [(name, t.detach().to("cpu").contiguous().clone()) for name, t in self.adapter.export_hf(
+            model, self.dims, receivers="controller")]
         decision = None
         if self.evaluate is not None:
             acc = self.evaluate(tensors)
@@ -246,7 +247,7 @@ def export_hf_checkpoint(adapter: DecoderAdapter, model: Any, dims: parallel.Par
     The controller writes model.safetensors plus config.json/generation_config.json copied
     from `config_dir`, atomically; the other ranks only drive the gather.
     """
-    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in adapter.export_hf(model, dims)}
+    tensors = {name: t.detach().to("cpu").contiguous().clone() for name, t in adapter.export_hf(model, dims, receivers="controller")}
     if dims.is_controller:
         write_hf_checkpoint(tensors, config_dir, out)
     dist.barrier()

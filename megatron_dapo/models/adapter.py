@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
@@ -25,6 +24,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
+from megatron_dapo.models.export import RECEIVERS, Receivers, export_to_all, export_to_controller
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint
 from megatron_dapo.models.moe import ensure_router_fallback, mark_expert_parameters, moe_config_kwargs
 from megatron_dapo.models.sdpa_attention import SdpaDotProductAttention
@@ -71,7 +71,8 @@ class ModelAdapter(Protocol):
 
     def load_hf(self, model: Any, checkpoint: HFCheckpoint | str | Path, dims: ParallelDims) -> None: ...
 
-    def export_hf(self, model: Any, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def export_hf(self, model: Any, dims: ParallelDims, *, receivers: Receivers = "all"
+                  ) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
@@ -518,78 +519,36 @@ class DecoderAdapter:
                 "build it with this adapter's build_model for the same config.json"
             )
 
-    def export_hf(self, model: Any, dims: ParallelDims) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_hf(self, model: Any, dims: ParallelDims, *, receivers: Receivers = "all"
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
         """Stream the full model as HF (name, tensor) pairs, one tensor materialised at a time.
 
-        Collective over the model-parallel group: every rank of a TP x PP replica must
-        iterate to the end, and every one of them receives every tensor (TP shards are
-        all-gathered; the owning pipeline stage broadcasts to the other stages). Each
-        data-parallel replica exports independently. Order: embeddings, layers 0..L-1,
-        final norm, lm_head (absent when tied). Tensors are in the parameter dtype, on
-        dims.device, with padding vocab rows removed. Without TP and PP gathers some are
-        views of the parameters: treat them as read-only and consume them before the next
-        optimizer step.
+        Collective: every rank must iterate to the end. ``receivers="all"``: every rank of a
+        TP x PP (x EP) replica receives every tensor (colocated engines, one per GPU), each
+        data-parallel replica exporting on its own. ``receivers="controller"``: only global
+        rank 0 receives, the other ranks send it their shards and yield nothing (consumers
+        on the controller; models/export.py). Order: embeddings, layers 0..L-1, final
+        norm, lm_head (absent when tied). Tensors are in the parameter dtype, on
+        dims.device, with padding vocab rows removed. A tensor that needed no
+        communication is a view of the parameter: treat it as read-only and consume it
+        before the next optimizer step.
 
         Mixture-of-experts layers: after the layer's other tensors, expert by expert in
-        global order, each expert's gate/up/down. The expert's owner (its EP rank) gathers
-        it over expert TP and broadcasts it to the EP group, then the stage to the other
-        stages, so every rank of the EP x TP x PP layout receives it and at most one
-        expert's tensors exist at a time beyond the model (never a whole layer's experts).
+        global order, each expert's gate/up/down; at most one expert's tensors exist at a
+        time beyond the model (never a whole layer's experts).
 
         Args:
             model: this stage's GPTModel (or wrapper / one-chunk list).
             dims: the layout the model was built for.
+            receivers: "all" or "controller".
 
         Yields:
             (HF name, full tensor), e.g. ("model.layers.0.self_attn.q_proj.weight", [nq*d, H]).
         """
+        if receivers not in RECEIVERS:
+            raise ValueError(f"receivers={receivers!r}; choose one of {RECEIVERS}")
         gpt = unwrap_model(model)
         params = dict(gpt.named_parameters())
-        shapes = mapping.expected_hf_shapes(self.hf)
         local = [tm for tm in self._maps(gpt, dims) if not tm.mirror]
-        dtype = next(iter(params.values())).dtype
-        owner = {}  # expert map -> global rank of its EP owner in this rank's EP group
-        if dims.ep > 1:
-            ep_ranks = dist.get_process_group_ranks(dims.ep_group)
-            per_rank: list[list[mapping.TensorMap]] = [[] for _ in range(dims.ep)]
-            dist.all_gather_object(per_rank, [tm for tm in local if tm.expert is not None], group=dims.ep_group)
-            experts = [(tm, ep_ranks[r]) for r, maps in enumerate(per_rank) for tm in maps]
-            owner = {tm.mcore_name + f"@{tm.expert}": src for tm, src in experts}
-            local = sorted([tm for tm in local if tm.expert is None] + [tm for tm, _ in experts],
-                           key=lambda m: m.sort_key)
-        stage_maps: list[list[mapping.TensorMap]] = [local]
-        if dims.pp > 1:
-            stage_maps = [[] for _ in range(dims.pp)]
-            dist.all_gather_object(stage_maps, local, group=dims.pp_group)
-        for stage, maps in enumerate(stage_maps):
-            for tm in maps:
-                src = owner.get(tm.mcore_name + f"@{tm.expert}") if stage == dims.pp_rank else None
-                if stage == dims.pp_rank and (src is None or src == dims.rank):
-                    tensors = self._gather_hf(tm, params[tm.mcore_name].detach(), dims)
-                else:
-                    tensors = [torch.empty(shapes[n], dtype=dtype, device=dims.device) for n in tm.hf_names]
-                for name, tensor in zip(tm.hf_names, tensors, strict=True):
-                    if src is not None:
-                        tensor = tensor.contiguous()
-                        dist.broadcast(tensor, src=src, group=dims.ep_group)
-                    if dims.pp > 1:
-                        tensor = tensor.contiguous()
-                        dist.broadcast(tensor, src=dims.pp_global_ranks[stage], group=dims.pp_group)
-                    yield name, tensor
-
-    def _gather_hf(
-        self, tm: mapping.TensorMap, local: torch.Tensor, dims: ParallelDims
-    ) -> list[torch.Tensor]:
-        size, group = (dims.tp, dims.tp_group) if tm.expert is None else (dims.etp, dims.etp_group)
-        if tm.kind == "vocab" and size > 1:
-            # Gathered in place: a list of shards and their concatenation would hold the
-            # largest tensor (the 1.5 GB embedding of a 32B model) twice on every rank.
-            full = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-            dist.all_gather_into_tensor(full, local.contiguous(), group=group)
-            return [full[: self.hf.vocab_size]]
-        if tm.kind == "replicated" or size == 1:
-            shards = [local]
-        else:
-            shards = [torch.empty_like(local) for _ in range(size)]
-            dist.all_gather(shards, local.contiguous(), group=group)
-        return mapping.hf_from_shards(tm, shards, self.hf)
+        export = export_to_all if receivers == "all" else export_to_controller
+        return export(self.hf, local, params, dims)

@@ -8,11 +8,13 @@ and the formulas below are what those measurements follow (docs/benchmarks.md ha
   vocab-padded embedding or output layer, V_pad x h), or one group while mcore-to-hf reads
   (a layer without its routed experts, or one expert). Nothing scales with the number of
   layers or experts.
-- **Weight export per rank** (models/adapter.export_hf, every rank of a TP x PP replica gets
-  every full tensor): on top of its own parameters, the largest gathered tensor: the vocab
-  matrices are gathered in place (V_pad x h once), every other tensor through a list of
-  shards and a concatenation (twice its size: a gated fc1's gate and up, 2 x F x h each).
-  The controller also holds one bucket (rollout.update_weights_bucket_megabytes).
+- **Weight export per rank** (models/export.py): with receivers="all" (colocated engines)
+  every rank of a TP x PP replica gets every full tensor; with receivers="controller" only
+  rank 0 does, and the other ranks hold nothing beyond their parameters. A receiving rank
+  holds, on top of its own parameters, the largest gathered tensor: the vocab matrices are
+  gathered in place (V_pad x h once), every other tensor through a list of shards and a
+  concatenation (twice its size: a gated fc1's gate and up, 2 x F x h each). The controller
+  also holds one bucket (rollout.update_weights_bucket_megabytes).
 """
 
 from __future__ import annotations
@@ -53,7 +55,10 @@ def converter_peak_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2) -> 
 
 
 def export_transient_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2) -> tuple[int, str]:
-    """Largest tensor memory one rank holds while export_hf gathers (on top of its own parameters)."""
+    """Largest tensor memory a receiving rank holds while export_hf gathers (on top of its own parameters).
+
+    Every rank of a replica with receivers="all"; the controller alone with receivers="controller".
+    """
     vocab = padded_vocab(dims, tp) * dims.hidden_size * bytes_per_param
     widths = [dims.intermediate_size] if dims.num_moe_layers < dims.num_layers else []
     if dims.is_moe:

@@ -14,6 +14,8 @@ config.json alone. What is held:
   export yielded that is not a parameter) never exceed one bucket plus two tensors (the
   export keeps an fc1's gate and up together), and no collective moves more than one expert's
   fc1, so a layer's experts never exist at once beyond the model.
+Both export destinations: every rank receiving (colocated engines) and the controller alone
+(the other rank sends its experts; it yields nothing).
 """
 
 from __future__ import annotations
@@ -34,13 +36,13 @@ LAYER_EXPERT_BYTES = 8 * 3 * EXPERT_TENSOR_BYTES
 
 
 class _Collectives:
-    """Records the largest bytes one broadcast / all_gather moved since the last ``pop``, while installed."""
+    """Records the largest bytes one broadcast / all_gather / recv moved since the last ``pop``, while installed."""
 
     def __init__(self) -> None:
         import torch.distributed as dist
 
         self._dist = dist
-        self._saved = {"broadcast": dist.broadcast, "all_gather": dist.all_gather}
+        self._saved = {"broadcast": dist.broadcast, "all_gather": dist.all_gather, "recv": dist.recv}
         self._largest = 0
 
     def pop(self) -> int:
@@ -56,11 +58,16 @@ class _Collectives:
             self._largest = max(self._largest, sum(t.nbytes for t in tensors))
             return self._saved["all_gather"](tensors, tensor, *args, **kwargs)
 
-        self._dist.broadcast, self._dist.all_gather = broadcast, all_gather
+        def recv(tensor, *args, **kwargs):
+            self._largest = max(self._largest, tensor.nbytes)
+            return self._saved["recv"](tensor, *args, **kwargs)
+
+        self._dist.broadcast, self._dist.all_gather, self._dist.recv = broadcast, all_gather, recv
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._dist.broadcast, self._dist.all_gather = self._saved["broadcast"], self._saved["all_gather"]
+        self._dist.broadcast, self._dist.all_gather, self._dist.recv = (
+            self._saved["broadcast"], self._saved["all_gather"], self._saved["recv"])
 
 
 def _metered(named_tensors, param_storages: set[int], collectives: _Collectives, record: dict):
@@ -80,7 +87,7 @@ def _metered(named_tensors, param_storages: set[int], collectives: _Collectives,
         del tensor
 
 
-def _sync(layouts: list[tuple[int, int]], directory: str) -> dict:
+def _sync(layouts: list[tuple[int, int, str]], directory: str) -> dict:
     from safetensors.torch import load_file
 
     from megatron_dapo import parallel
@@ -91,7 +98,7 @@ def _sync(layouts: list[tuple[int, int]], directory: str) -> dict:
     from megatron_dapo.rollout.weight_sync import sync_weights
 
     results = {}
-    for tp, ep in layouts:
+    for tp, ep, receivers in layouts:
         adapter = adapter_for(directory)
         dims = parallel.initialize_model_parallel(tp, 1, seed=0, ep=ep, num_experts=8)
         model = adapter.build_model(dims, dtype=torch.float32, init_weights=False)
@@ -100,7 +107,7 @@ def _sync(layouts: list[tuple[int, int]], directory: str) -> dict:
         engine = LocalEngine(directory, load_weights=False) if dims.is_controller else None
         record = {"peak_alive": 0, "order": [], "collective_bytes": []}
         with _Collectives() as collectives:
-            stats = sync_weights(_metered(adapter.export_hf(model, dims), storages, collectives, record),
+            stats = sync_weights(_metered(adapter.export_hf(model, dims, receivers=receivers), storages, collectives, record),
                                  [engine] if engine else [], is_controller=dims.is_controller,
                                  bucket_bytes=BUCKET_BYTES)
         result = {"stats": stats, **record}
@@ -118,13 +125,14 @@ def _sync(layouts: list[tuple[int, int]], directory: str) -> dict:
                 greedy_checkpoint=[r.output_ids for r in LocalEngine(directory).generate([[1, 2, 3], [4, 5]],
                                                                                          greedy)],
             )
-        results[(tp, ep)] = result
+        results[(tp, ep, receivers)] = result
     return results
 
 
 def test_moe_sync_at_ep2_and_etp2_is_exact_ordered_and_bounded(tmp_path: Path) -> None:
     directory = make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", num_layers=3, moe=MOE, seed=7)
-    layouts = [(1, 2), (2, 1)]  # (tp, ep): EP 2, then TP 2 with ETP 2
+    # (tp, ep, receivers): EP 2, then TP 2 with ETP 2; every rank receiving, then the controller alone
+    layouts = [(1, 2, "all"), (2, 1, "all"), (1, 2, "controller"), (2, 1, "controller")]
     rank0, rank1 = run_distributed(_sync, 2, layouts, str(directory), timeout_s=300)
     expected_experts = [(f"model.layers.{layer}.mlp.experts.{e}.{p}_proj.weight", (64, 64))
                         for layer in (0, 2) for e in range(8) for p in ("gate", "up", "down")]
@@ -133,7 +141,9 @@ def test_moe_sync_at_ep2_and_etp2_is_exact_ordered_and_bounded(tmp_path: Path) -
         assert r["differ"] == [] and r["engine_names"] == r["original_names"], layout
         assert len(r["fused"]) == 4  # the engine's own fused tensors (2 sparse layers), filled expert by expert
         assert r["greedy_synced"] == r["greedy_checkpoint"], layout
-        for rank in (rank0, rank1):  # every rank iterates the same stream
+        if layout[2] == "controller":
+            assert rank1[layout]["order"] == [], layout  # it only sent its shards
+        for rank in (rank0, rank1) if layout[2] == "all" else (rank0,):  # every receiver iterates the same stream
             order = rank[layout]["order"]
             assert [o for o in order if ".mlp.experts." in o[0]] == expected_experts, layout
             # Layer-major: all of layer 0 (experts last), then layer 1, ...

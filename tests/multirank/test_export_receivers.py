@@ -1,0 +1,80 @@
+"""export_hf(receivers="controller"): rank 0 alone receives the model, the same tensors as every rank does with "all".
+
+Four gloo ranks, tiny checkpoints: Qwen2 untied at TP2 x PP2 (padded vocab rows, lm_head on
+the last stage) and at TP2 x DP2 (the second replica holds copies and must send nothing),
+Qwen3-MoE at PP2 x EP2 and TP2 x EP2 (experts from their EP owners, the EP group spanning
+DP ranks). Rank 0's controller export equals the "all" export name for name, in the same
+order, bit for bit; the other ranks yield nothing; every shard crosses the wire once (bytes
+sent = model bytes minus rank 0's own shards' bytes, counted at dist.send).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from model_utils import make_tiny_checkpoint
+
+pytestmark = pytest.mark.multirank
+
+
+def _export_both_ways(layouts: list[tuple[int, int, int, str]]) -> dict:
+    import torch.distributed as dist
+
+    from megatron_dapo import parallel
+    from megatron_dapo.models import adapter_for
+
+    sent = {"bytes": 0, "calls": 0}
+    send = dist.send
+
+    def counting_send(tensor: torch.Tensor, dst: int, *args, **kwargs):
+        sent["bytes"] += tensor.numel() * tensor.element_size()
+        sent["calls"] += 1
+        return send(tensor, dst, *args, **kwargs)
+
+    dist.send = counting_send
+    results = {}
+    try:
+        for tp, pp, ep, directory in layouts:
+            adapter = adapter_for(directory)
+            dims = parallel.initialize_model_parallel(tp, pp, seed=0, ep=ep)
+            model = adapter.build_model(dims, dtype=torch.float32, init_weights=False)
+            adapter.load_hf(model, directory, dims)
+            everywhere = [(n, t.clone()) for n, t in adapter.export_hf(model, dims, receivers="all")]
+            sent.update(bytes=0, calls=0)
+            controller = [(n, t.clone()) for n, t in adapter.export_hf(model, dims, receivers="controller")]
+            params = dict(model.named_parameters())
+            own = sum(params[tm.mcore_name].numel() * params[tm.mcore_name].element_size()
+                      for tm in adapter.tensor_maps(model, dims) if not tm.mirror)
+            vocab_tensors = 1 if adapter.hf.tie_word_embeddings else 2
+            padding = (adapter.padded_vocab_size(tp) - adapter.hf.vocab_size) * adapter.hf.hidden_size * 4 * vocab_tensors
+            results[(tp, pp, ep)] = {
+                "all": everywhere, "controller": controller, "sent": dict(sent), "dp_rank": dims.dp_rank,
+                "own_bytes": own, "padding_bytes": padding, "model_bytes": sum(t.numel() * t.element_size() for _, t in everywhere),
+            }
+    finally:
+        dist.send = send
+    return results
+
+
+def test_controller_export_equals_export_to_all_and_sends_each_shard_once(tmp_path: Path) -> None:
+    qwen2 = str(make_tiny_checkpoint(tmp_path / "qwen2", "qwen2", seed=7))
+    moe = str(make_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=8))
+    layouts = [(2, 2, 1, qwen2), (2, 1, 1, qwen2), (1, 2, 2, moe), (2, 1, 2, moe)]
+    ranks = run_distributed(_export_both_ways, 4, layouts, timeout_s=400)
+    for tp, pp, ep, _ in layouts:
+        layout = (tp, pp, ep)
+        r0 = ranks[0][layout]
+        assert [n for n, _ in r0["controller"]] == [n for n, _ in r0["all"]], layout
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(r0["controller"], r0["all"])), layout
+        assert r0["sent"]["calls"] == 0, layout
+        for rank in ranks[1:]:
+            assert rank[layout]["controller"] == [], layout
+        total = sum(rank[layout]["sent"]["bytes"] for rank in ranks)
+        # One copy of every shard (the vocab tensors with their padding rows), less rank 0's own.
+        assert total == r0["model_bytes"] + r0["padding_bytes"] - r0["own_bytes"], (layout, total)
+        if pp == 1 and ep == 1:  # DP 2: the second replica's copies stay home
+            assert all(rank[layout]["sent"]["bytes"] == 0 for rank in ranks if rank[layout]["dp_rank"] == 1), layout
+
