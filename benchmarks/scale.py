@@ -13,10 +13,13 @@ Rows (each with its bound; the script exits 1 if one is out of it):
   19,008 of the 152,064 vocab rows per rank) against transformers on the same weights in
   bf16: largest |delta log p| of the next tokens <= 0.1 (tools/check_parity.py's bf16 bound).
 - sync: the training loop's weight sync (export_hf -> sync_weights) from TP=8 x PP=2 (16
-  processes) into a recording engine on the controller: names, shapes, dtypes and bytes
-  equal the HF checkpoint's; the embedding is larger than the bucket (it goes alone). At the
-  real width 16 ranks would each gather the 1.5 GiB embedding at once (24 GiB here), so
-  this row uses the same shapes at a smaller hidden size (--sync-hidden), vocab kept.
+  processes) into a recording engine on the controller, at the model's real width: names,
+  shapes, dtypes and bytes equal the HF checkpoint's; the embedding is larger than the bucket
+  (it goes alone). The export sends every shard to the controller (receivers="controller",
+  the path of an engine the controller feeds); only it holds a full tensor, so the rows are
+  the controller's peak and the other ranks' (their parameters only). --sync-hidden runs the
+  same shapes narrower; --receivers all gives every rank every tensor (colocated engines),
+  which at the real width needs 16 x 1.5 GiB of transients: more than this machine has.
 - planner: per-rank parameter bytes (plan/model.stage_params), the converter's peak and the
   export's per-rank peak (plan/host.py) against the measurements, within 5%.
 """
@@ -38,9 +41,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 1024**3
 
 
-def _run(cmd: list[str], log: Path) -> tuple[float, int]:
+def _run(cmd: list[str], log: Path, **extra_env: str) -> tuple[float, int]:
     """Run a child with OMP_NUM_THREADS=1; (seconds, its peak RSS in bytes from wait4)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra_env)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     start = time.perf_counter()
@@ -168,34 +171,51 @@ def parity(args: argparse.Namespace, work: Path, table: Table, hf: Path) -> None
               "recorded", True)
 
 
-def sync(args: argparse.Namespace, work: Path, table: Table) -> None:
+def sync(args: argparse.Namespace, work: Path, table: Table, hf: Path | None) -> None:
     from megatron_dapo.models.hf_checkpoint import HFCheckpoint
     from megatron_dapo.plan import host
     from megatron_dapo.plan.dims import ModelDims
 
-    hf = _shaped(work / f"hf_h{args.sync_hidden}", args, work / "shaped_sync.log",
-                 "--set", f"hidden_size={args.sync_hidden}", "--set", f"intermediate_size={args.sync_hidden * 27648 // 5120}")
+    if args.sync_hidden is not None:
+        hf = _shaped(work / f"hf_h{args.sync_hidden}", args, work / "shaped_sync.log", "--set",
+                     f"hidden_size={args.sync_hidden}", "--set", f"intermediate_size={args.sync_hidden * 27648 // 5120}")
+    assert hf is not None
     out = work / "sync"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    _run([*_torchrun(16), "benchmarks/scale_ranks.py", "sync", "--hf", str(hf), "--tp", "8", "--pp", "2",
-          "--out", str(out), "--bucket-mib", str(args.bucket_mib)], work / "sync.log")
+    # glibc keeps the freed mid-size gathered tensors (a few MB each: the qkv shards) in its heap
+    # once its dynamic mmap threshold has risen, ~0.2 GiB on the controller here; the planner
+    # counts live tensors, so the ranks run with the threshold fixed at 1 MiB, as the converters
+    # set it for themselves (DESIGN.md, "Converters and glibc's mmap threshold"). --glibc-default
+    # measures without.
+    malloc = {} if args.glibc_default else {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    seconds, _ = _run([*_torchrun(16), "benchmarks/scale_ranks.py", "sync", "--hf", str(hf), "--tp", "8", "--pp", "2",
+                       "--out", str(out), "--bucket-mib", str(args.bucket_mib), "--receivers", args.receivers],
+                      work / "sync.log", **malloc)
     ranks = _ranks(out)
     controller = ranks[0]
     ckpt = HFCheckpoint(hf, mapped=False)
+    config = json.loads((hf / "config.json").read_text())
     same_names = sorted(controller["names"]) == sorted(ckpt.shapes) and len(set(controller["names"])) == len(ckpt.shapes)
-    table.add(f"sync TP=8 x PP=2 -> engine (hidden {args.sync_hidden}, V 152,064)",
+    table.add(f"sync TP=8 x PP=2 -> engine (hidden {config['hidden_size']:,}, V {config['vocab_size']:,}, "
+              f"receivers {args.receivers}{', glibc default malloc' if args.glibc_default else ''})",
               f"{controller['num_tensors']} tensors, {controller['num_bytes'] / GIB:.3f} GiB, "
               f"{len(controller['mismatched'])} differ; largest bucket {controller['largest_bucket'] / 2**20:.0f} MiB "
-              f"(bucket {args.bucket_mib} MiB)", "names, shapes, bytes = checkpoint", same_names
-              and not controller["mismatched"])
-    dims = ModelDims.from_hf(json.loads((hf / "config.json").read_text()), args.model, str(hf))
+              f"(bucket {args.bucket_mib} MiB); sync {controller['sync_seconds']:.0f} s, job {seconds:.0f} s",
+              "names, shapes, bytes = checkpoint", same_names and not controller["mismatched"])
+    dims = ModelDims.from_hf(config, args.model, str(hf))
     transient, _ = host.export_transient_bytes(dims, 8)
-    worst = max(ranks, key=lambda r: r["peak_rss"] - r["rss_before_sync"])
-    for r in (controller, worst) if worst is not controller else (controller,):
-        extra = args.bucket_mib << 20 if r is controller else 0
-        table.near(f"planner: sync peak of rank {r['rank']} (resident before + export transient"
-                   + (" + bucket)" if extra else ")"), r["rss_before_sync"] + transient + extra, r["peak_rss"])
+    others = [r for r in ranks if r["rank"] != 0]
+    worst = max(others, key=lambda r: r["sync_peak_rss"] - r["rss_before_sync"])
+    block = min(args.bucket_mib, 64) << 20  # the recording engine compares 64 MiB blocks
+    # Resident at the sync's start (VmRSS) against the sync's own peak (VmHWM reset at its start).
+    table.near("planner: sync peak of the controller (resident + export transient + block)",
+               controller["rss_before_sync"] + transient + block, controller["sync_peak_rss"])
+    # The other ranks only send their parameters (receivers=controller) or receive every tensor (all).
+    extra = transient if args.receivers == "all" else 0
+    table.near(f"planner: sync peak of rank {worst['rank']}, the highest of the other 15 (resident"
+               + (" + export transient)" if extra else ": no transient)"), worst["rss_before_sync"] + extra,
+               worst["sync_peak_rss"])
 
 
 def main() -> None:
@@ -208,7 +228,10 @@ def main() -> None:
     parser.add_argument("--convert-layout", default="--tp 8 --pp 2",
                         help="layout flags of the hf->mcore line (the README's; Qwen3-30B-A3B: '--ep 8 --pp 2')")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--sync-hidden", type=int, default=320)
+    parser.add_argument("--sync-hidden", type=int, default=None, help="default: the model's own width")
+    parser.add_argument("--receivers", choices=("all", "controller"), default="controller")
+    parser.add_argument("--glibc-default", action="store_true",
+                        help="sync ranks keep glibc's dynamic mmap threshold (default: fixed at 1 MiB)")
     parser.add_argument("--bucket-mib", type=int, default=64)
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="megatron-dapo-scale-"))
@@ -217,7 +240,7 @@ def main() -> None:
           f"work in {work}", flush=True)
     table = Table()
     hf = None
-    if {"convert", "parity"} & set(args.only):
+    if {"convert", "parity"} & set(args.only) or ("sync" in args.only and args.sync_hidden is None):
         hf = _shaped(work / "hf", args, work / "shaped.log")
         files = sorted(hf.glob("*.safetensors"))
         table.add("shaped checkpoint", f"{len(files)} shards, {sum(f.stat().st_size for f in files) / GIB:.2f} GiB bf16",
@@ -227,7 +250,7 @@ def main() -> None:
     if "parity" in args.only:
         parity(args, work, table, hf)
     if "sync" in args.only:
-        sync(args, work, table)
+        sync(args, work, table, hf)
     if not args.keep and args.workdir is None:
         shutil.rmtree(work, ignore_errors=True)
     failed = [r for r in table.rows if not r[3]]

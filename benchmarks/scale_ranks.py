@@ -15,6 +15,7 @@ against the HF checkpoint as it arrives and keeps nothing. Every rank reports it
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import time
@@ -22,13 +23,34 @@ from pathlib import Path
 
 import torch
 
+_SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+
 
 def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _status_bytes(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (peak since start or the last reset) from /proc/self/status."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    """Linux resets VmHWM to the current RSS (clear_refs value 5): the sync's own peak, not the load's."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 class RecordingEngine:
-    """Takes weight buckets like an engine and compares each tensor with the checkpoint, keeping none."""
+    """Takes weight buckets like an engine and compares each tensor with the checkpoint, keeping none.
+
+    The comparison reads the stored tensor a block of rows at a time (at most 64 MiB), so
+    checking the 1.5 GiB embedding adds one block, not a second embedding, to the peak.
+    """
+
+    BLOCK_BYTES = 64 << 20
 
     def __init__(self, hf_dir: str) -> None:
         from megatron_dapo.models.hf_checkpoint import HFCheckpoint
@@ -42,12 +64,23 @@ class RecordingEngine:
         self.largest_bucket = max(self.largest_bucket, sum(t.numel() * t.element_size() for _, t in bucket))
         for name, tensor in bucket:
             self.seen.append(name)
-            stored = self.ckpt.read(name)
-            same = stored.shape == tensor.shape and stored.dtype == tensor.dtype and torch.equal(
-                stored.view(-1).view(torch.uint8), tensor.contiguous().view(-1).view(torch.uint8))
-            if not same:
+            if not self._same(name, tensor):
                 self.mismatched.append(name)
-            del stored
+
+    def _same(self, name: str, tensor: torch.Tensor) -> bool:
+        if self.ckpt.shapes[name] != tuple(tensor.shape) or self.ckpt.dtypes[name] != _SAFETENSORS_DTYPE[tensor.dtype]:
+            return False
+        rows = tensor.shape[0] if tensor.dim() else 1
+        row_bytes = tensor.numel() * tensor.element_size() // max(rows, 1)
+        step = max(1, self.BLOCK_BYTES // max(row_bytes, 1))
+        for start in range(0, rows, step):
+            stored = self.ckpt.read(name, 0, start, min(start + step, rows))
+            mine = tensor[start:start + step] if tensor.dim() else tensor
+            same = torch.equal(stored.reshape(-1).view(torch.uint8), mine.contiguous().reshape(-1).view(torch.uint8))
+            del stored  # before the next block is read: one block held, not two
+            if not same:
+                return False
+        return True
 
     def finish_weight_update(self, version: int | None = None) -> None:
         pass
@@ -62,6 +95,8 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="directory for rank_<r>.json (and the log-probs)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--bucket-mib", type=int, default=512)
+    parser.add_argument("--receivers", choices=("all", "controller"), default="controller",
+                        help="export_hf's receivers: the controller alone (a server it feeds) or every rank (colocated)")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -95,10 +130,12 @@ def main() -> None:
             torch.save({"tokens": tokens, "next_log_probs": next_lp, "log_probs": log_probs[0]}, out / "megatron.pt")
     else:
         engine = RecordingEngine(args.hf) if dims.is_controller else None
-        gc_before = _rss()
-        stats = sync_weights(adapter.export_hf(model, dims), [engine] if engine else [],
+        gc.collect()
+        resident = _status_bytes("VmRSS")
+        _reset_peak_rss()
+        stats = sync_weights(adapter.export_hf(model, dims, receivers=args.receivers), [engine] if engine else [],
                              is_controller=dims.is_controller, bucket_bytes=args.bucket_mib << 20)
-        report.update(rss_before_sync=gc_before, sync_seconds=stats.seconds, peak_bucket_bytes=stats.peak_bucket_bytes)
+        report.update(rss_before_sync=resident, sync_peak_rss=_status_bytes("VmHWM"), sync_seconds=stats.seconds, peak_bucket_bytes=stats.peak_bucket_bytes)
         if engine is not None:
             report.update(num_tensors=len(engine.seen), mismatched=engine.mismatched, names=engine.seen,
                           largest_bucket=engine.largest_bucket, num_bytes=stats.num_bytes)

@@ -95,7 +95,18 @@ def _gather_hf(hf: HFModelConfig, tm: mapping.TensorMap, local: torch.Tensor, di
         # Gathered in place: a list of shards and their concatenation would hold the
         # largest tensor (the 1.5 GB embedding of a 32B model) twice on every rank.
         full = torch.empty((size * local.shape[0], *local.shape[1:]), dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(full, local.contiguous(), group=group)
+        if local.device.type == "cpu":  # CPU tensors go over gloo, in any job (DESIGN.md)
+            # gloo's all_gather_into_tensor gathers into a flat temporary of the output's size and
+            # copies out (ProcessGroupGloo::_allgather_base -> allgather): twice the embedding. A
+            # broadcast writes into the tensor it is given, so each shard goes to its own rows.
+            sources = dist.get_process_group_ranks(group)
+            own = sources.index(dims.rank)
+            for index, rows in enumerate(full.split(local.shape[0])):
+                if index == own:
+                    rows.copy_(local)
+                dist.broadcast(rows, src=sources[index], group=group)
+        else:
+            dist.all_gather_into_tensor(full, local.contiguous(), group=group)
         return [full[: hf.vocab_size]]
     if tm.kind == "replicated" or size == 1:
         shards = [local]

@@ -78,3 +78,40 @@ def test_controller_export_equals_export_to_all_and_sends_each_shard_once(tmp_pa
         if pp == 1 and ep == 1:  # DP 2: the second replica's copies stay home
             assert all(rank[layout]["sent"]["bytes"] == 0 for rank in ranks if rank[layout]["dp_rank"] == 1), layout
 
+
+
+def _gather_vocab_peak(rows: int, hidden: int) -> dict:
+    """One vocab-parallel tensor gathered by the 'all' export on gloo: its values and the peak RSS it added."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from megatron_dapo import parallel
+    from megatron_dapo.models import mapping
+    from megatron_dapo.models.export import _gather_hf
+
+    rank = parallel.init_distributed("cpu").rank
+    local = torch.full((rows, hidden), float(rank + 1))
+    tm = mapping.TensorMap(mcore_name="embedding.word_embeddings.weight", hf_names=("model.embed_tokens.weight",),
+                           kind="vocab", sort_key=(0, 0))
+    dims = SimpleNamespace(tp=2, tp_group=dist.group.WORLD, rank=rank)
+    hf = SimpleNamespace(vocab_size=2 * rows - 3)
+    status = Path("/proc/self/status")
+
+    def field(name: str) -> int:
+        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines() if line.startswith(name))
+
+    before = field("VmRSS:")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    (full,) = _gather_hf(hf, tm, local, dims)
+    added = field("VmHWM:") - before
+    expected = torch.cat([torch.full((rows, hidden), 1.0), torch.full((rows, hidden), 2.0)])[: hf.vocab_size]
+    return {"equal": torch.equal(full, expected), "added": added, "full_bytes": 2 * rows * hidden * 4}
+
+
+def test_vocab_gather_on_gloo_holds_the_tensor_once() -> None:
+    # DESIGN.md, "Rules where the device, the backend or the launcher matters": gloo's
+    # all_gather_into_tensor would add a flat temporary of the whole tensor (2x at the peak).
+    for result in run_distributed(_gather_vocab_peak, 2, 8192, 2048, timeout_s=120):  # 64 MiB gathered, fp32
+        assert result["equal"]
+        assert result["added"] < 1.4 * result["full_bytes"], result
