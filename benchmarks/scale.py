@@ -4,6 +4,7 @@
     python benchmarks/scale.py --only convert parity             # a subset
     python benchmarks/scale.py --workdir /data/scale --keep      # keep the checkpoints
     python benchmarks/scale.py --model Qwen3-30B-A3B --only convert --convert-layout "--ep 8 --pp 2"
+    python benchmarks/scale.py --model Qwen3-30B-A3B --only sync --sync-layout 1,1,8
 
 Rows (each with its bound; the script exits 1 if one is out of it):
 - convert hf->mcore / mcore->hf: tools/convert_*.py exactly as the README writes them
@@ -189,22 +190,26 @@ def sync(args: argparse.Namespace, work: Path, table: Table, hf: Path | None) ->
     # set it for themselves (DESIGN.md, "Converters and glibc's mmap threshold"). --glibc-default
     # measures without.
     malloc = {} if args.glibc_default else {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    seconds, _ = _run([*_torchrun(16), "benchmarks/scale_ranks.py", "sync", "--hf", str(hf), "--tp", "8", "--pp", "2",
-                       "--out", str(out), "--bucket-mib", str(args.bucket_mib), "--receivers", args.receivers],
-                      work / "sync.log", **malloc)
+    layout = dict(zip(("tp", "pp", "ep"), (int(v) for v in args.sync_layout.split(",")), strict=True))
+    ranks_needed = layout["tp"] * layout["pp"] * layout["ep"]
+    seconds, _ = _run([*_torchrun(ranks_needed), "benchmarks/scale_ranks.py", "sync", "--hf", str(hf),
+                       *(f"--{k}={v}" for k, v in layout.items()), "--out", str(out), "--bucket-mib",
+                       str(args.bucket_mib), "--receivers", args.receivers], work / "sync.log", **malloc)
+    shape = f"TP={layout['tp']} x PP={layout['pp']}" + (f" x EP={layout['ep']}" if layout["ep"] > 1 else "")
     ranks = _ranks(out)
     controller = ranks[0]
     ckpt = HFCheckpoint(hf, mapped=False)
     config = json.loads((hf / "config.json").read_text())
     same_names = sorted(controller["names"]) == sorted(ckpt.shapes) and len(set(controller["names"])) == len(ckpt.shapes)
-    table.add(f"sync TP=8 x PP=2 -> engine (hidden {config['hidden_size']:,}, V {config['vocab_size']:,}, "
+    table.add(f"sync {shape} -> engine (hidden {config['hidden_size']:,}, V {config['vocab_size']:,}, "
               f"receivers {args.receivers}{', glibc default malloc' if args.glibc_default else ''})",
               f"{controller['num_tensors']} tensors, {controller['num_bytes'] / GIB:.3f} GiB, "
               f"{len(controller['mismatched'])} differ; largest bucket {controller['largest_bucket'] / 2**20:.0f} MiB "
               f"(bucket {args.bucket_mib} MiB); sync {controller['sync_seconds']:.0f} s, job {seconds:.0f} s",
               "names, shapes, bytes = checkpoint", same_names and not controller["mismatched"])
     dims = ModelDims.from_hf(config, args.model, str(hf))
-    transient, _ = host.export_transient_bytes(dims, 8)
+    transient, _ = host.export_transient_bytes(dims, layout["tp"], pp=layout["pp"], ep=layout["ep"],
+                                               receivers=args.receivers)
     others = [r for r in ranks if r["rank"] != 0]
     worst = max(others, key=lambda r: r["sync_peak_rss"] - r["rss_before_sync"])
     block = min(args.bucket_mib, 64) << 20  # the recording engine compares 64 MiB blocks
@@ -213,7 +218,7 @@ def sync(args: argparse.Namespace, work: Path, table: Table, hf: Path | None) ->
                controller["rss_before_sync"] + transient + block, controller["sync_peak_rss"])
     # The other ranks only send their parameters (receivers=controller) or receive every tensor (all).
     extra = transient if args.receivers == "all" else 0
-    table.near(f"planner: sync peak of rank {worst['rank']}, the highest of the other 15 (resident"
+    table.near(f"planner: sync peak of rank {worst['rank']}, the highest of the other {len(others)} (resident"
                + (" + export transient)" if extra else ": no transient)"), worst["rss_before_sync"] + extra,
                worst["sync_peak_rss"])
 
@@ -230,6 +235,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--sync-hidden", type=int, default=None, help="default: the model's own width")
     parser.add_argument("--receivers", choices=("all", "controller"), default="controller")
+    parser.add_argument("--sync-layout", default="8,2,1", help="TP,PP,EP of the sync (Qwen3-30B-A3B: 1,1,8)")
     parser.add_argument("--glibc-default", action="store_true",
                         help="sync ranks keep glibc's dynamic mmap threshold (default: fixed at 1 MiB)")
     parser.add_argument("--bucket-mib", type=int, default=64)

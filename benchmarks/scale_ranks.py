@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 benchmarks/scale_ranks.py parity --hf DIR --tp 8 --out DIR
     torchrun --nproc-per-node 16 benchmarks/scale_ranks.py sync --hf DIR --tp 8 --pp 2 --out DIR
+    torchrun --nproc-per-node 8 benchmarks/scale_ranks.py sync --hf DIR --tp 1 --ep 8 --out DIR   # Qwen3-30B-A3B
 
 parity: each rank builds its shard of the actor's model in bf16 (forward only), loads the HF
 checkpoint's slices, counts the parameter bytes it holds, and runs the same tokens; the last
@@ -92,6 +93,7 @@ def main() -> None:
     parser.add_argument("--hf", required=True)
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--out", required=True, help="directory for rank_<r>.json (and the log-probs)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--bucket-mib", type=int, default=512)
@@ -108,7 +110,9 @@ def main() -> None:
 
     adapter = adapter_for(args.hf)
     parallel.init_distributed("cpu")
-    dims = parallel.initialize_model_parallel(args.tp, args.pp, num_attention_heads=adapter.hf.num_attention_heads,
+    dims = parallel.initialize_model_parallel(args.tp, args.pp, ep=args.ep,
+                                              num_experts=adapter.hf.num_experts if adapter.hf.is_moe else None,
+                                              num_attention_heads=adapter.hf.num_attention_heads,
                                               num_query_groups=adapter.hf.num_kv_heads,
                                               num_layers=adapter.hf.num_layers)
     start = time.perf_counter()

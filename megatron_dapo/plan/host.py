@@ -54,14 +54,40 @@ def converter_peak_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2) -> 
             "imports 0.47 GiB + max(V_pad x h, a layer without its experts, one expert) x 2 B")
 
 
-def export_transient_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2) -> tuple[int, str]:
+def export_transient_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2, *, pp: int = 1, ep: int = 1,
+                           receivers: str = "all") -> tuple[int, str]:
     """Largest tensor memory a receiving rank holds while export_hf gathers (on top of its own parameters).
 
-    Every rank of a replica with receivers="all"; the controller alone with receivers="controller".
+    Every rank of a replica with receivers="all"; the controller alone with receivers="controller"
+    (the other ranks hold nothing). A tensor that needs no communication is a view of the
+    parameter and costs nothing: at TP 1, PP 1 and EP 1 the export holds nothing extra.
+
+    Args:
+        dims: the model.
+        tp: tensor-parallel size (shards gathered: the vocab in place, others via a concatenation).
+        bytes_per_param: the parameters' dtype size.
+        pp: pipeline stages (a receiver gets the other stages' tensors whole).
+        ep: expert-parallel size (a receiver gets other ranks' experts, one at a time).
+        receivers: "all" or "controller" (models/export.py).
+
+    Returns:
+        (bytes, formula).
     """
     vocab = padded_vocab(dims, tp) * dims.hidden_size * bytes_per_param
     widths = [dims.intermediate_size] if dims.num_moe_layers < dims.num_layers else []
     if dims.is_moe:
         widths.append(dims.moe_intermediate_size)
-    fc1 = 2 * 2 * max(widths) * dims.hidden_size * bytes_per_param if tp > 1 else 0
-    return max(vocab, fc1), "max(V_pad x h in place, 2 x fc1 (2F x h) via shards + concatenation) x 2 B"
+    fc1 = 2 * max(widths) * dims.hidden_size * bytes_per_param  # gate and up of the widest MLP
+    if tp > 1:
+        return max(vocab, 2 * fc1), "max(V_pad x h in place, 2 x fc1 (2F x h) via shards + concatenation) x 2 B"
+    held = []
+    if pp > 1:
+        # The other stages' tensors arrive whole; the controller alone never receives its own
+        # stage-0 embedding, so with tied embeddings it receives no vocab matrix at all.
+        if receivers == "all" or not dims.tie_word_embeddings:
+            held.append(vocab)
+        held.append(fc1)
+    if ep > 1 and dims.is_moe:
+        held.append(2 * dims.moe_intermediate_size * dims.hidden_size * bytes_per_param)  # one expert's fc1
+    formula = "TP 1: the largest tensor received whole (other stages' V x h or fc1, another rank's expert) x 2 B"
+    return max(held, default=0), formula

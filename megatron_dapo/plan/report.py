@@ -173,7 +173,7 @@ def _actor_rows(plan: Plan) -> list[str]:
 
 def _host_rows(plan: Plan) -> list[str]:
     convert, convert_formula = host.converter_peak_bytes(plan.model, plan.tp)
-    export, export_formula = host.export_transient_bytes(plan.model, plan.tp)
+    export, export_formula = host.export_transient_bytes(plan.model, plan.tp, pp=plan.pp, ep=plan.ep)
     return [
         f"  convert (1 proc.) {_gib(convert)}  peak RSS of `megatron-dapo convert` either way: {convert_formula}",
         f"  weight export     {_gib(export)}  per actor rank, on its device, on top of its weights: {export_formula}",

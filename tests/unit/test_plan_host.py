@@ -35,9 +35,17 @@ def test_a_layer_larger_than_the_embedding_sets_the_converter_peak_but_experts_c
     assert host.converter_peak_bytes(moe, tp=1)[0] == host.IMPORT_BASELINE_BYTES + 151_936 * 2048 * 2  # 1187 x 128: no padding
 
 
-def test_export_transient_is_the_embedding_in_place_or_twice_the_widest_fc1() -> None:
+def test_export_transient_is_the_largest_tensor_a_receiver_builds() -> None:
     dims = _dims("Qwen2.5-32B")
     assert host.export_transient_bytes(dims, 8)[0] == 152_576 * 5120 * 2  # > 2 x 2F x h x 2 B = 1.13 GB
     narrow = _dims("Qwen2.5-32B", vocab_size=1024)
     assert host.export_transient_bytes(narrow, 8)[0] == 2 * 2 * 27648 * 5120 * 2
-    assert host.export_transient_bytes(narrow, 1)[0] == 1024 * 5120 * 2  # no gather at TP=1
+    assert host.export_transient_bytes(narrow, 1)[0] == 0  # TP 1, PP 1: views of the parameters
+    # TP 1 x PP 2: the other stage's tensors arrive whole; the controller of a tied model receives no vocab.
+    assert host.export_transient_bytes(dims, 1, pp=2)[0] == 152_064 * 5120 * 2
+    assert host.export_transient_bytes(narrow, 1, pp=2)[0] == 2 * 27648 * 5120 * 2
+    tied = _dims("Qwen2.5-32B", tie_word_embeddings=True)
+    assert host.export_transient_bytes(tied, 1, pp=2, receivers="controller")[0] == 2 * 27648 * 5120 * 2
+    assert host.export_transient_bytes(tied, 1, pp=2, receivers="all")[0] == 152_064 * 5120 * 2
+    moe = _dims("Qwen3-30B-A3B", num_hidden_layers=2)
+    assert host.export_transient_bytes(moe, 1, ep=8, receivers="controller")[0] == 2 * 768 * 2048 * 2  # one expert
