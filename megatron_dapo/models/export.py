@@ -12,12 +12,14 @@ experts in global order, final norm, lm_head):
     tensors from its own GPU through CUDA IPC (rollout/sglang/colocated.py).
 
 ``controller`` (:func:`export_to_controller`)
-    Only global rank 0 receives. Every other rank sends the shards it holds straight to it
+    Only global rank 0 yields. On CPU tensors (gloo) only rank 0 receives: Every other rank sends the shards it holds straight to it
     (point-to-point, in the order rank 0 receives them) and holds nothing beyond its
     parameters; rank 0 builds each tensor from the shards. For every consumer that lives on
     the controller: servers it feeds over HTTP, the warm start's evaluator and checkpoint,
     the converter's writer. The ``all`` form would give each of a 32B model's 16 ranks the
-    1.5 GiB embedding at once; here one rank holds it (DESIGN.md, "Weight export").
+    1.5 GiB embedding at once; here one rank holds it. On CUDA tensors the ``all`` export runs
+    and the other ranks drop each tensor as it arrives (DESIGN.md, "The controller's export on
+    CUDA").
 
 Ranks that hold the same shard (data-parallel and context-parallel copies) send it once:
 the lowest global rank holding it is its source, computed identically on every rank from
@@ -147,6 +149,13 @@ def export_to_controller(
     Yields:
         (HF name, full tensor) on rank 0 only, in export order.
     """
+    if dims.device.type != "cpu":
+        # Point-to-point only on gloo (DESIGN.md, "The controller's export on CUDA"): on NCCL the
+        # proven collective export runs and the other ranks drop what they receive.
+        for item in export_to_all(hf, local, params, dims):
+            if dims.rank == 0:
+                yield item
+        return
     mine = [_describe(tm, params[tm.mcore_name], dims) for tm in local]
     layout: list[list[_Shard]] = [[] for _ in range(dims.world_size)]
     dist.all_gather_object(layout, mine)

@@ -157,3 +157,30 @@ def test_the_engines_grouped_kv_attention_is_cpu_only():
     assert attention_for("qwen2", "cpu") == ATTENTION and attention_for("llama", "cpu") == ATTENTION
     assert attention_for("qwen2", "cuda") is None  # transformers' sdpa: no math-kernel fallback
     assert attention_for("gemma2", "cpu") is None  # other attention variants keep their default
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_the_controllers_export_of_cuda_tensors_runs_the_collective_export(monkeypatch, rank):
+    """DESIGN.md, "The controller's export on CUDA": no point-to-point on NCCL; rank 0 alone keeps the tensors."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.models import export
+
+    calls = []
+
+    def collective(hf, local, params, dims):
+        calls.append(dims.rank)
+        yield "model.embed_tokens.weight", torch.zeros(2)
+        yield "model.norm.weight", torch.ones(2)
+
+    def no_p2p(*args, **kwargs):
+        raise AssertionError("point-to-point on a CUDA job")
+
+    monkeypatch.setattr(export, "export_to_all", collective)
+    monkeypatch.setattr(export.dist, "send", no_p2p)
+    monkeypatch.setattr(export.dist, "recv", no_p2p)
+    monkeypatch.setattr(export.dist, "all_gather_object", no_p2p)
+    dims = SimpleNamespace(device=torch.device("cuda", rank), rank=rank)
+    names = [name for name, _ in export.export_to_controller(None, [], {}, dims)]
+    assert calls == [rank]  # every rank drives the collectives
+    assert names == (["model.embed_tokens.weight", "model.norm.weight"] if rank == 0 else [])
