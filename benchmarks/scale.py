@@ -4,7 +4,7 @@
     python benchmarks/scale.py --only convert parity             # a subset
     python benchmarks/scale.py --workdir /data/scale --keep      # keep the checkpoints
     python benchmarks/scale.py --model Qwen3-30B-A3B --only convert --convert-layout "--ep 8 --pp 2"
-    python benchmarks/scale.py --model Qwen3-30B-A3B --only sync --sync-layout 1,1,8
+    python benchmarks/scale.py --model Qwen3-30B-A3B --only parity sync --parity-layout 1,1,8 --sync-layout 1,1,8
 
 Rows (each with its bound; the script exits 1 if one is out of it):
 - convert hf->mcore / mcore->hf: tools/convert_*.py exactly as the README writes them
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -61,6 +62,15 @@ def _torchrun(n: int) -> list[str]:
     from megatron_dapo.parallel import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={free_port()}"]
+
+
+def _layout(text: str) -> dict[str, int]:
+    """"TP,PP,EP" -> {"tp": .., "pp": .., "ep": ..}."""
+    return dict(zip(("tp", "pp", "ep"), (int(v) for v in text.split(",")), strict=True))
+
+
+def _shape(layout: dict[str, int]) -> str:
+    return f"TP={layout['tp']} x PP={layout['pp']}" + (f" x EP={layout['ep']}" if layout["ep"] > 1 else "")
 
 
 def _ranks(directory: Path) -> list[dict]:
@@ -142,8 +152,11 @@ def parity(args: argparse.Namespace, work: Path, table: Table, hf: Path) -> None
     out = work / "parity"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
-    seconds, _ = _run([*_torchrun(8), "benchmarks/scale_ranks.py", "parity", "--hf", str(hf), "--tp", "8",
-                       "--out", str(out), "--tokens", str(args.tokens)], work / "parity.log")
+    layout = _layout(args.parity_layout)
+    shape = _shape(layout)
+    seconds, _ = _run([*_torchrun(math.prod(layout.values())), "benchmarks/scale_ranks.py", "parity", "--hf", str(hf),
+                       *(f"--{k}={v}" for k, v in layout.items()), "--out", str(out), "--tokens", str(args.tokens)],
+                      work / "parity.log")
     ranks = _ranks(out)
     mine = torch.load(out / "megatron.pt")
     start = time.perf_counter()
@@ -156,20 +169,23 @@ def parity(args: argparse.Namespace, work: Path, table: Table, hf: Path) -> None
     ref_next = ref[:-1].gather(-1, tokens[1:].unsqueeze(-1)).squeeze(-1)
     diff = (ref_next - mine["next_log_probs"]).abs().max().item()
     kl = (ref.exp() * (ref - mine["log_probs"])).sum(-1).mean().item()
-    table.add("parity TP=8 bf16 vs transformers bf16", f"max |delta log p| {diff:.3e}, mean KL {kl:.2e} over "
+    table.add(f"parity {shape} bf16 vs transformers bf16", f"max |delta log p| {diff:.3e}, mean KL {kl:.2e} over "
               f"{tokens.numel() - 1} tokens (megatron {seconds:.0f} s, transformers {ref_seconds:.0f} s)",
               "<= 1e-1", diff <= 0.1)
     rows = {r["vocab_rows"] for r in ranks}
-    table.add("vocab rows per rank at TP=8", f"{sorted(rows)} (V 152,064 padded to {8 * min(rows):,})",
-              "V_pad / 8", len(rows) == 1)
+    config = json.loads((hf / "config.json").read_text())
+    table.add(f"vocab rows per rank at TP={layout['tp']}",
+              f"{sorted(rows)} (V {config['vocab_size']:,} padded to {layout['tp'] * min(rows):,})",
+              f"V_pad / {layout['tp']}", len(rows) == 1)
     dims = ModelDims.from_hf(json.loads((hf / "config.json").read_text()), args.model, str(hf))
     from megatron_dapo.plan import host
 
-    predicted = stage_params(dims, 8, 1, host.padded_vocab(dims, 8))[0].dense * 2
-    measured = max(r["param_bytes"] for r in ranks)
-    table.near("planner: parameter bytes per rank at TP=8", predicted, measured)
-    table.add("peak RSS per rank (parity)", f"max {max(r['peak_rss'] for r in ranks) / GIB:.2f} GiB over 8 ranks",
-              "recorded", True)
+    first = stage_params(dims, layout["tp"], layout["pp"], host.padded_vocab(dims, layout["tp"]), ep=layout["ep"])[0]
+    predicted = (first.dense + first.experts) * 2
+    measured = max(r["param_bytes"] for r in ranks if r["pp_rank"] == 0)
+    table.near(f"planner: parameter bytes per rank at {shape}", predicted, measured)
+    table.add("peak RSS per rank (parity)", f"max {max(r['peak_rss'] for r in ranks) / GIB:.2f} GiB over "
+              f"{len(ranks)} ranks", "recorded", True)
 
 
 def sync(args: argparse.Namespace, work: Path, table: Table, hf: Path | None) -> None:
@@ -190,12 +206,11 @@ def sync(args: argparse.Namespace, work: Path, table: Table, hf: Path | None) ->
     # set it for themselves (DESIGN.md, "Converters and glibc's mmap threshold"). --glibc-default
     # measures without.
     malloc = {} if args.glibc_default else {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    layout = dict(zip(("tp", "pp", "ep"), (int(v) for v in args.sync_layout.split(",")), strict=True))
-    ranks_needed = layout["tp"] * layout["pp"] * layout["ep"]
-    seconds, _ = _run([*_torchrun(ranks_needed), "benchmarks/scale_ranks.py", "sync", "--hf", str(hf),
+    layout = _layout(args.sync_layout)
+    seconds, _ = _run([*_torchrun(math.prod(layout.values())), "benchmarks/scale_ranks.py", "sync", "--hf", str(hf),
                        *(f"--{k}={v}" for k, v in layout.items()), "--out", str(out), "--bucket-mib",
                        str(args.bucket_mib), "--receivers", args.receivers], work / "sync.log", **malloc)
-    shape = f"TP={layout['tp']} x PP={layout['pp']}" + (f" x EP={layout['ep']}" if layout["ep"] > 1 else "")
+    shape = _shape(layout)
     ranks = _ranks(out)
     controller = ranks[0]
     ckpt = HFCheckpoint(hf, mapped=False)
@@ -236,6 +251,7 @@ def main() -> None:
     parser.add_argument("--sync-hidden", type=int, default=None, help="default: the model's own width")
     parser.add_argument("--receivers", choices=("all", "controller"), default="controller")
     parser.add_argument("--sync-layout", default="8,2,1", help="TP,PP,EP of the sync (Qwen3-30B-A3B: 1,1,8)")
+    parser.add_argument("--parity-layout", default="8,1,1", help="TP,PP,EP of the parity ranks (Qwen3-30B-A3B: 1,1,8)")
     parser.add_argument("--glibc-default", action="store_true",
                         help="sync ranks keep glibc's dynamic mmap threshold (default: fixed at 1 MiB)")
     parser.add_argument("--bucket-mib", type=int, default=64)

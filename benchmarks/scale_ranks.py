@@ -1,6 +1,7 @@
 """The multi-rank halves of benchmarks/scale.py, run under torchrun (gloo, CPU): one JSON per rank.
 
     torchrun --nproc-per-node 8 benchmarks/scale_ranks.py parity --hf DIR --tp 8 --out DIR
+    torchrun --nproc-per-node 8 benchmarks/scale_ranks.py parity --hf DIR --tp 1 --ep 8 --out DIR  # Qwen3-30B-A3B
     torchrun --nproc-per-node 16 benchmarks/scale_ranks.py sync --hf DIR --tp 8 --pp 2 --out DIR
     torchrun --nproc-per-node 8 benchmarks/scale_ranks.py sync --hf DIR --tp 1 --ep 8 --out DIR   # Qwen3-30B-A3B
 
@@ -129,7 +130,7 @@ def main() -> None:
         start = time.perf_counter()
         log_probs = full_vocab_log_probs(model, dims, tokens, adapter.hf.vocab_size)
         report["forward_seconds"] = time.perf_counter() - start
-        if log_probs is not None and dims.tp_rank == 0:
+        if log_probs is not None and dims.tp_rank == 0 and dims.dp_rank == 0 and dims.cp_rank == 0:  # one writer
             next_lp = log_probs[0, :-1].gather(-1, tokens[0, 1:].unsqueeze(-1)).squeeze(-1)
             torch.save({"tokens": tokens, "next_log_probs": next_lp, "log_probs": log_probs[0]}, out / "megatron.pt")
     else:
