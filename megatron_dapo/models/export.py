@@ -91,8 +91,15 @@ def export_to_all(
                 yield name, tensor
 
 
+def _shard_axis(tm: mapping.TensorMap, dims: ParallelDims) -> tuple[int, int, dist.ProcessGroup | None]:
+    """(size, this rank's index, group) of the split a parameter's TP shards follow: TP, or ETP for experts."""
+    if tm.expert is None:
+        return dims.tp, dims.tp_rank, dims.tp_group
+    return dims.etp, dims.etp_rank, dims.etp_group
+
+
 def _gather_hf(hf: HFModelConfig, tm: mapping.TensorMap, local: torch.Tensor, dims: ParallelDims) -> list[torch.Tensor]:
-    size, group = (dims.tp, dims.tp_group) if tm.expert is None else (dims.etp, dims.etp_group)
+    size, own, group = _shard_axis(tm, dims)
     if tm.kind == "vocab" and size > 1:
         # Gathered in place: a list of shards and their concatenation would hold the
         # largest tensor (the 1.5 GB embedding of a 32B model) twice on every rank.
@@ -102,7 +109,6 @@ def _gather_hf(hf: HFModelConfig, tm: mapping.TensorMap, local: torch.Tensor, di
             # copies out (ProcessGroupGloo::_allgather_base -> allgather): twice the embedding. A
             # broadcast writes into the tensor it is given, so each shard goes to its own rows.
             sources = dist.get_process_group_ranks(group)
-            own = sources.index(dims.rank)
             for index, rows in enumerate(full.split(local.shape[0])):
                 if index == own:
                     rows.copy_(local)
@@ -179,7 +185,7 @@ def export_to_controller(
 
 
 def _describe(tm: mapping.TensorMap, param: torch.Tensor, dims: ParallelDims) -> _Shard:
-    size, rank = (dims.tp, dims.tp_rank) if tm.expert is None else (dims.etp, dims.etp_rank)
+    size, rank, _ = _shard_axis(tm, dims)
     if tm.kind == "replicated" or size == 1:
         size, rank = 1, 0
     return _Shard(tm=tm, index=rank, count=size, shape=tuple(param.shape), dtype=param.dtype)

@@ -13,8 +13,10 @@ and the formulas below are what those measurements follow (docs/benchmarks.md ha
   rank 0 does, and the other ranks hold nothing beyond their parameters. A receiving rank
   holds, on top of its own parameters, the largest gathered tensor: the vocab matrices are
   gathered in place (V_pad x h once), every other tensor through a list of shards and a
-  concatenation (twice its size: a gated fc1's gate and up, 2 x F x h each). The controller
-  also holds one bucket (rollout.update_weights_bucket_megabytes).
+  concatenation (twice its size: a gated fc1's gate and up, 2 x F x h each). At TP 1 nothing
+  is gathered: a receiver holds the largest tensor it gets whole (another stage's, another EP
+  rank's expert), and nothing at PP 1 x EP 1. The controller also holds one bucket
+  (rollout.update_weights_bucket_megabytes).
 """
 
 from __future__ import annotations

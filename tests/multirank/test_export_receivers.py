@@ -94,7 +94,7 @@ def _gather_vocab_peak(rows: int, hidden: int) -> dict:
     local = torch.full((rows, hidden), float(rank + 1))
     tm = mapping.TensorMap(mcore_name="embedding.word_embeddings.weight", hf_names=("model.embed_tokens.weight",),
                            kind="vocab", sort_key=(0, 0))
-    dims = SimpleNamespace(tp=2, tp_group=dist.group.WORLD, rank=rank)
+    dims = SimpleNamespace(tp=2, tp_rank=rank, tp_group=dist.group.WORLD, rank=rank)
     hf = SimpleNamespace(vocab_size=2 * rows - 3)
     status = Path("/proc/self/status")
 
