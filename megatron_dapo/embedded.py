@@ -86,9 +86,12 @@ def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
     if embedded.sft_balance_columns >= 2:
         # Only when on, so the cache keys of runs that set it to 0 stay what they were.
         parts["sft_balance_columns"] = {"candidates": embedded.sft_balance_columns, "keys": "fact-in-column"}
+    if embedded.train_balance_columns >= 2:
+        parts["train_balance_columns"] = {"candidates": embedded.train_balance_columns, "keys": "fact-in-column"}
     return prepare_arithmetic_task(
         cache_dir / f"arithmetic-{digest(parts)}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
         num_sft=embedded.num_sft, seed=embedded.seed, sft_balance_columns=embedded.sft_balance_columns,
+        train_balance_columns=embedded.train_balance_columns,
         tokenizer_settings=SentencePieceSettings(vocab_size=embedded.tokenizer_vocab_size),
     )
 

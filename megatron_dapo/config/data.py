@@ -29,6 +29,10 @@ class EmbeddedTaskConfig:
     every one-digit fact of a column, carries and borrows included, is taught about equally
     often (data.arithmetic.ColumnBalancer); 0 draws worked solutions as the mix does, which
     teaches some carry facts once in 4,000 problems (docs/benchmarks.md, issue 27)."""
+    train_balance_columns: int = 0
+    """The RL prompts, as sft_balance_columns does the SFT corpus: k >= 2 draws the carry and
+    borrow problems a warm start is weakest on about as often as the plain ones; 0 draws them as
+    the mix does. The held-out split always keeps the mix."""
     add: float = 0.3
     """Weight of a+b problems."""
     sub: float = 0.3
@@ -49,6 +53,8 @@ class EmbeddedTaskConfig:
         _check(self.num_val > 0, "num_val", "must be > 0")
         _check(self.num_sft > 0, "num_sft", "must be > 0")
         _check(self.sft_balance_columns == 0 or self.sft_balance_columns >= 2, "sft_balance_columns",
+               "must be 0 (off) or k >= 2 (candidates per problem)")
+        _check(self.train_balance_columns == 0 or self.train_balance_columns >= 2, "train_balance_columns",
                "must be 0 (off) or k >= 2 (candidates per problem)")
         for name in ("add", "sub", "mul", "two_step"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")

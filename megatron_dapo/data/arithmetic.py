@@ -351,6 +351,7 @@ def prepare_arithmetic_task(
     seed: int,
     tokenizer_settings: SentencePieceSettings,
     sft_balance_columns: int = 0,
+    train_balance_columns: int = 0,
 ) -> ArithmeticTask:
     """Writes the train/val/SFT files of the arithmetic task and builds its tokenizer.
 
@@ -363,6 +364,7 @@ def prepare_arithmetic_task(
         seed: seeds every split; the same seed rewrites identical files.
         tokenizer_settings: how the tokenizer is trained; it is cached by settings and corpus.
         sft_balance_columns: `generate_problems`' balance_columns for the SFT split only.
+        train_balance_columns: the same for the RL train split (the held-out split keeps the mix).
 
     Returns:
         The paths written.
@@ -374,13 +376,16 @@ def prepare_arithmetic_task(
     out_dir.mkdir(parents=True, exist_ok=True)
     val = generate_problems(num_val, mix, seed=f"{seed}:val", unique=True)
     held_out = frozenset(p.expression for p in val)
-    train = generate_problems(num_train, mix, seed=f"{seed}:train", exclude=held_out)
+    train = generate_problems(num_train, mix, seed=f"{seed}:train", exclude=held_out,
+                              balance_columns=train_balance_columns)
     sft = generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out, balance_columns=sft_balance_columns)
     # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus leaves it
     # (and every checkpoint trained with it) as it was, so older runs resume and evaluate unchanged.
     drawn_sft = sft if sft_balance_columns < 2 else generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out)
+    drawn_train = train if train_balance_columns < 2 else generate_problems(
+        num_train, mix, seed=f"{seed}:train", exclude=held_out)
 
-    corpus = [text for p in (*train, *val, *drawn_sft) for text in (p.prompt(), p.solution())]
+    corpus = [text for p in (*drawn_train, *val, *drawn_sft) for text in (p.prompt(), p.solution())]
     tokenizer = load_or_train_sentencepiece(corpus, out_dir / "tokenizer", tokenizer_settings)
     task = ArithmeticTask(
         train_path=out_dir / "train.jsonl",

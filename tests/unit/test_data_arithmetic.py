@@ -252,3 +252,19 @@ def test_balancing_the_sft_corpus_keeps_the_tokenizer(tmp_path: Path) -> None:
     assert tasks[0].sft_path.read_text() != tasks[1].sft_path.read_text()
     assert tasks[0].val_path.read_text() == tasks[1].val_path.read_text()
     assert tasks[0].train_path.read_text() == tasks[1].train_path.read_text()
+
+
+def test_balancing_the_rl_prompts_keeps_the_tokenizer_and_the_held_out_split(tmp_path: Path) -> None:
+    # data.embedded.train_balance_columns changes the RL prompts only: the tokenizer (and with it every
+    # checkpoint's tokens), the held-out split and the SFT corpus stay as the mix draws them.
+    mix = ArithmeticMix(add=0.45, sub=0.45, mul=0.1, two_step=0.0, max_digits=2)
+    settings = SentencePieceSettings(vocab_size=320)
+    tasks = [prepare_arithmetic_task(tmp_path / str(k), mix, num_train=300, num_val=40, num_sft=300, seed=9,
+                                     tokenizer_settings=settings, train_balance_columns=k) for k in (0, 8)]
+    assert tasks[0].tokenizer_path.read_bytes() == tasks[1].tokenizer_path.read_bytes()
+    assert tasks[0].train_path.read_text() != tasks[1].train_path.read_text()
+    assert tasks[0].val_path.read_text() == tasks[1].val_path.read_text()
+    assert tasks[0].sft_path.read_text() == tasks[1].sft_path.read_text()
+    held_out = {json.loads(line)["extra_info"]["expression"] for line in tasks[1].val_path.read_text().splitlines()}
+    train = [json.loads(line)["extra_info"]["expression"] for line in tasks[1].train_path.read_text().splitlines()]
+    assert len(train) == 300 and not held_out & set(train)
