@@ -242,29 +242,20 @@ def test_balanced_sft_teaches_every_column_fact_and_keeps_the_mix() -> None:
         4000, mix, seed="sft", exclude=held_out, balance_columns=8)]
 
 
-def test_balancing_the_sft_corpus_keeps_the_tokenizer(tmp_path: Path) -> None:
-    # Checkpoints trained before the SFT corpus was balanced must keep reading their tokens.
+@pytest.mark.parametrize("split", ["sft", "train"])
+def test_balancing_a_split_keeps_the_tokenizer_and_the_other_splits(tmp_path: Path, split: str) -> None:
+    # Checkpoints trained before a split was balanced must keep reading their tokens: the tokenizer
+    # learns from the splits as the mix draws them. data.embedded.sft_balance_columns changes the SFT
+    # corpus only, train_balance_columns the RL prompts only; the held-out split never changes.
     mix = ArithmeticMix(add=0.45, sub=0.45, mul=0.1, two_step=0.0, max_digits=2)
     settings = SentencePieceSettings(vocab_size=320)
     tasks = [prepare_arithmetic_task(tmp_path / str(k), mix, num_train=300, num_val=40, num_sft=300, seed=9,
-                                     tokenizer_settings=settings, sft_balance_columns=k) for k in (0, 8)]
+                                     tokenizer_settings=settings, **{f"{split}_balance_columns": k}) for k in (0, 8)]
     assert tasks[0].tokenizer_path.read_bytes() == tasks[1].tokenizer_path.read_bytes()
-    assert tasks[0].sft_path.read_text() != tasks[1].sft_path.read_text()
     assert tasks[0].val_path.read_text() == tasks[1].val_path.read_text()
-    assert tasks[0].train_path.read_text() == tasks[1].train_path.read_text()
-
-
-def test_balancing_the_rl_prompts_keeps_the_tokenizer_and_the_held_out_split(tmp_path: Path) -> None:
-    # data.embedded.train_balance_columns changes the RL prompts only: the tokenizer (and with it every
-    # checkpoint's tokens), the held-out split and the SFT corpus stay as the mix draws them.
-    mix = ArithmeticMix(add=0.45, sub=0.45, mul=0.1, two_step=0.0, max_digits=2)
-    settings = SentencePieceSettings(vocab_size=320)
-    tasks = [prepare_arithmetic_task(tmp_path / str(k), mix, num_train=300, num_val=40, num_sft=300, seed=9,
-                                     tokenizer_settings=settings, train_balance_columns=k) for k in (0, 8)]
-    assert tasks[0].tokenizer_path.read_bytes() == tasks[1].tokenizer_path.read_bytes()
-    assert tasks[0].train_path.read_text() != tasks[1].train_path.read_text()
-    assert tasks[0].val_path.read_text() == tasks[1].val_path.read_text()
-    assert tasks[0].sft_path.read_text() == tasks[1].sft_path.read_text()
+    for name in ("sft", "train"):
+        same = getattr(tasks[0], f"{name}_path").read_text() == getattr(tasks[1], f"{name}_path").read_text()
+        assert same == (name != split), name
     held_out = {json.loads(line)["extra_info"]["expression"] for line in tasks[1].val_path.read_text().splitlines()}
     train = [json.loads(line)["extra_info"]["expression"] for line in tasks[1].train_path.read_text().splitlines()]
     assert len(train) == 300 and not held_out & set(train)
