@@ -197,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     dirs = [d.resolve() for d in args.run_dir]
     parent = Path(os.path.commonpath(dirs))
     out = args.out or parent / "metrics.png"
-    num_panels = plot(runs, out, title=f"{parent.name}: {len(runs)} runs ({', '.join(d.name for d in dirs)})")
+    names = [d.name for d in dirs]
+    if len(names) > 4:  # a title wider than the figure is cut at both ends
+        names = [*names[:2], "...", names[-1]]
+    num_panels = plot(runs, out, title=f"{parent.name}: {len(runs)} runs ({', '.join(names)})")
     print(f"wrote {out} ({num_panels} panels, {len(runs)} runs, {max(len(r) for r in runs)} steps)")
     return 0
 
