@@ -379,8 +379,9 @@ def prepare_arithmetic_task(
     train = generate_problems(num_train, mix, seed=f"{seed}:train", exclude=held_out,
                               balance_columns=train_balance_columns)
     sft = generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out, balance_columns=sft_balance_columns)
-    # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus leaves it
-    # (and every checkpoint trained with it) as it was, so older runs resume and evaluate unchanged.
+    # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus or the RL
+    # prompts leaves it (and every checkpoint trained with it) as it was, so older runs resume and
+    # evaluate unchanged.
     drawn_sft = sft if sft_balance_columns < 2 else generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out)
     drawn_train = train if train_balance_columns < 2 else generate_problems(
         num_train, mix, seed=f"{seed}:train", exclude=held_out)
