@@ -26,7 +26,8 @@ pytestmark = [
 def test_tiny_run_with_vllm_learns_through_a_server_restart_and_matches_the_actor_logprobs(tmp_path):
     out = tmp_path / "run"
     command = train_command(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=vllm", f"trainer.output_dir={out}",
-                            "trainer.total_training_steps=30", "trainer.save_interval=30")
+                            "trainer.total_training_steps=30", "trainer.save_interval=30",
+                            "trainer.test_freq=10")  # four evaluations (the default evaluates every 20 steps)
     log = tmp_path / "trainer.log"
     code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, step_logged(out, 10),
                             marker="vllm.entrypoints.openai.api_server", timeout_s=1800)
