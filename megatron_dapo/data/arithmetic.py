@@ -376,16 +376,19 @@ def prepare_arithmetic_task(
     out_dir.mkdir(parents=True, exist_ok=True)
     val = generate_problems(num_val, mix, seed=f"{seed}:val", unique=True)
     held_out = frozenset(p.expression for p in val)
-    train = generate_problems(num_train, mix, seed=f"{seed}:train", exclude=held_out,
-                              balance_columns=train_balance_columns)
-    sft = generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out, balance_columns=sft_balance_columns)
+
+    def split(name: str, count: int, balance: int) -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
+        """(the split as written, the split as the mix draws it)."""
+        drawn = generate_problems(count, mix, seed=f"{seed}:{name}", exclude=held_out)
+        if balance < 2:
+            return drawn, drawn
+        return generate_problems(count, mix, seed=f"{seed}:{name}", exclude=held_out, balance_columns=balance), drawn
+
+    train, drawn_train = split("train", num_train, train_balance_columns)
+    sft, drawn_sft = split("sft", num_sft, sft_balance_columns)
     # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus or the RL
     # prompts leaves it (and every checkpoint trained with it) as it was, so older runs resume and
     # evaluate unchanged.
-    drawn_sft = sft if sft_balance_columns < 2 else generate_problems(num_sft, mix, seed=f"{seed}:sft", exclude=held_out)
-    drawn_train = train if train_balance_columns < 2 else generate_problems(
-        num_train, mix, seed=f"{seed}:train", exclude=held_out)
-
     corpus = [text for p in (*drawn_train, *val, *drawn_sft) for text in (p.prompt(), p.solution())]
     tokenizer = load_or_train_sentencepiece(corpus, out_dir / "tokenizer", tokenizer_settings)
     task = ArithmeticTask(
