@@ -138,6 +138,19 @@ def test_a_dead_child_is_an_engine_error_naming_its_exit(tiny):
     engine.shutdown()
 
 
+def test_a_send_that_finds_the_pipe_broken_names_the_exit_too(tiny, monkeypatch):
+    """The race CI can lose: the caller's send hits the broken pipe before the reader thread has
+    recorded the exit. Here the reader records nothing, so only the send can name it."""
+    engine = ProcessEngine(tiny, name="doomed", num_threads=1)
+    saw_eof = threading.Event()
+    monkeypatch.setattr(engine, "_fail_all", lambda why: saw_eof.set())
+    os.kill(engine._process.pid, signal.SIGKILL)
+    assert saw_eof.wait(30), "the reader never saw the pipe close"
+    with pytest.raises(EngineError, match=r"^engine doomed: its process \(pid \d+\) exited with code -9$"):
+        engine.abort()  # a send, and nothing else
+    engine.shutdown()
+
+
 def test_a_bad_checkpoint_fails_the_start_with_the_reason(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(EngineError, match=r"engine bad: loading .* failed"):

@@ -250,11 +250,26 @@ class ProcessEngine:
     # ------------------------------------------------------------------ the pipe
 
     def _send(self, message: tuple[Any, ...]) -> None:
+        process = self._process
         try:
             with self._send_lock:
                 self._conn.send(message)
         except (OSError, ValueError) as err:  # ValueError: the pipe was closed
-            raise EngineError(f"engine {self.name}: {self._dead or f'cannot reach its process ({err})'}") from err
+            raise _PipeLost(self.name, self._lost(process, err)) from err
+
+    def _lost(self, process: Any, err: BaseException) -> str:
+        """Why the pipe to `process` failed: its exit, once it has exited, else the pipe's error.
+
+        A child killed mid-call breaks the pipe before the reader thread has recorded its exit
+        (whichever thread gets there first): wait for the exit so that both name it.
+        """
+        if self._dead is not None:
+            return self._dead
+        with self._wait_lock:
+            process.join(timeout=5)
+            code = process.exitcode
+        return f"its process (pid {process.pid}) exited with code {code}" if code is not None else \
+            f"cannot reach its process ({type(err).__name__}: {err})"
 
     def _call(self, method: str, *args: Any, rid: int | None = None, timeout_s: float | None = None,
               **kwargs: Any) -> Any:
@@ -288,7 +303,10 @@ class ProcessEngine:
                 return
             try:
                 self._dispatch(message)
-            except Exception as err:  # a broken pipe while answering: nothing more can arrive
+            except _PipeLost as err:  # the pipe broke while answering: the child is gone
+                self._fail_all(err.why)
+                return
+            except Exception as err:  # nothing more can arrive
                 self._fail_all(f"its client failed: {type(err).__name__}: {err}")
                 return
 
@@ -344,6 +362,14 @@ class ProcessEngine:
         for future in pending:
             if not future.done():
                 future.set_exception(EngineError(f"engine {self.name}: {why}"))
+
+
+class _PipeLost(EngineError):
+    """The pipe to the child failed; `why` names the child's exit where it has exited."""
+
+    def __init__(self, name: str, why: str) -> None:
+        super().__init__(f"engine {name}: {why}")
+        self.why = why
 
 
 # ---------------------------------------------------------------------- the child
