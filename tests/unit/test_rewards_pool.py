@@ -13,7 +13,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.rewards.pool import FAILURE_SCORE, RewardFunctionBroken, RewardPool, RewardStats
 
 HELPERS = reward_fns_for_tests.__name__
-TIMEOUT_S = 1.0
+TIMEOUT_S = 3.0  # every 'ok' call must answer within it, also on a loaded CI machine
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def test_raise_and_hang_are_counted_and_the_pool_keeps_working(
     )
     assert TIMEOUT_S <= elapsed < TIMEOUT_S + 5.0
     assert [record.getMessage() for record in caplog.records] == [
-        f"reward '{HELPERS}:misbehave': 2 of 4 calls failed (1 errors, 1 timeouts of 1.0 s), "
+        f"reward '{HELPERS}:misbehave': 2 of 4 calls failed (1 errors, 1 timeouts of {TIMEOUT_S} s), "
         "scored -1.0; first: RuntimeError: cannot score 'raise'"
     ]
 
