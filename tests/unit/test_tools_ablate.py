@@ -57,8 +57,28 @@ def test_table_reports_each_runs_paired_lead_against_the_first(tmp_path):
     dapo = [(s, ablate.summarize(rows([10], [0.3, last])), 1.0, True) for s, last in ((1, 0.6), (2, 0.55), (3, 0.5))]
     grpo = [(s, ablate.summarize(rows([10], [0.3, last])), 1.0, True) for s, last in ((1, 0.54), (2, 0.5), (3, 0.45))]
     table = ablate.write_table({"DAPO": dapo, "GRPO": grpo}, tmp_path / "t.md")
-    lead = [line for line in table.splitlines() if line.startswith("| GRPO | 3 | +")]
-    assert lead == ["| GRPO | 3 | +5.3 | [+3.9, +6.8] | 3 / 0 | 0.250 | yes |"]  # leads 6, 5, 5 points
+    lead = [line for line in table.splitlines() if line.startswith("| GRPO | generated tokens | 3 | +")]
+    assert lead == ["| GRPO | generated tokens | 3 | +5.3 | [+3.9, +6.8] | 3 / 0 | 0.250 | yes |"]  # 6, 5, 5 points
+    assert "| GRPO | RL steps |" not in table  # summaries without the other axes give no rows for them
+
+
+def test_the_lead_on_the_other_axes_cuts_the_other_run_where_dapo_ended(tmp_path):
+    """GRPO's rows: 4 steps of 100 tokens and 1 s each, evaluations 0.3, 0.5, 0.6, 0.7, 0.8."""
+    grpo = rows([100] * 4, [0.3, 0.5, 0.6, 0.7, 0.8])
+    for r in grpo[1:]:
+        r["timing_s/step"] = 1.0
+    assert ablate.val_within(grpo, "step", 2) == 0.6
+    assert ablate.val_within(grpo, "timing_s/step", 2.5) == 0.6 and ablate.val_within(grpo, "timing_s/step", 3) == 0.7
+    # A run that stopped short of the limit has no value there (not its last one).
+    assert str(ablate.val_within(grpo, "step", 9)) == "nan" and str(ablate.val_within(grpo, "timing_s/step", 9)) == "nan"
+    dapo = [(1, {**ablate.summarize(rows([300], [0.3, 0.65])), "val_at_steps": 0.65, "val_at_seconds": 0.65}, 1.0, True),
+            (2, {**ablate.summarize(rows([300], [0.3, 0.55])), "val_at_steps": 0.55, "val_at_seconds": 0.55}, 1.0, True)]
+    other = [(1, {**ablate.summarize(grpo[:4]), "val_at_steps": 0.5, "val_at_seconds": 0.6}, 1.0, True),
+             (2, {**ablate.summarize(grpo[:4]), "val_at_steps": float("nan"), "val_at_seconds": 0.6}, 1.0, True)]
+    table = ablate.write_table({"DAPO": dapo, "GRPO": other}, tmp_path / "t.md")
+    assert "| GRPO | generated tokens | 2 | -10.0 |" in table  # 0.65 - 0.7, 0.55 - 0.7
+    assert "| GRPO | RL steps | 1 | +15.0 |" in table  # seed 2 stopped short: left out, not paired
+    assert "| GRPO | RL step seconds | 2 | +0.0 |" in table  # +5, -5
 
 
 class _FakeTrainer:
