@@ -266,25 +266,30 @@ def write_table(results: dict[str, list[tuple[int, dict[str, float], float, bool
 
 
 def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
+    """Held-out accuracy per seed against generated tokens (left) and against RL steps (right)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     for index, (name, runs) in enumerate(curves.items()):
         color = f"C{index}"
         for i, rows in enumerate(runs):
-            tokens, acc, total = [], [], 0.0
+            tokens, steps, acc, total = [], [], [], 0.0
             for r in rows:
                 total += r.get("train/num_generated_tokens", 0.0)
                 if r.get("val/acc") is not None:
                     tokens.append(total)
+                    steps.append(r["step"])
                     acc.append(r["val/acc"])
-            ax.plot(tokens, acc, marker="o", markersize=2, color=color, alpha=0.7, label=name if i == 0 else None)
-    ax.set(title="held-out accuracy (avg@4, T=1.0, top_p=0.7) per seed", xlabel="generated tokens", ylabel="acc")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+            for ax, x in zip(axes, (tokens, steps), strict=True):
+                ax.plot(x, acc, marker="o", markersize=2, color=color, alpha=0.7, label=name if i == 0 else None)
+    axes[0].set(title="held-out acc (avg@4, T=1.0, top_p=0.7) per seed", xlabel="generated tokens", ylabel="acc")
+    axes[1].set(title="the same runs against RL steps", xlabel="RL step")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
