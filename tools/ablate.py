@@ -21,11 +21,14 @@ table says whether it reached the budget at all).
 Against DAPO, per seed: the lead (DAPO's last held-out accuracy minus the other run's, in
 points; the same seed starts both from the same warm start), then over seeds its mean, a
 95% confidence interval (paired Student t) and the two-sided sign test. "Significant" means
-the interval excludes 0. The lead is given on three axes, each cutting the other run where
-DAPO ended: equal generated tokens (the budget above), equal RL steps, and equal RL step
-seconds (the sum of `timing_s/step`, evaluations and the warm start left out; compare only
-runs made with the same --jobs on the same machine). Writes `<out>/ablation.md` and
-`<out>/ablation.png`. Report what comes out, whatever it is.
+the interval excludes 0. Writes `<out>/ablation.md` and `<out>/ablation.png` (each seed
+against generated tokens and against RL steps).
+
+`--equal steps` compares per RL step instead: every other run trains exactly DAPO's steps
+(no token budget) into `<kind>_seed<s>_steps`. Cutting the token-budget runs at DAPO's step
+count would not do: their lr decays over their own up-to-3x steps, so at DAPO's last step
+they are mid-schedule (on the evaluation seeds that cut read DAPO +10.4 points, the runs
+with their own 160-step decay +4.9; docs/benchmarks.md). Report what comes out, whatever it is.
 
 `--jobs N` runs N seeds at once with `OMP_NUM_THREADS = cores // N` each. The thread count
 changes float summation order: equal over 20 steps, but a whole run (its SFT warm start
@@ -180,27 +183,6 @@ def summarize(rows: list[dict]) -> dict[str, float]:
             "steps": float(max((r["step"] for r in rows), default=0)), "gen_tokens": generated_tokens(rows)}
 
 
-AXES = {"val_last": "generated tokens", "val_at_steps": "RL steps", "val_at_seconds": "RL step seconds"}
-"""Summary key of the other run's accuracy -> the quantity held equal to DAPO's for the lead."""
-
-
-def val_within(rows: list[dict], key: str, limit: float) -> float:
-    """The last held-out accuracy of the rows whose cumulative `key` is <= limit ("step": the step
-    itself); NaN if the run stopped short of the limit (then it has no value on that axis)."""
-    total, last = 0.0, float("nan")
-    for r in rows:
-        total = float(r["step"]) if key == "step" else total + r.get(key, 0.0)
-        if total > limit:
-            return last
-        if r.get("val/acc") is not None:
-            last = r["val/acc"]
-    return last if total >= limit else float("nan")
-
-
-def step_seconds(rows: list[dict]) -> float:
-    return sum(r.get("timing_s/step", 0.0) for r in rows)
-
-
 def aggregate(per_seed: list[dict[str, float]]) -> dict[str, tuple[float, float, float]]:
     """(mean, min, max) of every summary key over seeds."""
     return {k: (statistics.fmean(s[k] for s in per_seed), min(s[k] for s in per_seed), max(s[k] for s in per_seed))
@@ -226,8 +208,10 @@ def paired_lead(leads: list[float]) -> dict[str, float]:
             "sign_p": min(1.0, 2 * tail)}
 
 
-def write_table(results: dict[str, list[tuple[int, dict[str, float], float, bool]]], path: Path) -> str:
-    """Per-seed rows and mean [min, max] per run, then each run's paired lead against the first run."""
+def write_table(results: dict[str, list[tuple[int, dict[str, float], float, bool]]], path: Path,
+                axis: str = "generated tokens") -> str:
+    """Per-seed rows and mean [min, max] per run, then each run's paired lead against the first run
+    (at equal `axis`: what the runs were matched on)."""
     lines = ["| run | seed | val acc first | last | best | gain (points) | RL steps | generated tokens | "
              "budget reached | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, seeds in results.items():
@@ -251,15 +235,14 @@ def write_table(results: dict[str, list[tuple[int, dict[str, float], float, bool
         lines += ["", f"| {base} minus | at equal | seeds | lead, mean (points) | 95% CI (paired t) | "
                   f"{base} ahead / behind | sign test p | significant |", "|---|---|---|---|---|---|---|---|"]
         for other in names[1:]:
-            for key, axis in AXES.items():
-                theirs = {seed: s[key] for seed, s, _, _ in results[other] if not math.isnan(s.get(key, math.nan))}
-                leads = [100 * (s["val_last"] - theirs[seed]) for seed, s, _, _ in results[base] if seed in theirs]
-                if not leads:
-                    continue
-                p = paired_lead(leads)
-                sig = "yes" if p["low"] > 0 or p["high"] < 0 else "no"
-                lines.append(f"| {other} | {axis} | {p['n']} | {p['mean']:+.1f} | [{p['low']:+.1f}, {p['high']:+.1f}] | "
-                             f"{p['wins']} / {p['losses']} | {p['sign_p']:.3f} | {sig} |")
+            theirs = {seed: s["val_last"] for seed, s, _, _ in results[other]}
+            leads = [100 * (s["val_last"] - theirs[seed]) for seed, s, _, _ in results[base] if seed in theirs]
+            if not leads:
+                continue
+            p = paired_lead(leads)
+            sig = "yes" if p["low"] > 0 or p["high"] < 0 else "no"
+            lines.append(f"| {other} | {axis} | {p['n']} | {p['mean']:+.1f} | [{p['low']:+.1f}, {p['high']:+.1f}] | "
+                         f"{p['wins']} / {p['losses']} | {p['sign_p']:.3f} | {sig} |")
     table = "\n".join(lines) + "\n"
     path.write_text(table)
     return table
@@ -296,20 +279,18 @@ def plot(curves: dict[str, list[list[dict]]], path: Path) -> None:
 
 def run_seed(seed: int, kinds: list[str], args: argparse.Namespace, threads: int | None) -> list[tuple]:
     """Every run kind of one seed, DAPO first (its total generated tokens are the others' budget)."""
-    out, budget, dapo_rows = [], None, None
+    out, budget = [], None
+    by_tokens = args.equal == "tokens"
     for kind in kinds:
         spec = RUNS[kind]
-        steps = args.steps if kind == "dapo" or "dapo" not in kinds else round(args.steps * args.steps_factor)
-        run_dir = args.out / f"{kind}_seed{seed}"
+        other = kind != "dapo" and "dapo" in kinds
+        steps = round(args.steps * args.steps_factor) if other and by_tokens else args.steps
+        run_dir = args.out / f"{kind}_seed{seed}{'_steps' if other and not by_tokens else ''}"
         wall = run_one(spec, run_dir, seed, steps, args.overrides, budget=budget, threads=threads)
-        every = read_rows(run_dir)
-        rows, reached = cut_at_budget(every, budget)
+        rows, reached = cut_at_budget(read_rows(run_dir), budget)
+        if kind == "dapo" and by_tokens:
+            budget = generated_tokens(rows)
         s = summarize(rows)
-        if kind == "dapo":
-            budget, dapo_rows = generated_tokens(rows), rows
-        if dapo_rows is not None:  # the other axes: cut where DAPO's steps and step seconds ended
-            s["val_at_steps"] = val_within(every, "step", max(r["step"] for r in dapo_rows))
-            s["val_at_seconds"] = val_within(every, "timing_s/step", step_seconds(dapo_rows))
         print(f"{spec.label} seed {seed}: val acc first {s['val_first']:.3f} last {s['val_last']:.3f} "
               f"best {s['val_best']:.3f} ({s['gain_points']:+.1f} points), {wall:.0f} s", flush=True)
         out.append((kind, seed, s, wall, reached, rows))
@@ -326,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="RL steps of the DAPO run (default: the default run's trainer.total_training_steps)")
     parser.add_argument("--steps-factor", "--grpo-steps-factor", type=float, default=3.0,
                         help="the other runs may take this many times DAPO's steps; they stop at DAPO's token budget")
+    parser.add_argument("--equal", choices=("tokens", "steps"), default="tokens",
+                        help="match the other runs to DAPO's generated tokens (default) or its RL steps")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once (threads split between them)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     args = parser.parse_args(argv)
@@ -348,9 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         for kind, seed, s, wall, reached, rows in runs:
             results[RUNS[kind].label].append((seed, s, wall, reached))
             curves[RUNS[kind].label].append(rows)
-    print(write_table(results, args.out / "ablation.md"), end="")
-    plot(curves, args.out / "ablation.png")
-    print(f"wrote {args.out / 'ablation.md'} and {args.out / 'ablation.png'}")
+    axis = "generated tokens" if args.equal == "tokens" else "RL steps"
+    suffix = "" if args.equal == "tokens" else "_steps"
+    print(write_table(results, args.out / f"ablation{suffix}.md", axis), end="")
+    plot(curves, args.out / f"ablation{suffix}.png")
+    print(f"wrote {args.out / f'ablation{suffix}.md'} and {args.out / f'ablation{suffix}.png'}")
     return 0
 
 

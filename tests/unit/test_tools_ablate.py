@@ -1,5 +1,6 @@
 """tools/ablate.py: the equal-token-budget cut and the per-seed spread it reports."""
 
+import argparse
 import importlib.util
 import json
 import statistics
@@ -59,26 +60,8 @@ def test_table_reports_each_runs_paired_lead_against_the_first(tmp_path):
     table = ablate.write_table({"DAPO": dapo, "GRPO": grpo}, tmp_path / "t.md")
     lead = [line for line in table.splitlines() if line.startswith("| GRPO | generated tokens | 3 | +")]
     assert lead == ["| GRPO | generated tokens | 3 | +5.3 | [+3.9, +6.8] | 3 / 0 | 0.250 | yes |"]  # 6, 5, 5 points
-    assert "| GRPO | RL steps |" not in table  # summaries without the other axes give no rows for them
-
-
-def test_the_lead_on_the_other_axes_cuts_the_other_run_where_dapo_ended(tmp_path):
-    """GRPO's rows: 4 steps of 100 tokens and 1 s each, evaluations 0.3, 0.5, 0.6, 0.7, 0.8."""
-    grpo = rows([100] * 4, [0.3, 0.5, 0.6, 0.7, 0.8])
-    for r in grpo[1:]:
-        r["timing_s/step"] = 1.0
-    assert ablate.val_within(grpo, "step", 2) == 0.6
-    assert ablate.val_within(grpo, "timing_s/step", 2.5) == 0.6 and ablate.val_within(grpo, "timing_s/step", 3) == 0.7
-    # A run that stopped short of the limit has no value there (not its last one).
-    assert str(ablate.val_within(grpo, "step", 9)) == "nan" and str(ablate.val_within(grpo, "timing_s/step", 9)) == "nan"
-    dapo = [(1, {**ablate.summarize(rows([300], [0.3, 0.65])), "val_at_steps": 0.65, "val_at_seconds": 0.65}, 1.0, True),
-            (2, {**ablate.summarize(rows([300], [0.3, 0.55])), "val_at_steps": 0.55, "val_at_seconds": 0.55}, 1.0, True)]
-    other = [(1, {**ablate.summarize(grpo[:4]), "val_at_steps": 0.5, "val_at_seconds": 0.6}, 1.0, True),
-             (2, {**ablate.summarize(grpo[:4]), "val_at_steps": float("nan"), "val_at_seconds": 0.6}, 1.0, True)]
-    table = ablate.write_table({"DAPO": dapo, "GRPO": other}, tmp_path / "t.md")
-    assert "| GRPO | generated tokens | 2 | -10.0 |" in table  # 0.65 - 0.7, 0.55 - 0.7
-    assert "| GRPO | RL steps | 1 | +15.0 |" in table  # seed 2 stopped short: left out, not paired
-    assert "| GRPO | RL step seconds | 2 | +0.0 |" in table  # +5, -5
+    steps = ablate.write_table({"DAPO": dapo, "GRPO": grpo}, tmp_path / "t.md", "RL steps")
+    assert "| GRPO | RL steps | 3 | +5.3 | [+3.9, +6.8] | 3 / 0 | 0.250 | yes |" in steps
 
 
 class _FakeTrainer:
@@ -135,3 +118,21 @@ def test_a_run_that_ended_with_the_same_command_is_reused_not_rerun(tmp_path, mo
     ablate.run_one(ablate.RUNS["dapo"], tmp_path / "d", 1, 30, [], budget=350)
     ablate.run_one(ablate.RUNS["dapo"], tmp_path / "d", 1, 30, ["optim.lr=1e-3"], budget=350)
     assert len(started) == 3
+
+
+@pytest.mark.parametrize("equal", ["tokens", "steps"])
+def test_the_other_run_is_matched_on_dapos_tokens_or_on_its_steps(tmp_path, monkeypatch, equal):
+    """Tokens: GRPO may take 3x DAPO's steps and stops at DAPO's tokens. Steps: GRPO trains exactly
+    DAPO's steps with no budget, so its lr schedule ends where DAPO's does (never cut mid-decay),
+    into a directory of its own (a token-budget run of the same seed is kept)."""
+    monkeypatch.setattr(ablate.subprocess, "Popen", _FakeTrainer)
+    monkeypatch.setattr(ablate.time, "sleep", lambda s: None)
+    args = argparse.Namespace(steps=4, steps_factor=3.0, out=tmp_path, overrides=[], equal=equal)
+    runs = ablate.run_seed(7, ["dapo", "grpo"], args, None)
+    grpo_dir = tmp_path / ("grpo_seed7" if equal == "tokens" else "grpo_seed7_steps")
+    record = json.loads((grpo_dir / ablate.DONE).read_text())
+    if equal == "tokens":
+        assert record["budget"] == 1000 and "trainer.total_training_steps=12" in record["overrides"]
+    else:
+        assert record["budget"] is None and "trainer.total_training_steps=4" in record["overrides"]
+    assert [kind for kind, *_ in runs] == ["dapo", "grpo"]
