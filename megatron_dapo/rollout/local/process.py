@@ -241,11 +241,12 @@ class ProcessEngine:
         with self._wait_lock:
             return self._process.is_alive()
 
-    def _join(self, timeout: float) -> int | None:
-        """Wait for the child to exit; its exit code (None while it runs)."""
+    def _join(self, timeout: float, process: Any = None) -> int | None:
+        """Wait for the child (or `process`, an earlier one) to exit; its exit code (None while it runs)."""
+        process = self._process if process is None else process
         with self._wait_lock:
-            self._process.join(timeout=timeout)
-            return self._process.exitcode
+            process.join(timeout=timeout)
+            return process.exitcode
 
     # ------------------------------------------------------------------ the pipe
 
@@ -265,9 +266,7 @@ class ProcessEngine:
         """
         if self._dead is not None:
             return self._dead
-        with self._wait_lock:
-            process.join(timeout=5)
-            code = process.exitcode
+        code = self._join(timeout=5, process=process)
         return f"its process (pid {process.pid}) exited with code {code}" if code is not None else \
             f"cannot reach its process ({type(err).__name__}: {err})"
 
