@@ -212,7 +212,7 @@ def write_table(results: dict[str, list[tuple[int, dict[str, float], float, bool
                 axis: str = "generated tokens") -> str:
     """Per-seed rows and mean [min, max] per run, then each run's paired lead against the first run
     (at equal `axis`: what the runs were matched on)."""
-    lines = ["| run | seed | val acc first | last | best | gain (points) | RL steps | generated tokens | "
+    lines = ["| run | seed | held-out avg@4 first | last | best | gain (points) | RL steps | generated tokens | "
              "budget reached | wall s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name, seeds in results.items():
         for seed, s, wall, reached in seeds:
@@ -291,7 +291,7 @@ def run_seed(seed: int, kinds: list[str], args: argparse.Namespace, threads: int
         if kind == "dapo" and by_tokens:
             budget = generated_tokens(rows)
         s = summarize(rows)
-        print(f"{spec.label} seed {seed}: val acc first {s['val_first']:.3f} last {s['val_last']:.3f} "
+        print(f"{spec.label} seed {seed}: held-out avg@4 first {s['val_first']:.3f} last {s['val_last']:.3f} "
               f"best {s['val_best']:.3f} ({s['gain_points']:+.1f} points), {wall:.0f} s", flush=True)
         out.append((kind, seed, s, wall, reached, rows))
     return out
