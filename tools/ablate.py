@@ -112,6 +112,9 @@ def generated_tokens(rows: list[dict]) -> float:
     return sum(r.get("train/num_generated_tokens", 0.0) for r in rows)
 
 
+EQUAL = {"tokens": ("generated tokens", ""), "steps": ("RL steps", "_steps")}
+"""--equal -> (the axis the lead is read at, the suffix of the other runs' directories and the table)."""
+
 DONE = "ablate.json"
 """Written into a run's directory when it ends: what it ran, and its wall time."""
 
@@ -285,7 +288,7 @@ def run_seed(seed: int, kinds: list[str], args: argparse.Namespace, threads: int
         spec = RUNS[kind]
         other = kind != "dapo" and "dapo" in kinds
         steps = round(args.steps * args.steps_factor) if other and by_tokens else args.steps
-        run_dir = args.out / f"{kind}_seed{seed}{'_steps' if other and not by_tokens else ''}"
+        run_dir = args.out / f"{kind}_seed{seed}{EQUAL[args.equal][1] if other else ''}"
         wall = run_one(spec, run_dir, seed, steps, args.overrides, budget=budget, threads=threads)
         rows, reached = cut_at_budget(read_rows(run_dir), budget)
         if kind == "dapo" and by_tokens:
@@ -306,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=None,
                         help="RL steps of the DAPO run (default: the default run's trainer.total_training_steps)")
     parser.add_argument("--steps-factor", "--grpo-steps-factor", type=float, default=3.0,
-                        help="the other runs may take this many times DAPO's steps; they stop at DAPO's token budget")
-    parser.add_argument("--equal", choices=("tokens", "steps"), default="tokens",
+                        help="with --equal tokens, the other runs may take this many times DAPO's steps; "
+                             "they stop at DAPO's token budget")
+    parser.add_argument("--equal", choices=tuple(EQUAL), default="tokens",
                         help="match the other runs to DAPO's generated tokens (default) or its RL steps")
     parser.add_argument("--jobs", type=int, default=1, help="seeds run at once (threads split between them)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
@@ -331,8 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, seed, s, wall, reached, rows in runs:
             results[RUNS[kind].label].append((seed, s, wall, reached))
             curves[RUNS[kind].label].append(rows)
-    axis = "generated tokens" if args.equal == "tokens" else "RL steps"
-    suffix = "" if args.equal == "tokens" else "_steps"
+    axis, suffix = EQUAL[args.equal]
     print(write_table(results, args.out / f"ablation{suffix}.md", axis), end="")
     plot(curves, args.out / f"ablation{suffix}.png")
     print(f"wrote {args.out / f'ablation{suffix}.md'} and {args.out / f'ablation{suffix}.png'}")
