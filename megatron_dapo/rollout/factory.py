@@ -170,14 +170,17 @@ def _local_installed(rollout: RolloutConfig | None, where: str) -> None:
 
 def _sglang_installed(rollout: RolloutConfig | None, where: str) -> None:
     # SGLang runs in this interpreter (GPU images) or from an environment of its own (the CPU
-    # build): the one rule of which is rollout/sglang/server.sglang_python.
-    from megatron_dapo.rollout.sglang.server import INSTALL_HINT, sglang_python
+    # build): the one rule of which, and the probe that it can run here, is rollout/sglang/interpreter.
+    from megatron_dapo.rollout.sglang.interpreter import INSTALL_HINT, check_interpreter, sglang_python
 
     configured = rollout.sglang.python if rollout is not None else None
-    if sglang_python(configured) is None:
+    python = sglang_python(configured)
+    if python is None:
         what = (f"not at rollout.sglang.python={configured!r}" if configured
                 else f"neither importable in {sys.executable} nor installed by `make install-sglang-cpu`")
         raise UserError(f"{where}=sglang: SGLang is {what}; {INSTALL_HINT}, or pick another engine ({where}=local)")
+    check_interpreter(python, f"{where}=sglang with rollout.sglang.python={configured}" if configured
+                      else f"{where}=sglang (the SGLang venv of `make install-sglang-cpu`)")
 
 
 def _vllm_installed(rollout: RolloutConfig | None, where: str) -> None:

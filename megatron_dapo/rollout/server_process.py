@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
+import signal
 import socket
 import subprocess
 import threading
@@ -113,6 +114,29 @@ def free_port(host: str) -> int:
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+_SIGNAL_CAUSES = {
+    signal.SIGILL: "its native code uses an instruction this CPU lacks; "
+                   "`grep -o 'avx[0-9a-z_]*' /proc/cpuinfo | sort -u` lists what this CPU has",
+    signal.SIGKILL: "from outside: the kernel's out-of-memory killer (see `dmesg`), a scheduler or a user",
+    signal.SIGSEGV: "a crash in native code",
+    signal.SIGBUS: "a crash in native code, or shared memory (/dev/shm) that ran out",
+}
+
+
+def describe_exit(code: int) -> str:
+    """How a process ended, for one line: "exited with code 3", or "was killed by SIGILL (illegal
+    instruction: ...)" for a negative Popen return code."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:
+        return f"was killed by signal {-code}"
+    cause = _SIGNAL_CAUSES.get(sig)
+    description = signal.strsignal(sig) or sig.name
+    return f"was killed by {sig.name} ({description.lower()}{': ' + cause if cause else ''})"
 
 
 class ServerProcess:
@@ -216,7 +240,7 @@ class ServerProcess:
         if code is not None:
             self._remove_shared_memory()
             raise EngineError(
-                f"{self.kind} engine {self.name} (pid {self._popen.pid}) exited with code {code}; "
+                f"{self.kind} engine {self.name} (pid {self._popen.pid}) {describe_exit(code)}; "
                 f"log {self.log_path}, last lines:\n{self.log_tail()}"
             )
 

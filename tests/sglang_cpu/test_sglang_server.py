@@ -18,6 +18,7 @@ import pytest
 import torch
 from model_utils import TINY_SHAPE, sampled_gaps
 from safetensors.torch import load_file
+from sglang_venv import venv_kernel
 
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams
 from megatron_dapo.rollout.server_process import free_port
@@ -49,9 +50,9 @@ def make_checkpoint(directory: Path, seed: int) -> Path:
     return directory
 
 
-def launch(checkpoint: Path, log: Path, name: str) -> SGLangEngine:
+def launch(checkpoint: Path, log: Path, name: str, env: dict[str, str] | None = None) -> SGLangEngine:
     config = SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32", max_total_tokens=32768,
-                                host="127.0.0.1", log_path=str(log))
+                                host="127.0.0.1", log_path=str(log), env=env or {})
     return SGLangEngine.launch(config, name=name, vocab_size=SHAPE["vocab_size"], startup_timeout_s=600)
 
 
@@ -62,8 +63,15 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoints, tmp_path_factory):
-    engine = launch(checkpoints[0], tmp_path_factory.mktemp("sglang_log") / "sglang0.log", "sglang0")
+def kernel_trace(tmp_path_factory) -> Path:
+    """Where the module's server writes each call of megatron-dapo's sgl_kernel stand-in, if it has it."""
+    return tmp_path_factory.mktemp("sgl_kernel_trace") / "calls.txt"
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoints, tmp_path_factory, kernel_trace):
+    engine = launch(checkpoints[0], tmp_path_factory.mktemp("sglang_log") / "sglang0.log", "sglang0",
+                    env={"MEGATRON_DAPO_SGL_KERNEL_TRACE": str(kernel_trace)})
     yield engine
     engine.shutdown()
 
@@ -95,6 +103,19 @@ def test_log_probs_are_our_contract_at_float32_level(engine, checkpoints, temper
     assert all(len(r.output_ids) == 12 and r.finish_reason == "length" for r in results)
     diff = gaps(checkpoints[0], results, temperature)
     assert float(diff.mean()) < 5e-6 and float(diff.max()) < 5e-5, (float(diff.mean()), float(diff.max()))
+
+
+def test_sglang_runs_its_torch_paths_with_the_kernel_standin(engine, kernel_trace):
+    """With megatron-dapo's sgl_kernel stand-in (the default install, docs/DESIGN.md "SGLang's CPU
+    kernels") prefill and decode call no function of the kernel package: every AMX/AVX-512 op is
+    gated off (AMX CPUs included) and the names imported under is_cpu() serve speculative decoding
+    only. With a real kernel build installed this pins nothing (the trace is the stand-in's)."""
+    if not venv_kernel()["standin"]:
+        pytest.skip("this SGLang venv has a real sgl_kernel build (SGLANG_CPU_KERNEL_WHEEL)")
+    kernel_trace.unlink(missing_ok=True)
+    results = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3))
+    assert all(len(r.output_ids) == 6 for r in results)
+    assert not kernel_trace.exists(), kernel_trace.read_text()
 
 
 def _shm_torch_files() -> set[str]:
@@ -260,8 +281,8 @@ def test_two_servers_at_once_and_one_killed_mid_generate(engine, checkpoints, tm
         thread.join(timeout=60)
         assert not thread.is_alive()
         message = str(out["error"])
-        assert f"SGLang engine sglang1 (pid {second.process.pid}) exited with code -9; log {tmp_path / 'sglang1.log'}" \
-            in message
+        assert f"SGLang engine sglang1 (pid {second.process.pid}) was killed by SIGKILL (killed: from outside" \
+            in message and f"; log {tmp_path / 'sglang1.log'}" in message
     finally:
         second.shutdown()
     time.sleep(3)  # the server's children leave after its own grace

@@ -22,22 +22,18 @@ kernels' attention needs AMX), ``--disable-overlap-schedule``, and
 a ``--skip-tokenizer-init`` server does not have; a failed warm-up takes the server down).
 The KV pool is sized in tokens (``--max-total-tokens``), not as a share of host memory.
 
-Which Python runs the server: SGLang's CPU form pins its own transformers, so on a CPU
-machine it lives in a virtual environment of its own (``make install-sglang-cpu``), found
-by :func:`sglang_python`.
+Which Python runs the server, and the check that it can: rollout/sglang/interpreter.py.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import secrets
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.rollout.server_process import free_port, node_address
+from megatron_dapo.rollout.sglang.interpreter import INSTALL_HINT, default_cpu_venv, sglang_python
 
 __all__ = [
     "SGLangServerConfig",
@@ -48,36 +44,9 @@ __all__ = [
     "sglang_python",
 ]
 
-def default_cpu_venv() -> Path:
-    """Where `make install-sglang-cpu` puts SGLang's CPU environment: $MEGATRON_DAPO_SGLANG_VENV, else
-    ~/.cache/megatron-dapo/venvs/sglang-cpu (scripts/install_sglang_cpu.sh uses the same rule)."""
-    return Path(os.environ.get("MEGATRON_DAPO_SGLANG_VENV") or Path.home() / ".cache/megatron-dapo/venvs/sglang-cpu")
-
 CPU_KV_TOKENS = 65536
 """A CPU server's KV pool when rollout.sglang.max_total_tokens is null (64k tokens of the tiny
 model are a few hundred MB; a share of host memory, SGLang's own sizing, would be gigabytes)."""
-
-INSTALL_HINT = ("install SGLang: `make install-sglang-cpu` on a CPU machine (its own environment), "
-                "`pip install -e .[gpu]` on a GPU machine, or point rollout.sglang.python at an interpreter "
-                "that has sglang")
-
-
-def sglang_python(explicit: str | None = None) -> str | None:
-    """The interpreter that runs SGLang's server, or None when none is installed.
-
-    Args:
-        explicit: rollout.sglang.python; used as given (it must exist).
-
-    Returns:
-        `explicit`; else this Python when it imports sglang (GPU machines, the [gpu] extra);
-        else the CPU environment of `make install-sglang-cpu` (default_cpu_venv) when it exists.
-    """
-    if explicit:
-        return explicit if Path(explicit).exists() else None
-    if importlib.util.find_spec("sglang") is not None:
-        return sys.executable
-    python = default_cpu_venv() / "bin" / "python"
-    return str(python) if python.exists() else None
 
 @dataclass(kw_only=True, slots=True)
 class SGLangServerConfig:
