@@ -18,14 +18,23 @@ dies. It must be set by the child itself (it is cleared in a forked child), so:
   when the trainer's end of its pipe closes);
 - the resource tracker exits by itself once every process holding its pipe is gone.
 
-Processes started with subprocess (SGLang servers) are handled in rollout/server_process.py.
+Inference servers (SGLang, vLLM) are started with subprocess in a session of their own, so
+that stopping one takes its process group; PDEATHSIG does not fit them (it fires when the
+launching *thread* exits, and their children are not ours to change). Each gets a
+:class:`GroupReaper` instead (rollout/server_process.py): a small process in a session of
+its own that holds the read end of a pipe whose write end only the trainer has. The kernel
+closes that end however the trainer dies, kill -9 included; on EOF the reaper sends SIGTERM
+to the server's process group and SIGKILL after a grace. A server stopped by the trainer
+releases its reaper first, so a later process group with the same id is never touched.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -55,3 +64,78 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
         # The parent died between our start and the prctl: no signal will come.
         os.kill(os.getpid(), sig)
     return True
+
+
+# Run by the reaper (`python -S -c`), argv: the process group, the grace in seconds. Its stdin is
+# the pipe: b"q" = released, EOF = the trainer is gone. It also leaves once the group is gone.
+_REAPER = r"""
+import os, select, signal, sys, time
+pgid, grace = int(sys.argv[1]), float(sys.argv[2])
+def alive():
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+while True:
+    ready = select.select([0], [], [], 1.0)[0]
+    if not alive():
+        sys.exit(0)
+    if ready:
+        data = os.read(0, 1)
+        if data == b"q":
+            sys.exit(0)
+        if not data:
+            break
+for sig in (signal.SIGTERM, signal.SIGKILL):
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        sys.exit(0)
+    deadline = time.monotonic() + grace
+    while alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if not alive():
+        sys.exit(0)
+"""
+
+REAPER_GRACE_S = 4.0
+"""SIGTERM to SIGKILL: SGLang 0.5.18 ends all its processes about 5 s after a SIGTERM, but a
+server whose trainer is gone has nothing to save; the group is gone well inside 10 s."""
+
+
+class GroupReaper:
+    """Kills process group `pgid` when this process dies, however it dies, unless released first."""
+
+    def __init__(self, pgid: int, *, grace_s: float = REAPER_GRACE_S):
+        read, write = os.pipe()  # both ends non-inheritable: no exec'd child of ours holds `write`
+        try:
+            self._process: subprocess.Popen | None = subprocess.Popen(
+                [sys.executable, "-S", "-c", _REAPER, str(pgid), str(grace_s)], stdin=read,
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            os.close(write)
+            raise
+        finally:
+            os.close(read)
+        self._write: int | None = write
+
+    @property
+    def pid(self) -> int | None:
+        """The reaper's process id (None once released)."""
+        return self._process.pid if self._process is not None else None
+
+    def release(self) -> None:
+        """The group ended (or is being ended) under our control: the reaper leaves without a signal."""
+        if self._write is None:
+            return
+        with contextlib.suppress(OSError):
+            os.write(self._write, b"q")
+        os.close(self._write)
+        self._write = None
+        if self._process is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(timeout=5.0)
+            self._process = None

@@ -13,6 +13,8 @@ import difflib
 import math
 import os
 import re
+import reprlib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -41,9 +43,12 @@ _YamlLoader.add_implicit_resolver(
 
 def _no_duplicate_keys(loader: _YamlLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     """A mapping whose keys are unique: PyYAML keeps the last of two equal keys without a word,
-    so a second `optim:` section silently replaced the first one's values."""
+    so a second `optim:` section silently replaced the first one's values. Merge keys (`<<: *base`)
+    are YAML's own way to reuse a section: the mapping's own keys override what they merge."""
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
         key = loader.construct_object(key_node, deep=deep)
         line = key_node.start_mark.line + 1
         if not isinstance(key, str | int | float | bool | None):
@@ -62,8 +67,64 @@ class _DuplicateKey(yaml.YAMLError):
 _YamlLoader.construct_mapping = _no_duplicate_keys  # type: ignore[method-assign]
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A config (or one override) is a few KB; 1 MiB is far past any real one and still parses in well
+under a second (a 50 MB file took minutes, all of it in PyYAML)."""
+MAX_VALUES = 100_000
+"""Values in the loaded tree, each alias counted every time it is used: an alias "bomb" is a few
+lines that expand to billions (PyYAML shares the objects, but anything that walks them does not)."""
+MAX_DEPTH = 64
+"""Nesting depth; a config is 3-4 deep, and PyYAML's composer recurses once per level."""
+_SHOW = reprlib.Repr()  # keyword arguments only from Python 3.12
+_SHOW.maxlevel, _SHOW.maxdict, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxset = 3, 6, 6, 6, 6
+_SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 80, 40, 80
+
+
+def show(value: Any) -> str:
+    """repr() bounded in length and depth: what error messages quote of a user's value."""
+    return _SHOW.repr(value)
+
+
+class _TooLarge(yaml.YAMLError):
+    pass
+
+
 def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
+    """yaml.load with bounds: bytes, nesting, expanded size; each excess is a _TooLarge or YAMLError."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_CONFIG_BYTES:
+        raise _TooLarge(f"{size / 2**20:.1f} MiB of YAML, more than the {MAX_CONFIG_BYTES >> 20} MiB a config may "
+                        "have (a real one is a few KB); check that this is the config file you meant")
+    try:
+        data = yaml.load(text, Loader=_YamlLoader)  # a SafeLoader subclass: no arbitrary objects
+    except RecursionError:
+        raise _TooLarge(f"nested deeper than the {MAX_DEPTH} levels a config may have") from None
+    except ValueError as e:  # int('5000 digits') past Python's limit, and the like
+        if "integer string conversion" in str(e):
+            raise _TooLarge(f"an integer of more than {sys.get_int_max_str_digits()} digits; no setting takes one "
+                            "that large: write the number you meant") from None
+        raise _TooLarge(f"a value YAML cannot read ({str(e).splitlines()[0][:120]}); write it as a plain "
+                        "number or string") from None
+    _check_size(data)
+    return data
+
+
+def _check_size(data: Any) -> None:
+    """Walk the loaded tree, aliases expanded, and stop at MAX_VALUES values or MAX_DEPTH levels."""
+    count = 0
+    stack: list[tuple[Any, int]] = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise _TooLarge(f"the YAML expands to more than {MAX_VALUES:,} values (an alias used inside "
+                            "another alias, again and again?); write the values out")
+        if depth > MAX_DEPTH:
+            raise _TooLarge(f"nested deeper than the {MAX_DEPTH} levels a config may have")
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
 
 
 # ------------------------------------------------------------------------- loading
@@ -91,48 +152,48 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except _FieldError:
                 continue
-        raise _FieldError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+        raise _FieldError(key, f"expected {_type_name(tp)}, got {type(value).__name__} {show(value)}")
     if origin is Literal:
         choices = typing.get_args(tp)
         if isinstance(value, bool) and ("off" if value is False else "on") in choices:
             value = "off" if value is False else "on"  # YAML 1.1 reads a bare off/on as a boolean
         if value not in choices:
-            hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = difflib.get_close_matches(show(value), [str(c) for c in choices], n=1)
             extra = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise _FieldError(key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}{extra}")
+            raise _FieldError(key, f"must be one of {', '.join(map(repr, choices))}, got {show(value)}{extra}")
         return value
     if origin is list:
         if isinstance(value, str):
             value = [value]
         if not isinstance(value, list):
-            raise _FieldError(key, f"expected a list, got {type(value).__name__} {value!r}")
+            raise _FieldError(key, f"expected a list, got {type(value).__name__} {show(value)}")
         (item_tp,) = typing.get_args(tp)
         return [_coerce(v, item_tp, key) for v in value]
     if tp is type(None):
         if value is not None:
-            raise _FieldError(key, f"expected null, got {value!r}")
+            raise _FieldError(key, f"expected null, got {show(value)}")
         return None
     if tp is bool:
         if not isinstance(value, bool):
-            raise _FieldError(key, f"expected true or false, got {type(value).__name__} {value!r}")
+            raise _FieldError(key, f"expected true or false, got {type(value).__name__} {show(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise _FieldError(key, f"expected an integer, got {type(value).__name__} {value!r}")
+            raise _FieldError(key, f"expected an integer, got {type(value).__name__} {show(value)}")
         return value
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _FieldError(key, f"expected a number, got {type(value).__name__} {value!r}")
+            raise _FieldError(key, f"expected a number, got {type(value).__name__} {show(value)}")
         if not math.isfinite(value):
-            raise _FieldError(key, f"expected a finite number, got {value!r}")
+            raise _FieldError(key, f"expected a finite number, got {show(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise _FieldError(key, f"expected a string, got {type(value).__name__} {value!r}")
+            raise _FieldError(key, f"expected a string, got {type(value).__name__} {show(value)}")
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise _FieldError(key, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+            raise _FieldError(key, f"expected a mapping of {tp.__name__} fields, got {show(value)}")
         return _build(tp, value, key + ".")
     raise TypeError(f"unsupported annotation {tp!r} for {key}")  # a bug in this module, not user input
 
@@ -142,9 +203,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
+            hint = difflib.get_close_matches(show(key), names, n=1, cutoff=0.5)
             fix = f"did you mean '{prefix}{hint[0]}'?" if hint else f"valid keys: {', '.join(names)}"
-            raise _FieldError(f"{prefix}{key}", f"unknown key; {fix}")
+            raise _FieldError(f"{prefix}{show(key) if not isinstance(key, str) else key[:80]}", f"unknown key; {fix}")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -156,10 +217,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     """Parse a dotted command-line override `a.b.c=value` (value in YAML syntax)."""
     key, sep, raw = text.partition("=")
     if not sep or not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"command line: bad override {text!r}; expected dotted.key=value, e.g. "
+        raise ConfigError(f"command line: bad override {show(text)}; expected dotted.key=value, e.g. "
                           "algorithm.clip_ratio_high=0.28")
     try:
         value = _yaml_load(raw) if raw != "" else ""
+    except _TooLarge as e:
+        raise ConfigError(f"command line: the value of {key[:80]!r}: {e}") from None
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"command line: cannot parse the value of {key!r}: {problem}") from None
@@ -204,6 +267,10 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"{source}: no such config file; pick one of examples/*.yaml")
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{source}: {size / 2**20:.1f} MiB, more than the {MAX_CONFIG_BYTES >> 20} MiB a config may "
+                              "have (a real one is a few KB); check that this is the config file you meant")
         raw = p.read_bytes()
         try:
             text = raw.decode("utf-8")
@@ -215,6 +282,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             loaded = _yaml_load(text)
         except _DuplicateKey as e:
             raise ConfigError(f"{source} {e}") from None
+        except _TooLarge as e:
+            raise ConfigError(f"{source}: {e}") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark is not None else ""
@@ -240,7 +309,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
         changed = [k for k in sorted(overridden) if _mentioned(k, e)]
         if changed and path is not None:
             value = _lookup(tree, changed[0])
-            raise ConfigError(f"command line: {changed[0]}={value!r} conflicts with {source}: "
+            raise ConfigError(f"command line: {changed[0]}={show(value)} conflicts with {source}: "
                               f"{_describe(tree, e)}") from None
         raise ConfigError(f"{source}: {_describe(tree, e)}") from None
 
@@ -266,7 +335,7 @@ def _describe(tree: dict[str, Any], err: _FieldError) -> str:
     if err.message.startswith("="):
         return f"{err.key}{err.message}"
     value = _lookup(tree, err.key)
-    shown = f"={value!r}" if value is not _MISSING and not err.message.startswith("unknown key") else ""
+    shown = f"={show(value)}" if value is not _MISSING and not err.message.startswith("unknown key") else ""
     return f"{err.key}{shown}: {err.message}"
 
 

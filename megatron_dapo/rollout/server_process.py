@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from megatron_dapo.lifetime import GroupReaper
 from megatron_dapo.rollout.engine import EngineError
 
 __all__ = [
@@ -175,6 +176,14 @@ class ServerProcess:
             self._popen = subprocess.Popen(
                 list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
+        # The server's session is its own (stop() takes its children), so nothing ties it to this
+        # process: the reaper ends its group when this process dies, kill -9 included (lifetime.py).
+        try:
+            self._reaper = GroupReaper(self._popen.pid)
+        except BaseException:
+            self._popen.kill()
+            self._popen.wait()
+            raise
 
     @property
     def pid(self) -> int:
@@ -238,6 +247,7 @@ class ServerProcess:
         """Raise EngineError naming the engine, its exit code and log when the process ended."""
         code = self._popen.poll()
         if code is not None:
+            self._reaper.release()
             self._remove_shared_memory()
             raise EngineError(
                 f"{self.kind} engine {self.name} (pid {self._popen.pid}) {describe_exit(code)}; "
@@ -246,6 +256,7 @@ class ServerProcess:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the process group, SIGKILL it after timeout_s; then remove its /dev/shm leftovers."""
+        self._reaper.release()
         if self._popen.poll() is None:
             self.note_shared_memory()
             try:

@@ -30,6 +30,12 @@ def _safetensors_header(header: dict) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+# Eight aliases, each nine of the one before: 9^8 = 43 million strings once expanded.
+BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{n}: &{n} [{', '.join([f'*{p}'] * 9)}]\n" for p, n in zip("abcdefg", "bcdefgh"))
+FLOW_BOMB = "[&a [x, x, x, x, x, x, x, x, x], " + ", ".join(
+    f"&{n} [{', '.join([f'*{p}'] * 9)}]" for p, n in zip("abcdefg", "bcdefgh")) + "]"
+
 # (id, files {name: text|bytes} written under the case dir, argv after "megatron-dapo",
 #  expected message fragment). In argv, files and expectations, {d} is the case dir, {hf} a
 # valid tiny HF checkpoint and {tok} a tokenizer; c.yaml defaults to a one-line valid config.
@@ -51,6 +57,27 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
      "{d}/c.yaml line 2: not UTF-8 (byte 0xe9); save the file as UTF-8"),
     ("yaml-invalid", {"c.yaml": "model: {hf_checkpoint: [x\n"}, ["config", "validate", "{d}/c.yaml"],
      "{d}/c.yaml line 2: invalid YAML: expected ',' or ']'"),
+    # Bounded reading (issue 42): an alias bomb under a known key grew memory without limit (the
+    # message quoted its repr), 3,000-deep nesting was a RecursionError, a 5,000-digit integer
+    # Python's conversion error, a 50 MB file took minutes.
+    ("yaml-alias-bomb", {"c.yaml": BOMB + "data:\n  train_files: *h\n"}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: the YAML expands to more than 100,000 values"),
+    ("yaml-alias-bomb-other-key", {"c.yaml": BOMB + "optim:\n  lr: *h\n"}, ["config", "show", "{d}/c.yaml"],
+     "{d}/c.yaml: the YAML expands to more than 100,000 values"),
+    ("yaml-alias-bomb-in-override", {}, ["config", "validate", "{d}/c.yaml", "rollout.top_k=" + FLOW_BOMB],
+     "command line: the value of 'rollout.top_k': the YAML expands to more than 100,000 values"),
+    ("yaml-nested-3000", {"c.yaml": "trainer: " + "[" * 3000 + "]" * 3000 + "\n"},
+     ["config", "validate", "{d}/c.yaml"], "{d}/c.yaml: nested deeper than the 64 levels a config may have"),
+    ("yaml-nested-in-override", {}, ["config", "validate", "{d}/c.yaml", "trainer.seed=" + "[" * 200 + "]" * 200],
+     "command line: the value of 'trainer.seed': nested deeper than the 64 levels"),
+    ("yaml-integer-5000-digits", {"c.yaml": "trainer:\n  seed: " + "9" * 5000 + "\n"},
+     ["config", "validate", "{d}/c.yaml"], "{d}/c.yaml: an integer of more than 4300 digits"),
+    ("yaml-integer-5000-digits-override", {}, ["config", "validate", "{d}/c.yaml", "optim.lr=" + "7" * 5000],
+     "command line: the value of 'optim.lr': an integer of more than 4300 digits"),
+    ("yaml-file-2mb", {"c.yaml": "trainer: {seed: 1}\n" + ("# padding\n" * 220_000)}, ["config", "validate", "{d}/c.yaml"],
+     "{d}/c.yaml: 2.1 MiB, more than the 1 MiB a config may have"),
+    ("yaml-huge-value-quoted-short", {"c.yaml": "rollout:\n  engine: " + "x" * 500_000 + "\n"},
+     ["config", "validate", "{d}/c.yaml"], "rollout.engine='xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx...xxxxxxxxxx"),
     ("yaml-top-level-list", {"c.yaml": "- a\n- b\n"}, ["config", "validate", "{d}/c.yaml"],
      "{d}/c.yaml: the top level must be a mapping of sections"),
     ("scratch-family-unknown", {}, ["config", "validate", "{d}/c.yaml", "model.scratch.family=mixtral"],

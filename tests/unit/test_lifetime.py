@@ -62,3 +62,57 @@ def test_helpers_die_within_10s_of_a_kill_9_of_their_parent(tmp_path: Path) -> N
         # What survived a failing test: its own session, so only this test's processes.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+# A "trainer" that starts two servers the way engines do (ServerProcess: a session of their own),
+# one of them with a child that ignores SIGTERM, and a third that it stops itself.
+SERVER_PARENT = """
+import sys, time
+from megatron_dapo.rollout.server_process import ServerProcess
+
+log = sys.argv[1]
+stubborn = "trap '' TERM; sleep 600 & wait"
+servers = [ServerProcess(["/bin/sh", "-c", "sleep 600 & sleep 600"], name="s0", log_path=log),
+           ServerProcess(["/bin/sh", "-c", stubborn], name="s1", log_path=log),
+           ServerProcess(["/bin/sh", "-c", "sleep 600"], name="s2", log_path=log)]
+servers[2].stop(timeout_s=5)
+print(" ".join(str(s.pid) for s in servers), servers[2]._reaper.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _group_alive(pgid: int) -> bool:
+    return any(_alive(int(d)) and open(f"/proc/{d}/stat").read().split(") ")[1].split()[2] == str(pgid)
+               for d in os.listdir("/proc") if d.isdigit())
+
+
+@pytest.mark.parametrize("how", ["kill -9 of the trainer", "kill -9 of the trainer's process group"])
+def test_engine_servers_die_within_10s_of_a_kill_9_of_their_trainer(tmp_path: Path, how: str) -> None:
+    """Issue 42: a vLLM server outlived its kill -9'd trainer (own session, parent 1). Each server
+    now has a reaper (lifetime.GroupReaper) that ends its process group once the trainer is gone,
+    SIGTERM then SIGKILL; a server the trainer stopped itself has released its reaper."""
+    script = tmp_path / "trainer.py"
+    script.write_text(SERVER_PARENT)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    trainer = subprocess.Popen([sys.executable, str(script), str(tmp_path / "servers.log")], stdout=subprocess.PIPE,
+                               text=True, env=env, start_new_session=True)
+    try:
+        fields = trainer.stdout.readline().split()
+        servers, released_reaper = [int(p) for p in fields[:3]], fields[3]
+        assert released_reaper == "None"
+        assert _group_alive(servers[0]) and _group_alive(servers[1]) and not _group_alive(servers[2])
+        if how == "kill -9 of the trainer":
+            trainer.send_signal(signal.SIGKILL)
+        else:
+            os.killpg(trainer.pid, signal.SIGKILL)  # torchrun's way: the servers' sessions are not in it
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_group_alive(p) for p in servers[:2]):
+            time.sleep(0.2)
+        assert [p for p in servers[:2] if _group_alive(p)] == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(trainer.pid, signal.SIGKILL)
+        for pgid in servers if "servers" in locals() else []:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
