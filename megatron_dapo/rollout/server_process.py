@@ -152,6 +152,7 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         kind: str = "SGLang",
         shm_prefixes: tuple[str, ...] = (),
+        private_files: tuple[str | Path, ...] = (),
     ):
         """Start the process (in its own session, so stop() takes its children too).
 
@@ -165,14 +166,19 @@ class ServerProcess:
                 ends (SGLang 0.5.18: "sglang_loads_", its load snapshot, and multiprocessing's
                 "sem.mp-" semaphores, after SIGTERM as after kill -9); those its process tree
                 holds are noted (note_shared_memory) and removed once it has exited.
+            private_files: files made for this server alone (its key's file): removed once it has exited.
         """
         self.name = name
         self.kind = kind
         self._shm_prefixes = shm_prefixes
         self._shm_files: set[str] = set()
+        self._private_files = tuple(Path(p) for p in private_files)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        # Owner-only: servers print their settings, SGLang its API key among them (server_args=...).
+        fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.fchmod(fd, 0o600)
+        with open(fd, "ab") as log:
             self._popen = subprocess.Popen(
                 list(command), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
@@ -228,10 +234,10 @@ class ServerProcess:
         return frozenset(self._shm_files)
 
     def _remove_shared_memory(self) -> None:
-        """Unlink the noted /dev/shm files; only once the process has exited."""
+        """Unlink the noted /dev/shm files and the private files; only once the process has exited."""
         if self._popen.poll() is None:
             return
-        for path in sorted(self._shm_files):
+        for path in [*sorted(self._shm_files), *self._private_files]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self._shm_files.clear()

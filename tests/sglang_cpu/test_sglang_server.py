@@ -118,6 +118,22 @@ def test_sglang_runs_its_torch_paths_with_the_kernel_standin(engine, kernel_trac
     assert not kernel_trace.exists(), kernel_trace.read_text()
 
 
+def test_no_route_that_changes_weights_or_state_answers_without_the_key(engine):
+    """Issue 42: every weight- or state-changing route refuses a request without the key, and the key
+    is on no command line (it reaches SGLang through a 0600 file and --config, removed at exit)."""
+    from server_exposure import command_lines_holding, owner_only, status_without_key
+
+    for path in ("/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+                 "/update_weights_from_distributed", "/destroy_weights_update_group", "/flush_cache",
+                 "/pause_generation", "/continue_generation", "/abort_request", "/release_memory_occupation",
+                 "/resume_memory_occupation", "/generate"):
+        assert status_without_key(engine.base_url, path) == 401, path
+    assert command_lines_holding(engine._api_key) == []
+    assert owner_only(engine.process.log_path)
+    secret = engine.process.log_path.with_name(f"{engine.process.log_path.stem}.secret.yaml")
+    assert secret.exists() and owner_only(secret)
+
+
 def _shm_torch_files() -> set[str]:
     return {p for p in os.listdir("/dev/shm") if p.startswith("torch_")}
 

@@ -23,6 +23,7 @@ from megatron_dapo.rollout.sglang.server import (
     resolve_server_config,
     server_env,
     sglang_python,
+    write_secret_config,
 )
 
 
@@ -236,7 +237,7 @@ def test_servers_without_sessions_are_updated_without_and_a_stale_session_is_reo
 
 def test_launch_command_binds_the_node_address_with_a_key_and_memory_saver(tmp_path):
     config = SGLangServerConfig(model_path="/ckpt/qwen", tp_size=4, base_gpu_id=4, mem_fraction_static=0.55,
-                                python="/venv/bin/python")
+                                python="/venv/bin/python", log_path=str(tmp_path / "sglang_engine1.log"))
     resolved = resolve_server_config(config, "engine1")
     assert resolved.host == node_address() != "0.0.0.0"
     assert resolved.api_key != resolve_server_config(config, "engine1").api_key
@@ -246,7 +247,7 @@ def test_launch_command_binds_the_node_address_with_a_key_and_memory_saver(tmp_p
         "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/ckpt/qwen",
         "--host", resolved.host, "--port", str(resolved.port), "--nccl-port", str(resolved.nccl_port),
         "--tp-size", "4", "--mem-fraction-static", "0.55", "--dtype", "bfloat16",
-        "--random-seed", "0", f"--api-key={resolved.api_key}", "--skip-tokenizer-init",
+        "--random-seed", "0", "--config", str(tmp_path / "sglang_engine1.secret.yaml"), "--skip-tokenizer-init",
         "--base-gpu-id", "4", "--enable-memory-saver",
     ]  # fmt: skip
     deterministic = resolve_server_config(SGLangServerConfig(model_path="/m", deterministic=True, python="/p"), "e")
@@ -255,19 +256,34 @@ def test_launch_command_binds_the_node_address_with_a_key_and_memory_saver(tmp_p
         SGLangServerConfig(model_path="/m", mem_fraction_static=1.0)
 
 
-def test_an_api_key_that_starts_with_a_dash_reaches_the_server_parser_as_the_key():
-    """CI, 2026-11-24: a url-safe random key began with "-" and `sglang serve` exited 2 with
-    "argument --api-key: expected one argument" (argparse takes a separate "-..." value for an
-    option). SGLang and vLLM both parse with argparse; the key goes as one --api-key=... token."""
+def test_the_key_reaches_the_server_from_an_owner_only_file_never_the_command_line(tmp_path):
+    """Issue 42: `--api-key=<hex>` was in `ps -ef` for every user of the node. The key now goes in
+    <log>.secret.yaml (mode 0600), which SGLang's --config merges into its arguments as
+    `--api-key <key>` tokens (sglang 0.5.18 server_args_config_parser._add_scalar_arg), so a key that
+    starts with "-" (CI, 2026-11-24: argparse read it as an option) is refused, and generated keys
+    never do."""
     import argparse
+    import stat
 
+    import yaml
+
+    resolved = resolve_server_config(SGLangServerConfig(model_path="/m", python="/p",
+                                                        log_path=str(tmp_path / "e.log")), "e")
+    path = write_secret_config(resolved)
+    assert path == tmp_path / "e.secret.yaml" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    command = build_launch_command(resolved)
+    assert resolved.api_key not in " ".join(command)
+    assert command[command.index("--config") + 1] == str(path)
+    # What SGLang's merger makes of the file, parsed as its argparse would.
+    tokens = [t for k, v in yaml.safe_load(path.read_text()).items() for t in (f"--{k}", str(v))]
     parser = argparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--api-key", type=str)
-    resolved = resolve_server_config(SGLangServerConfig(model_path="/m", python="/p", api_key="-Xk3y"), "e")
-    command = build_launch_command(resolved)
-    assert parser.parse_known_args(command[3:])[0].api_key == "-Xk3y"
-    with pytest.raises((argparse.ArgumentError, SystemExit)):  # the old two-token form
-        parser.parse_known_args(["--api-key", "-Xk3y"])
+    assert parser.parse_known_args(tokens)[0].api_key == resolved.api_key
+    path.chmod(0o644)
+    write_secret_config(resolved)  # a file left by an earlier launch is made owner-only again
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(ValueError, match="not start with '-'"):
+        SGLangServerConfig(model_path="/m", python="/p", api_key="-Xk3y")
     generated = {resolve_server_config(SGLangServerConfig(model_path="/m", python="/p"), "e").api_key
                  for _ in range(200)}
     assert len(generated) == 200 and not any(key.startswith("-") for key in generated)

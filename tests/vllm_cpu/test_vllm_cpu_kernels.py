@@ -24,15 +24,15 @@ pytestmark = [
 ]
 
 BUILDS = ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so")
-_ASK = """
+_ASK = f"BUILDS = {BUILDS!r}" + """
 import json, torch
 from vllm.platforms.cpu import CpuPlatform
 CpuPlatform.import_kernels()
 maps = open("/proc/self/maps").read()
-print(json.dumps({"loaded": sorted(b for b in %r if "/vllm/" + b in maps),
+print(json.dumps({"loaded": sorted(b for b in BUILDS if "/vllm/" + b in maps),
                   "avx512": torch.cpu._is_avx512_supported(), "avx512_bf16": torch.cpu._is_avx512_bf16_supported(),
                   "rms_norm": hasattr(torch.ops._C, "rms_norm")}))
-""" % (BUILDS,)
+"""
 
 
 def cpu_flags() -> set[str]:

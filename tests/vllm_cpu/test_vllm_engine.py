@@ -171,6 +171,22 @@ def test_abort_ends_in_flight_requests_with_reason_abort(engine):
     assert engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=1))[0].finish_reason == "length"
 
 
+def test_no_route_that_changes_weights_or_state_answers_without_the_key(engine):
+    """Issue 42: POST /update_weights reached its handler (400, not 401) and /reset_prefix_cache
+    answered 200 without the key, which was on the server's command line for every user's `ps`."""
+    from server_exposure import command_lines_holding, owner_only, status_without_key
+
+    for path in ("/update_weights", "/start_weight_update", "/finish_weight_update", "/reset_prefix_cache",
+                 "/init_weight_transfer_engine", "/pause", "/resume", "/abort_requests", "/collective_rpc",
+                 "/v1/completions", "/inference/v1/generate"):
+        assert status_without_key(engine.base_url, path) == 401, path
+    assert status_without_key(engine.base_url, "/health", method="GET") == 200
+    assert command_lines_holding(engine._api_key) == []
+    assert owner_only(engine.process.log_path)
+    # The engine's own calls still pass (they carry the key).
+    assert engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1))[0].finish_reason == "length"
+
+
 def test_a_killed_server_gives_one_error_naming_its_log(engine):
     """Last: kills the module's server."""
     os.killpg(engine.process.pid, signal.SIGKILL)

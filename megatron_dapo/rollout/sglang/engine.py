@@ -67,6 +67,7 @@ from megatron_dapo.rollout.sglang.server import (
     check_servable,
     resolve_server_config,
     server_env,
+    write_secret_config,
 )
 from megatron_dapo.rollout.sglang.weights import WeightUpdates, serializer_for
 
@@ -206,8 +207,9 @@ class SGLangEngine(WeightUpdates):
         # The launcher's variables are scrubbed: under torchrun the server would otherwise join
         # the trainer's agent store and hang in its own init_process_group (server_process.py).
         env = server_environment(server_env(resolved))
+        secret = write_secret_config(resolved)
         process = ServerProcess(build_launch_command(resolved), name=name, log_path=resolved.log_path, env=env,
-                                shm_prefixes=("sglang_", "sem.mp-"))
+                                shm_prefixes=("sglang_", "sem.mp-"), private_files=(secret,))
         engine = cls(
             f"http://{resolved.host}:{resolved.port}",
             name=name,

