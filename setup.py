@@ -36,9 +36,10 @@ setup(
         # wanted; megatron-core falls back to torch implementations without it.
         # TE >= 2.8: before it the fused cross entropy read only grad_output[0] of a
         # per-token grad_output (zero gradient; the actor refuses it at run time). sglang:
-        # the versions our client (rollout/sglang/engine.py) was read against; 0.5.22+ pin
+        # the versions our client (rollout/sglang/engine.py) was read against, from 0.5.3 (the first
+        # whose server reads its key from --config, not the command line); 0.5.22+ pin
         # torch 2.14.1, hence torch < 2.15 above. One tested set: constraints/gpu.txt.
-        "gpu": ["transformer-engine[pytorch]>=2.8", "sglang[srt]>=0.5.2,<0.6"],
+        "gpu": ["transformer-engine[pytorch]>=2.8", "sglang[srt]>=0.5.3,<0.6"],
         # rollout.engine=vllm on GPUs (CUDA build). CPU machines: scripts/install_vllm_cpu.sh.
         "vllm": ["vllm>=0.32,<0.33"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],

@@ -32,7 +32,9 @@ def _config_validate(args: argparse.Namespace) -> int:
     from megatron_dapo.config.preflight import check_inputs
 
     cfg = load_config(args.file, args.overrides)
-    check_inputs(cfg)
+    if args.world_size is not None:
+        cfg.check_world_size(args.world_size, "--world-size")
+    check_inputs(cfg, world_size=args.world_size)
     if args.world_size is not None:
         dp = cfg.check_world_size(args.world_size, "--world-size")
         print(f"{args.file}: OK (data-parallel size {dp} at world size {args.world_size})")
@@ -108,14 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None, parser: argparse.ArgumentParser | None = None) -> int:
     """Parse and dispatch; returns the exit code."""
     quiet_optional_backend_warnings()
-    parser = parser or build_parser()
-    # Options may sit between the file and its overrides (`config validate F --world-size 2 k=v`):
-    # argparse leaves overrides after an option unparsed, and parse_intermixed_args refuses subcommands.
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if not hasattr(args, "overrides") or any(x.startswith("-") for x in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = [*args.overrides, *extra]
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["plan"]:
+        # plan has a parser of its own (megatron_dapo/plan/report.py); argparse's REMAINDER would not
+        # hand it a leading --help/-h (the top-level parser refused them as unrecognized).
+        args = argparse.Namespace(args=list(argv[1:]), func=_plan)
+    else:
+        parser = parser or build_parser()
+        # Options may sit between the file and its overrides (`config validate F --world-size 2 k=v`):
+        # argparse leaves overrides after an option unparsed, and parse_intermixed_args refuses subcommands.
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            if not hasattr(args, "overrides") or any(x.startswith("-") for x in extra):
+                parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            args.overrides = [*args.overrides, *extra]
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

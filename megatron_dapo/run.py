@@ -98,6 +98,8 @@ class Run:
     metrics: MetricsLogger | None = None
     lock: RunLock | None = None
     """The controller's claim on output_dir (output_dir.RunLock), released by close()."""
+    preempted_at: int | None = None
+    """The step after which a signal stopped the run early (mark_preempted); None = not stopped."""
 
     # ---------------------------------------------------------------- step plumbing
 
@@ -203,7 +205,9 @@ class Run:
                               trainer_state=states[0], config_dict=to_dict(self.cfg), hf_dir=self.hf_dir)
 
     def mark_preempted(self, step: int) -> None:
-        """Leave the marker the sbatch script reads to requeue the job (controller)."""
+        """Remember the early stop (every rank) and leave the marker the sbatch script reads to requeue
+        the job (controller)."""
+        self.preempted_at = step
         if self.dims.is_controller:
             (self.output_dir / PREEMPTED_MARKER).write_text(f"{step}\n")
 
@@ -240,7 +244,7 @@ def build_run(cfg: Config, config_source: str) -> Run:
         # One trainer per directory: two delete each other's temporary checkpoints.
         locks.append(RunLock.acquire(output_dir))
         # Every check `config validate` runs, before anything is written or trained (the warm start).
-        check_inputs(cfg, verify_resume_checksums=False)
+        check_inputs(cfg, verify_resume_checksums=False, world_size=env.world_size, world_source=_launcher_source())
         # Leftovers of a crashed save go first: after a full disk nothing else could write.
         prepare_output_dir(output_dir, cfg.trainer.resume)
         (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)

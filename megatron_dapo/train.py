@@ -25,6 +25,10 @@ EXIT_INTERRUPTED = 130
 # A rollout engine could not start, or died more often than rollout.max_engine_restarts allows
 # (one line naming it, how it ended and its log).
 EXIT_ENGINE_FAILED = 4
+# Stopped early on SIGTERM/SIGUSR1/Ctrl-C after saving a checkpoint (preemption, a time limit):
+# not a finished run (0) and not a failure; sysexits' EX_TEMPFAIL, "try again". The sbatch scripts
+# requeue on it; rerunning the same command resumes.
+EXIT_PREEMPTED = 75
 # A rank whose peer died in a collective: the peer's error is the story, this rank's is an echo.
 EXIT_PEER_GONE = 1
 # What gloo/NCCL say when the other side of a collective is gone.
@@ -82,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_optional_backend_warnings()
     from megatron_dapo.algo import DynamicSamplingError
     from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted
+    from megatron_dapo.trainer import Preempted
 
     try:
         train(args[0], args[1:])
@@ -96,6 +101,10 @@ def main(argv: list[str] | None = None) -> int:
         # default (death by -15) but keeps SIG_IGN; the rank is about to exit 2 on its own.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return EXIT_USER_ERROR
+    except Preempted as e:
+        if rank == "0":
+            print(f"{e}", file=sys.stderr, flush=True)
+        return EXIT_PREEMPTED
     except EngineRestartsExhausted as e:
         record_for_launcher(e)
         print(f"error: {e}", file=sys.stderr)

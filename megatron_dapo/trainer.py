@@ -36,6 +36,15 @@ from megatron_dapo.run import Run, Shard
 logger = logging.getLogger(__name__)
 
 
+class Preempted(Exception):
+    """The run stopped early on a signal, after saving step `step` (train.py exits EXIT_PREEMPTED)."""
+
+    def __init__(self, step: int, total: int) -> None:
+        super().__init__(f"stopped at step {step} of {total} on a signal (preemption or time limit); its checkpoint "
+                         "is saved: rerun the same command to resume")
+        self.step = step
+
+
 class PreemptionFlag:
     """Set by SIGUSR1/SIGTERM (SLURM's pre-timeout signal, preemption) or Ctrl-C; read after a step.
 
@@ -82,10 +91,13 @@ def fit(run: Run) -> dict[str, float]:
         return last
     producer = start_producer(run) if cfg.rollout.placement == "disaggregated" and dims.is_controller else None
     try:
-        return _train(run, producer, preemption, timer)
+        last = _train(run, producer, preemption, timer)
     finally:
         if producer is not None:
             stop_producer(run, producer)
+    if run.preempted_at is not None:
+        raise Preempted(run.preempted_at, cfg.trainer.total_training_steps)
+    return last
 
 
 def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFlag, timer: Timer) -> dict[str, float]:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.config.experiment import Config
+from megatron_dapo.config.fields import ConfigError
 from megatron_dapo.errors import UserError
 
 
@@ -65,12 +66,16 @@ def check_device(device: str) -> None:
                         "False); use trainer.device=cpu (or auto), or run where a GPU is visible")
 
 
-def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True) -> None:
+def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_size: int | None = None,
+                 world_source: str = "--world-size") -> None:
     """Check everything train reads before its first step (see the module docstring).
 
     Args:
         verify_resume_checksums: read every file of the resume checkpoint; train passes False
             and verifies them over all its ranks instead.
+        world_size: the job's processes, when known (train; `config validate --world-size`):
+            the expert layout is checked against it too.
+        world_source: where the world size came from, for the message.
 
     Raises:
         UserError: the first unusable input, in one line.
@@ -89,8 +94,13 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True) -> None:
     if cfg.model.hf_checkpoint is not None:
         check_hf_checkpoint(cfg.model.hf_checkpoint)
         check_model(cfg.rollout.engine, cfg.model.hf_checkpoint, cfg.trainer.device)
+    check_model_layout(cfg, world_size, world_source)
     source = cfg.model.tokenizer or cfg.model.hf_checkpoint
     tokenizer = load_tokenizer(source) if source is not None else None
+    if cfg.model.hf_checkpoint is not None and not cfg.data.train_files:
+        raise UserError("data.train_files is empty and model.hf_checkpoint is set; give prompt files "
+                        "(DAPO-Math-17K parquet/jsonl) in data.train_files (the embedded task is for "
+                        "the scratch model only)")
     files = [*cfg.data.train_files, *cfg.data.val_files]
     first_answer = "1"
     if files:
@@ -119,6 +129,33 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True) -> None:
     resume = resume_checkpoint(cfg)
     if resume is not None:
         check_resume(cfg, resume, verify_checksums=verify_resume_checksums)
+
+
+def check_model_layout(cfg: Config, world_size: int | None = None, world_source: str = "--world-size") -> None:
+    """The settings that need the model's own shape: expert parallelism and the MoE loss on a dense
+    model, EP not dividing the experts, and (with the world size) the whole expert layout.
+
+    The actor raised these from megatron-core's config on every rank, with a traceback
+    (models/moe.moe_config_kwargs); `config validate` passed them.
+    """
+    from megatron_dapo.plan.dims import resolve_model
+    from megatron_dapo.plan.model import check_expert_layout
+
+    dims = resolve_model(cfg)
+    ep = cfg.parallel.expert_model_parallel_size
+    if not dims.is_moe:
+        if ep > 1:
+            raise ConfigError(f"parallel.expert_model_parallel_size={ep} needs a mixture-of-experts model, but "
+                              f"{dims.source} is dense; set it to 1")
+        if cfg.model.moe_aux_loss_coeff:
+            raise ConfigError(f"model.moe_aux_loss_coeff={cfg.model.moe_aux_loss_coeff} applies to mixture-of-experts "
+                              f"models only; {dims.source} is dense: set it to 0")
+    elif dims.num_experts % ep:
+        divisors = [d for d in range(1, dims.num_experts + 1) if dims.num_experts % d == 0]
+        raise ConfigError(f"parallel.expert_model_parallel_size={ep} does not divide num_experts={dims.num_experts} "
+                          f"of {dims.source}; use one of {divisors}")
+    if world_size is not None:
+        check_expert_layout(cfg.parallel, dims, world_size, world_source)
 
 
 def _check_enough_prompts(num_prompts: int, train_batch_size: int, where: str) -> None:

@@ -25,6 +25,7 @@ command line.
 from __future__ import annotations
 
 import argparse
+import math
 
 from megatron_dapo.config import ConfigError
 from megatron_dapo.config.loader import load_config
@@ -259,13 +260,20 @@ def build_parser() -> argparse.ArgumentParser:
 def run(argv: list[str] | None = None) -> int:
     """tools/plan.py: print the plan (and layout); exit 2 with one line on bad input."""
     args = build_parser().parse_intermixed_args(argv)
+    # NaN fails every comparison, so each rule is written as what holds, then negated.
     for name in ("nodes", "gpus_per_node", "gpu_mem_gib", "peak_tflops", "hbm_gbps", "avg_prompt_tokens",
-                 "avg_response_tokens"):
+                 "avg_response_tokens", "vocab_size"):
         value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')}={value}: must be > 0")
-    if not 0 < args.mfu <= 1 or not 0 < args.hbm_efficiency <= 1:
-        raise ConfigError(f"--mfu={args.mfu} / --hbm-efficiency={args.hbm_efficiency}: must be in (0, 1]")
+        if value is not None and not (0 < value < math.inf):
+            raise ConfigError(f"--{name.replace('_', '-')}={value}: must be a finite number > 0")
+    for name in ("mfu", "hbm_efficiency"):
+        if not 0 < getattr(args, name) <= 1:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be in (0, 1]")
+    if not 1 <= args.gen_rounds < math.inf:
+        raise ConfigError(f"--gen-rounds={args.gen_rounds}: must be >= 1 (generation rounds per RL step; "
+                          "dynamic sampling makes it 1-3 in practice)")
+    if not 0 <= args.overhead_gib < math.inf:
+        raise ConfigError(f"--overhead-gib={args.overhead_gib}: must be a finite number >= 0")
     base = load_config(args.config, args.overrides)
     nodes = args.nodes or base.trainer.nnodes
     gpus = args.gpus_per_node or base.trainer.n_gpus_per_node or 8
@@ -273,6 +281,9 @@ def run(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, [*args.overrides, f"trainer.nnodes={nodes}", f"trainer.n_gpus_per_node={gpus}"])
     p = cfg.parallel
     hosts = args.hosts.split(",") if args.hosts else None
+    if hosts is not None and (len(hosts) != nodes or not all(h.strip() for h in hosts)):
+        raise ConfigError(f"--hosts names {len(hosts)} node(s) ({args.hosts!r}) for {nodes} node(s); give one "
+                          "non-empty name per node, comma-separated")
     etp = p.expert_tensor_parallel_size
     if args.layout_only:
         where = f"--nodes {nodes} x --gpus-per-node {gpus}"

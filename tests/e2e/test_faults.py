@@ -26,6 +26,8 @@ from trainer_utils import (
     write_config,
 )
 
+from megatron_dapo.train import EXIT_PREEMPTED
+
 pytestmark = pytest.mark.e2e
 
 
@@ -59,7 +61,10 @@ _TRAINER = {"total_training_steps": 2, "ppo_mini_batch_size": 2, "test_freq": 2,
             "max_tokens_per_microbatch": 256, "logprob_chunk_size": 64}
 
 
-def test_ctrl_c_saves_after_the_step_and_the_rerun_continues(tmp_path: Path) -> None:
+def test_sigterm_saves_after_the_step_exits_75_and_the_rerun_continues(tmp_path: Path) -> None:
+    """SIGTERM (preemption; SIGUSR1 and Ctrl-C take the same handler) saves after the step and exits
+    EXIT_PREEMPTED with one line: before issue 42 it exited 0, which a requeue script cannot tell
+    from a finished run."""
     out = tmp_path / "run"
     config = write_config(tmp_path / "tiny.yaml", trainer={**_TRAINER, "save_interval": 0})
     command = train_command(config, f"trainer.output_dir={out}")
@@ -73,14 +78,17 @@ def test_ctrl_c_saves_after_the_step_and_the_rerun_continues(tmp_path: Path) -> 
         while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text()):
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
-    # Before: a KeyboardInterrupt traceback, and no checkpoint of the finished step.
-    assert rc == 0, log.read_text()[-3000:]
+    # Before: a KeyboardInterrupt traceback (Ctrl-C), and no checkpoint of the finished step.
+    assert rc == EXIT_PREEMPTED, log.read_text()[-3000:]
     assert "Traceback" not in log.read_text()
+    assert "stopped at step 1 of 2 on a signal (preemption or time limit); its checkpoint is saved: rerun the " \
+        "same command to resume" in log.read_text()
+    assert (out / "PREEMPTED").read_text() == "1\n"
     assert (out / "checkpoints" / "step_1" / "manifest.json").is_file()
     proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

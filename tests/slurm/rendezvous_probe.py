@@ -8,7 +8,7 @@ rank + 1 over gloo and prints one line per rank.
 With PROBE_WAIT_SIGNAL=1 it instead plays the trainer's side of the preemption contract,
 so the batch script's requeue logic is tested before the trainer exists: on the first
 attempt every rank waits for SIGUSR1/SIGTERM, rank 0 writes `<output_dir>/PREEMPTED` with
-a step number, all exit 0; later attempts exit 0 at once. This mode imports neither torch
+a step number, all exit 75 (EXIT_PREEMPTED, as the trainer does); later attempts exit 0 at once. This mode imports neither torch
 nor megatron (seconds, not a minute, on a loaded 2-core machine).
 """
 
@@ -20,6 +20,7 @@ import sys
 import time
 
 from megatron_dapo.config.loader import load_config
+from megatron_dapo.train import EXIT_PREEMPTED  # imports no torch
 
 PREEMPT_STEP = 7
 """The step number the probe writes into PREEMPTED (the test reads it back from the log)."""
@@ -64,7 +65,7 @@ def preempt(argv: list[str]) -> int:
         with open(os.path.join(cfg.trainer.output_dir, "PREEMPTED"), "w") as f:
             f.write(f"{PREEMPT_STEP}\n")
     print(f"probe rank {rank} got signal {signal.Signals(received[0]).name}", flush=True)
-    return 0
+    return EXIT_PREEMPTED
 
 
 if __name__ == "__main__":

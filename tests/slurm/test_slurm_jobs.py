@@ -129,7 +129,7 @@ def test_pre_timeout_signal_requeues_the_job(slurm_cluster: SlurmCluster, tmp_pa
     slurm_cluster.run("scontrol", "update", f"JobId={job}", f"StartTime=now+{REQUEUE_RELEASE_S}", check=False)
     assert slurm_cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 180) == "COMPLETED", _read(log)
     text = _read(log)
-    assert f"job {job} attempt 0: ranks exited with 0" in text
+    assert f"job {job} attempt 0: ranks exited with 75" in text
     assert f"checkpointed at step 7 before the time limit; requeueing job {job}" in text
     assert text.count(f"job {job} attempt 1: ranks exited with 0") == 1
     # Both ranks got the signal itself (not a SIGTERM from a dying job) and ran again.

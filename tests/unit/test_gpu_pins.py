@@ -35,7 +35,9 @@ def test_setup_keeps_the_cpu_torch_and_refuses_old_te():
     assert reqs["torch"].specifier.contains(PINS["torch"].version)
     assert not reqs["transformer-engine"].specifier.contains("2.7.0")  # zero-gradient TE
     assert reqs["transformer-engine"].specifier.contains("2.8.0")
-    assert reqs["sglang"].specifier.contains("0.5.2") and reqs["sglang"].specifier.contains("0.5.23")
+    # 0.5.3 is the first with --config, through which the server gets its key (not the command line).
+    assert not reqs["sglang"].specifier.contains("0.5.2")
+    assert reqs["sglang"].specifier.contains("0.5.3") and reqs["sglang"].specifier.contains("0.5.23")
     assert not reqs["sglang"].specifier.contains("0.6.0")
 
 
@@ -117,6 +119,6 @@ def test_resolver_gets_an_sdist_only_pin_as_its_requirements():
     }  # fmt: skip
     reqs = pins_mod.resolve_requirements(metas, "3.12")
     assert "transformer-engine>=2.8" in reqs  # the [pytorch] extra (the sdist) is dropped
-    assert "sglang[srt]<0.6,>=0.5.2" in reqs
+    assert "sglang[srt]<0.6,>=0.5.3" in reqs
     # the sdist's requirements instead, its TE core swapped for the CUDA 13 one the constraints pin
     assert reqs[-3:] == ["torch>=2.1", "onnx", "transformer-engine-cu13==2.11.0"]

@@ -142,7 +142,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                                                   "Qwen2.5-7B, Qwen3-30B-A3B); pass --model-config NAME or a config.json path"),
         (["parallel.tensor_model_parallel_size=16"], "error: parallel.tensor_model_parallel_size=16 does not divide "
                                                      "num_attention_heads=40 of "),
-        (["--gpu-mem-gib", "0"], "error: --gpu-mem-gib=0.0: must be > 0"),
+        (["--gpu-mem-gib", "0"], "error: --gpu-mem-gib=0.0: must be a finite number > 0"),
+        # Issue 42: accepted, and reported as "-1536 responses" or a plan of a NaN-GiB GPU.
+        (["--gpu-mem-gib", "nan"], "error: --gpu-mem-gib=nan: must be a finite number > 0"),
+        (["--gpu-mem-gib", "inf"], "error: --gpu-mem-gib=inf: must be a finite number > 0"),
+        (["--gen-rounds", "-1"], "error: --gen-rounds=-1.0: must be >= 1"),
+        (["--vocab-size", "-5"], "error: --vocab-size=-5: must be a finite number > 0"),
+        (["--mfu", "nan"], "error: --mfu=nan: must be in (0, 1]"),
+        (["--overhead-gib", "-2"], "error: --overhead-gib=-2.0: must be a finite number >= 0"),
+        (["--nodes", "2", "--hosts", "a,b,c", "--layout-only"],
+         "error: --hosts names 3 node(s) ('a,b,c') for 2 node(s); give one non-empty name per node"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args: list[str], message: str) -> None:
@@ -360,3 +369,15 @@ def test_step_time_has_no_old_log_prob_pass_for_the_first_mini_batch() -> None:
     assert pass_s("trainer.ppo_mini_batch_size=256", "algorithm.rollout_correction.rollout_is=token") == \
         pytest.approx(half * 2)
 
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_plan_help_through_the_cli(flag: str) -> None:
+    """`megatron-dapo plan --help` failed ("unrecognized arguments"), and `plan` alone pointed to it."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "plan", flag], text=True, capture_output=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("usage: megatron-dapo plan") and "--gen-rounds" in proc.stdout
+    bare = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "plan"], text=True, capture_output=True,
+                          timeout=120, cwd=REPO)
+    assert bare.returncode == 2 and "(see megatron-dapo plan --help)" in bare.stderr
