@@ -204,6 +204,37 @@ def adapter_for_checkpoint(adapter: Any, manifest: dict[str, Any], tp: int) -> A
 # ----------------------------------------------------------------------------- HF -> mcore
 
 
+def check_out_dir(out: str | os.PathLike[str]) -> Path:
+    """The converters' --out: a new or empty directory that this user can create, or one line.
+
+    Checked before any work: an existing file, a non-empty directory, a read-only filesystem or a
+    directory without write permission ended in a traceback after the model was read.
+    """
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"--out {path} is a file; pass a path for a new directory")
+    if path.is_dir() and any(path.iterdir()):
+        raise CheckpointError(f"output directory {path} exists and is not empty; pass a new --out directory")
+    # The writer makes <out>/../.tmp-<name> and renames it: the parent must take new entries.
+    ancestor = path.parent if path.is_dir() else path
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise CheckpointError(f"--out {path} cannot be created: {ancestor} is a file; pass another --out")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        why = "a read-only filesystem" if _read_only_mount(ancestor) else "no write permission for this user"
+        raise CheckpointError(f"--out {path} cannot be created: {ancestor} is not writable ({why}); "
+                              "pass an --out on a writable filesystem")
+    return path
+
+
+def _read_only_mount(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
 def hf_to_mcore(
     hf_dir: str, out: str, *, tp: int = 1, pp: int = 1, ep: int = 1, dtype: str | None = None, device: str = "cpu"
 ) -> Path:
@@ -224,8 +255,7 @@ def hf_to_mcore(
     hf = Path(hf_dir)
     adapter = _adapter(hf)
     torch_dtype = _hf_dtype(hf, dtype)
-    if Path(out).exists() and any(Path(out).iterdir()):
-        raise CheckpointError(f"output directory {out} exists and is not empty; pass a new --out directory")
+    check_out_dir(out)
     if _processes() == 1:
         return _hf_to_mcore_streaming(hf, Path(out), adapter, torch_dtype, tp=tp, pp=pp, ep=ep)
     dims = _init_layout(tp, pp, ep, adapter, device)
@@ -327,11 +357,7 @@ def mcore_to_hf(
             f"checkpoint {path} holds a {saved_family!r} model but {hf_src / 'config.json'} describes a "
             f"{adapter.hf.family!r} model; pass --hf-config-from of the same family"
         )
-    out_dir = Path(out)
-    if out_dir.exists() and any(out_dir.iterdir()):
-        raise CheckpointError(
-            f"output directory {out_dir} exists and is not empty; pass a new --out directory"
-        )
+    out_dir = check_out_dir(out)
     dtype = _hf_dtype(hf_src, manifest.get("params_dtype"))
     if _processes() == 1:
         _check_layout(tp, pp, ep, adapter, world=tp * pp * ep)

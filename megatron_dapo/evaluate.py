@@ -43,6 +43,8 @@ from megatron_dapo.errors import UserError
 # batches of whole chunks make every row see the batch the trainer's validation gave it.
 ENGINE_ROWS_PER_CHUNK = 64
 PAPER_EVAL_N = 32
+MAX_EVAL_N = 1024
+"""The most responses per prompt one `eval` draws (an unbounded --n ran for hours unannounced)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -69,10 +71,15 @@ class EvalSettings:
     def __post_init__(self) -> None:
         if self.n < 1:
             raise UserError(f"--n {self.n}: need at least one response per prompt")
-        if not 0 < self.top_p <= 1:
+        if self.n > MAX_EVAL_N:
+            raise UserError(f"--n {self.n}: at most {MAX_EVAL_N} responses per prompt (avg@32 is the paper's; "
+                            f"pass@k needs n >= k only); split a larger evaluation into runs with other --seed")
+        if not 0 < self.top_p <= 1:  # NaN fails every comparison: written as what holds, negated
             raise UserError(f"--top-p {self.top_p}: must be in (0, 1]")
-        if self.temperature < 0:
-            raise UserError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 <= self.temperature < math.inf:
+            raise UserError(f"--temperature {self.temperature}: must be a finite number >= 0 (0 = greedy)")
+        if self.top_k != -1 and self.top_k < 1:
+            raise UserError(f"--top-k {self.top_k}: must be -1 (off) or >= 1")
         if self.max_new_tokens < 1 or self.max_prompt_length < 1:
             raise UserError("--max-new-tokens and --max-prompt-length must be >= 1")
 

@@ -109,6 +109,15 @@ def check_output_dir(output_dir: Path) -> None:
         what = "is not writable" if existing == output_dir else \
             f"cannot be created ({'Read-only file system' if read_only else 'Permission denied'})"
         raise UserError(f"{where}={str(output_dir)!r} {what}; pick a writable trainer.output_dir")
+    _check_lock_path(output_dir / LOCK_FILENAME, output_dir)
+
+
+def _check_lock_path(path: Path, output_dir: Path) -> None:
+    """A lock path that is not a regular file (a directory made by hand) is no trainer's lock."""
+    if (path.exists() and not path.is_file()) or (path.is_symlink() and not path.exists()):
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise UserError(f"trainer.output_dir={str(output_dir)!r}: {path} is {kind}, not a trainer's lock "
+                        f"file; remove it (rm -r {path}) if no trainer uses this output_dir")
 
 
 def remove_leftovers(output_dir: Path) -> list[Path]:
@@ -193,6 +202,9 @@ class RunLock:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
+                # Not ours to remove: a directory here was made by hand (or by a tool), and renaming
+                # it away as a stale lock left it behind as .run.lock.stale-<pid>.
+                _check_lock_path(path, output_dir)
                 raw = _read_text(path)
                 holder = _read_holder(path)
                 why = _stale(holder, path, me)

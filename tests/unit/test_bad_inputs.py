@@ -203,6 +203,11 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
     ("cli-override-unparsable", {}, ["config", "validate", "{d}/c.yaml", "optim.lr=[1"],
      "command line: cannot parse the value of 'optim.lr'"),
     ("cli-convert-missing-args", {}, ["convert", "mcore-to-hf"], "the following arguments are required: --ckpt"),
+    # Issue 42: NotADirectoryError / OSError tracebacks after the model was read.
+    ("convert-out-is-a-file", {"out": "x"}, ["convert", "hf-to-mcore", "--hf", "{hf}", "--out", "{d}/out"],
+     "--out {d}/out is a file; pass a path for a new directory"),
+    ("convert-out-under-a-file", {"f": "x"}, ["convert", "hf-to-mcore", "--hf", "{hf}", "--out", "{d}/f/out"],
+     "--out {d}/f/out cannot be created: {d}/f is a file; pass another --out"),
     # ------------------------------------------------------------------ rewards
     ("reward-builtin-typo", {}, ["config", "validate", "{d}/c.yaml", "reward.reward_fn=math_dap"],
      "reward function 'math_dap' is not a built-in and not 'module:function'"),
@@ -308,6 +313,9 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
      "MEGATRON_DAPO_CACHE='{d}/cachefile' is a file, not a directory; point MEGATRON_DAPO_CACHE at a writable "
      "directory"),
     # ------------------------------------------------------------------ run directory, device, engines
+    ("output-dir-lock-is-a-directory", {"out/.run.lock/x": "x"},
+     ["config", "validate", "{d}/c.yaml", "trainer.output_dir={d}/out"],
+     "trainer.output_dir='{d}/out': {d}/out/.run.lock is a directory, not a trainer's lock file; remove it"),
     ("output-dir-is-a-file", {"out": "x"}, ["config", "validate", "{d}/c.yaml", "trainer.output_dir={d}/out"],
      "trainer.output_dir='{d}/out' is a file, not a directory; pick another trainer.output_dir"),
     ("output-dir-under-a-file", {"out": "x"}, ["config", "validate", "{d}/c.yaml", "trainer.output_dir={d}/out/run"],
@@ -331,6 +339,16 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
     ("eval-data-missing", {}, ["eval", "{hf}", "--data", "{d}/none.jsonl", "--tokenizer", "{tok}", "--out",
                                "{d}/r.jsonl"],
      "prompt file {d}/none.jsonl does not exist; check --data"),
+    # Issue 42: a NaN temperature and top-k 0 were tracebacks; --n 100000 ran unannounced.
+    ("eval-temperature-nan", {"p.jsonl": GOOD_JSONL}, ["eval", "{hf}", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}",
+                                                       "--temperature", "nan", "--out", "{d}/r.jsonl"],
+     "--temperature nan: must be a finite number >= 0 (0 = greedy)"),
+    ("eval-top-k-0", {"p.jsonl": GOOD_JSONL}, ["eval", "{hf}", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}",
+                                               "--top-k", "0", "--out", "{d}/r.jsonl"],
+     "--top-k 0: must be -1 (off) or >= 1"),
+    ("eval-n-unbounded", {"p.jsonl": GOOD_JSONL}, ["eval", "{hf}", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}",
+                                                   "--n", "100000", "--out", "{d}/r.jsonl"],
+     "--n 100000: at most 1024 responses per prompt"),
     ("eval-half-written-checkpoint", {"ckpt/.tmp-step_3/dist/x": "x"},
      ["eval", "{d}/ckpt/.tmp-step_3", "--data", "{d}/p.jsonl"],
      "no checkpoint at {d}/ckpt/.tmp-step_3: manifest.json is missing (an unfinished save: use an earlier "

@@ -24,6 +24,7 @@ from megatron_dapo.output_dir import (
     LOCK_STALE_S,
     PREVIOUS_RUNS_DIRNAME,
     RunLock,
+    check_output_dir,
     prepare_output_dir,
 )
 
@@ -240,3 +241,14 @@ def test_a_requeued_slurm_job_takes_its_own_lock_over(tmp_path: Path, monkeypatc
     lock = RunLock.acquire(tmp_path)  # raises UserError if job 77's own lock blocked its requeue
     assert isinstance(lock, RunLock)
     lock.release()
+
+
+def test_a_lock_that_is_a_directory_is_refused_and_left_alone(tmp_path):
+    """Issue 42: a `.run.lock` directory read as "in use by pid None", and a takeover renamed it to
+    .run.lock.stale-<pid>, left behind. Now one line naming it and the fix; nothing is renamed."""
+    (tmp_path / ".run.lock" / "x").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"\.run\.lock is a directory, not a trainer's lock file; remove it"):
+        RunLock.acquire(tmp_path)
+    with pytest.raises(UserError, match=r"\.run\.lock is a directory"):
+        check_output_dir(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock"]

