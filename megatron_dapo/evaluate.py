@@ -427,6 +427,13 @@ def run_eval(args: Any) -> int:
     if not is_hf_dir(ckpt) and training is None:
         raise UserError(f"{ckpt} is neither an HF directory (config.json + *.safetensors) nor a torch_dist "
                         "checkpoint (step_<N>/, checkpoints/ or checkpoints/latest)")
+    if training is None:
+        # The checks train and convert run on an HF checkpoint (config.json's family and MoE shape,
+        # every tensor's name, shape and dtype against it, truncated shards), before any engine:
+        # transformers loaded a config of 8 experts over tensors for 6 with two random experts.
+        from megatron_dapo.config.preflight import check_hf_checkpoint
+
+        check_hf_checkpoint(ckpt, where="checkpoint")
     cfg = load_config(args.config) if args.config else stored_config(training)
     v = (cfg or Config()).rollout.val_kwargs
     base = cfg or Config()

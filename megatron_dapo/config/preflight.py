@@ -36,16 +36,20 @@ from megatron_dapo.config.fields import ConfigError
 from megatron_dapo.errors import UserError
 
 
-def check_hf_checkpoint(path: str | Path) -> None:
+def check_hf_checkpoint(path: str | Path, where: str = "model.hf_checkpoint") -> None:
     """Raise a one-line UserError unless ``path`` is an HF model directory we can load.
 
-    Reads config.json and every safetensors header, no tensor data.
+    Reads config.json and every safetensors header, no tensor data. `train`, `config validate`,
+    the converters and `eval` all run it.
+
+    Args:
+        where: how the user named the directory, for the message.
     """
     from megatron_dapo.models import HFCheckpoint, adapter_for
 
     hf = Path(path)
     if not hf.is_dir():
-        raise UserError(f"model.hf_checkpoint={str(hf)!r} is not a directory; point it at an HF model "
+        raise UserError(f"{where}={str(hf)!r} is not a directory; point it at an HF model "
                         "directory (config.json, *.safetensors, tokenizer files)")
     from megatron_dapo.models.mapping import check_checkpoint
 
@@ -82,13 +86,15 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     """
     from megatron_dapo.embedded import cache_root, check_task
     from megatron_dapo.output_dir import check_output_dir
-    from megatron_dapo.rewards.registry import get_reward_fn
+    from megatron_dapo.rewards.registry import check_reward_spec, get_reward_fn
     from megatron_dapo.rollout.factory import check_installed, check_model
 
     check_device(cfg.trainer.device)
     check_installed(cfg.rollout.engine, cfg.rollout)
     check_output_dir(Path(cfg.trainer.output_dir))
-    get_reward_fn(cfg.reward.reward_fn)
+    check_reward_spec(cfg.reward.reward_fn)
+    if cfg.reward.num_workers == 0:
+        get_reward_fn(cfg.reward.reward_fn)  # it runs in this process anyway; else the probe imports it
     from megatron_dapo.data.tokenizer import load_tokenizer
 
     if cfg.model.hf_checkpoint is not None:

@@ -93,6 +93,17 @@ class Tokenizer(Protocol):
         ...
 
 
+def decodable(ids: Sequence[int], vocab_size: int) -> list[int]:
+    """`ids` without those the tokenizer has no piece for.
+
+    A model's vocabulary is often larger than its tokenizer's (Qwen2.5: 152,064 embedding rows for
+    151,665 ids, padding for the kernels; a model trained with another tokenizer), and the policy
+    can sample a padding id. The response keeps it (the actor trains on the sampled ids); its text,
+    which the reward reads, has nothing for it, as for a special token.
+    """
+    return [i for i in ids if 0 <= i < vocab_size]
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class SentencePieceSettings:
     """How our sentencepiece tokenizer is trained; every field is part of the cache key."""
@@ -164,8 +175,10 @@ class SentencePieceTokenizer:
         return self._sp.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        # sentencepiece renders control ids (pad, bos, eos) as empty strings.
-        return self._sp.decode(list(ids))
+        # sentencepiece renders control ids (pad, bos, eos) as empty strings, and raises on an id past
+        # its vocabulary ("piece id is out of range"), which a model with more embedding rows than
+        # the tokenizer has ids can sample: those decode to nothing (see decodable).
+        return self._sp.decode(decodable(ids, self.vocab_size))
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         return concat_messages(messages)
@@ -295,7 +308,7 @@ class HFTokenizer:
         return list(self._tok.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        return self._tok.decode(decodable(ids, self.vocab_size), skip_special_tokens=True)
 
     def render_chat(self, messages: Sequence[dict[str, str]]) -> str:
         if not self.has_chat_template:

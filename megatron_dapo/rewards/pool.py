@@ -50,6 +50,10 @@ REWARD_LOG = "reward_workers.log"
 """What a reward function prints in the workers, under trainer.output_dir."""
 
 
+PROBE_IMPORT_TIMEOUT_S = 60.0
+"""How long the probe waits for a user's reward module to import (or reward.timeout_s, if longer)."""
+
+
 class RewardFunctionBroken(UserError):
     """Most calls of a batch failed: the reward function, not the responses, is at fault."""
 
@@ -98,7 +102,11 @@ def _worker_main(conn: Connection, fn_spec: str, log_path: str | None = None) ->
     # A worker outlives a SIGKILLed trainer otherwise (lifetime.py); its parent is the forkserver,
     # which exits when the trainer does.
     die_with_parent()
-    # Ctrl-C reaches the whole process group; the pool, not each worker, handles it.
+    # A process group of its own: what the reward function starts (a sandbox, a shell) is stopped
+    # with the worker (RewardPool._stop kills the group); it outlived the check before. This also
+    # keeps Ctrl-C, sent to the trainer's group, away from the worker: the pool handles it.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_path is not None:
         # A reward function that prints per call (154 MB in one report) would flood the trainer's
@@ -111,8 +119,11 @@ def _worker_main(conn: Connection, fn_spec: str, log_path: str | None = None) ->
         os.close(fd)
     try:
         fn = get_reward_fn(fn_spec)
+    except UserError as err:  # get_reward_fn's own words: the spec, the module, the fix
+        conn.send(("fatal", str(err), True))
+        return
     except Exception as err:
-        conn.send(("fatal", f"{type(err).__name__}: {err}"))
+        conn.send(("fatal", f"{type(err).__name__}: {err}", False))
         return
     conn.send(("ready",))
     while True:
@@ -216,8 +227,9 @@ class RewardPool:
             raise UserError(f"RewardPool max_failure_fraction={max_failure_fraction!r}: expected a share in (0, 1]")
         self.max_failure_fraction = float(max_failure_fraction)
         self.log_path = None if log_path is None else str(log_path)
-        # Resolving here too makes a bad spec fail in the caller, with its own traceback.
-        self._fn: RewardFn = get_reward_fn(fn_spec)
+        # In-process only where it runs here (num_workers=0) or cannot hang (a built-in): a user's
+        # module is imported in the workers, under start_timeout_s (its import may hang or print).
+        self._fn: RewardFn | None = get_reward_fn(fn_spec) if num_workers == 0 or ":" not in fn_spec else None
         self._context = mp.get_context(start_method)
         self._workers: list[_Worker] = []
         self._closed = False
@@ -336,10 +348,17 @@ class RewardPool:
 
     @staticmethod
     def _stop(worker: _Worker) -> None:
-        """Kill a worker process (if alive) and release its pipe."""
+        """Kill a worker and the processes its reward function started (its group), release its pipe."""
+        pid = worker.process.pid
+        if pid is not None:
+            with contextlib.suppress(OSError):  # the group is the worker's own (_worker_main), or gone
+                if os.getpgid(pid) == pid:
+                    os.killpg(pid, signal.SIGKILL)
         if worker.process.is_alive():
             worker.process.kill()
         worker.process.join(timeout=5.0)
+        with contextlib.suppress(OSError):  # children of an already-dead worker keep its group id
+            os.killpg(pid, signal.SIGKILL)
         worker.conn.close()
 
     def _replace(self, worker: _Worker) -> None:
@@ -402,9 +421,10 @@ class RewardPool:
                 self._handle(worker, message, done)
             elif time.monotonic() >= worker.deadline:
                 if not worker.ready:
-                    raise RuntimeError(
-                        f"reward worker for {self.fn_spec!r} did not start within {self.start_timeout_s} s; "
-                        "raise start_timeout_s if importing the reward module is slow"
+                    raise UserError(
+                        f"reward function {self.fn_spec!r}: importing it in a worker did not finish within "
+                        f"{self.start_timeout_s:g} s (does its module hang or wait at import?); make the import "
+                        "quick, or raise reward.timeout_s if it is only slow"
                     )
                 done.fail(worker.task, f"timeout after {self.timeout_s} s", timed_out=True)
                 self._replace(worker)
@@ -414,8 +434,9 @@ class RewardPool:
         if message is None:
             exit_code = worker.process.exitcode
             if not worker.ready:
-                raise RuntimeError(
-                    f"reward worker for {self.fn_spec!r} exited with code {exit_code} while starting"
+                raise UserError(
+                    f"reward function {self.fn_spec!r}: its worker exited with code {exit_code} while importing it "
+                    "(the module exits or crashes at import); run `python -c 'import <module>'` to see why"
                 )
             if worker.task is not None:
                 done.fail(worker.task, f"worker process died (exit code {exit_code})")
@@ -424,6 +445,9 @@ class RewardPool:
             worker.ready = True
             worker.deadline = math.inf
         elif message[0] == "fatal":
+            if message[2]:
+                raise UserError(f"{message[1]} (in a worker process: the module must be importable by name "
+                                "from a fresh interpreter, not __main__)")
             raise UserError(
                 f"reward function {self.fn_spec!r} failed to load in a worker process: {message[1]}; "
                 "the module must be importable by name from a fresh interpreter (not __main__)"
@@ -449,7 +473,10 @@ def probe_reward_fn(fn_spec: str, timeout_s: float, ground_truth: str, extra_inf
     Raises:
         UserError: the call did not return within timeout_s.
     """
-    with RewardPool(fn_spec, 1, timeout_s) as pool:
+    # The import is bounded too (a module that hangs at import hung `config validate`), and what the
+    # function prints goes nowhere: the console is for the one line (the run's log is reward_workers.log).
+    with RewardPool(fn_spec, 1, timeout_s, start_timeout_s=max(timeout_s, PROBE_IMPORT_TIMEOUT_S),
+                    log_path=os.devnull) as pool:
         _, stats = pool.score_batch([("", ground_truth, extra_info)])
     if stats.num_timeouts:
         raise UserError(f"reward function {fn_spec!r} did not return within reward.timeout_s={timeout_s:g} s on a "

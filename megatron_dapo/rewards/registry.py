@@ -13,6 +13,7 @@ imported only when asked for, so a typo fails at start-up with a message, not mi
 """
 
 import importlib
+import importlib.util
 import inspect
 import math
 from collections.abc import Callable
@@ -79,6 +80,29 @@ def normalize_reward_output(output: Any, spec: str) -> dict[str, Any]:
         raise ValueError(f"reward function {spec!r} returned score {result['score']}; scores must be finite")
     result["acc"] = bool(result["acc"]) if "acc" in result else result["score"] > 0
     return result
+
+
+def check_reward_spec(name_or_path: str) -> None:
+    """What can be known of a reward spec without running the user's module (which may hang, print
+    or start processes at import: that part is the probe's, in a worker, under a timeout).
+
+    Raises:
+        UserError: not a built-in and not 'module:function', or the module is not on the path.
+    """
+    if not isinstance(name_or_path, str):
+        raise UserError(f"reward function {name_or_path!r} is a {type(name_or_path).__name__}; {_EXPECTED_FORM}")
+    spec = name_or_path.strip()
+    if spec in _BUILTINS:
+        return
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        raise UserError(f"reward function {spec!r} is not a built-in and not 'module:function'; {_EXPECTED_FORM}")
+    try:
+        found = importlib.util.find_spec(module_name)  # imports parent packages of a dotted name, not the module
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise UserError(f"reward function {spec!r}: module {module_name!r} not found; {_EXPECTED_FORM}")
 
 
 def _import_user_fn(spec: str) -> Callable[..., Any]:

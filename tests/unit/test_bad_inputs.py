@@ -383,6 +383,20 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
                                 json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}})},
      ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={d}/hf"],
      "lists shard files that are missing: ['model-00001-of-00002.safetensors']; the download is incomplete"),
+    # Issue 42: eval skipped the checks above (transformers' tracebacks, or random weights loaded).
+    ("eval-hf-int32-weights", {"hf/config.json": "COPY_HF_CONFIG", "hf/model.safetensors": "HF_WEIGHTS_EMBED_INT32",
+                               "p.jsonl": GOOD_JSONL},
+     ["eval", "{d}/hf", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}", "--out", "{d}/r.jsonl"],
+     "does not match its config.json (Qwen2ForCausalLM): 1 not floating point (F32/BF16/F16/F64): "
+     "model.embed_tokens.weight I32"),
+    ("eval-hf-wrong-model-type", {"hf/config.json": "HF_CONFIG_AS_LLAMA", "hf/model.safetensors": "HF_WEIGHTS",
+                                  "p.jsonl": GOOD_JSONL},
+     ["eval", "{d}/hf", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}", "--out", "{d}/r.jsonl"],
+     "does not match its config.json (LlamaForCausalLM): 3 unexpected: model.layers.0.self_attn.k_proj.bias"),
+    ("eval-hf-corrupt-shard", {"hf/config.json": "COPY_HF_CONFIG", "hf/model.safetensors": b"\xff" * 64,
+                               "p.jsonl": GOOD_JSONL},
+     ["eval", "{d}/hf", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}", "--out", "{d}/r.jsonl"],
+     "{d}/hf/model.safetensors is truncated or not a safetensors file"),
     # ------------------------------------------------------------------ resume checkpoints
     ("resume-missing", {}, ["config", "validate", "{d}/c.yaml", "trainer.resume={d}/ckpt/step_3"],
      "no checkpoint at {d}/ckpt/step_3: the directory does not exist; pass a step_<N> directory"),

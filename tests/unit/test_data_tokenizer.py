@@ -90,3 +90,14 @@ def test_an_exported_embedded_model_dir_loads_its_sentencepiece_model(tmp_path: 
     again = load_tokenizer(export)
     assert again.vocab_size == trained.vocab_size
     assert again.encode("12 + 30 = 42") == trained.encode("12 + 30 = 42") != []
+
+
+def test_ids_past_the_tokenizer_decode_to_nothing(tmp_path: Path, corpus: list[str]) -> None:
+    """Issue 42: a model with more embedding rows than its tokenizer has ids sampled one, and train and
+    eval died in sentencepiece ("piece id is out of range"). Such ids have no text, like specials."""
+    tokenizer = load_or_train_sentencepiece(corpus, tmp_path, SentencePieceSettings())
+    ids = tokenizer.encode("Answer: 7")
+    assert tokenizer.decode([*ids, tokenizer.vocab_size, tokenizer.vocab_size + 400]) == "Answer: 7"
+    assert tokenizer.decode([tokenizer.vocab_size, *ids]) == "Answer: 7"
+    with pytest.raises(IndexError):  # what sentencepiece itself does, the case this guards
+        tokenizer._sp.decode([*ids, tokenizer.vocab_size])

@@ -145,10 +145,9 @@ def test_spec_that_only_the_parent_can_import_fails_at_construction(
     with pytest.raises(UserError) as excinfo:
         RewardPool("reward_parent_only:score", num_workers=1, timeout_s=1.0)
     assert str(excinfo.value) == (
-        "reward function 'reward_parent_only:score' failed to load in a worker process: UserError: "
         "reward function 'reward_parent_only:score': importing 'reward_parent_only' raised ImportError: "
-        "not in workers; fix the module so that it imports cleanly; the module must be importable "
-        "by name from a fresh interpreter (not __main__)"
+        "not in workers; fix the module so that it imports cleanly (in a worker process: the module must be "
+        "importable by name from a fresh interpreter, not __main__)"
     )
 
 
