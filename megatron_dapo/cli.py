@@ -112,6 +112,11 @@ def run(argv: list[str] | None, parser: argparse.ArgumentParser | None = None) -
     quiet_optional_backend_warnings()
     if argv is None:
         argv = sys.argv[1:]
+    if argv[:1] == ["convert"]:
+        # One process streams the checkpoint on the CPU (a torchrun launch uses its GPUs).
+        from megatron_dapo.cpu_process import hide_gpus_for_cpu_work
+
+        hide_gpus_for_cpu_work()
     if argv[:1] == ["plan"]:
         # plan has a parser of its own (megatron_dapo/plan/report.py); argparse's REMAINDER would not
         # hand it a leading --help/-h (the top-level parser refused them as unrecognized).

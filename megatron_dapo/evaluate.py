@@ -196,7 +196,17 @@ def stored_config(ckpt: Path | None) -> Config | None:
 
 
 def export_to_hf(ckpt: Path, out: Path) -> Path:
-    """Export a torch_dist checkpoint (any saved layout) to an HF directory, in this process (TP=1, PP=1)."""
+    """Export a torch_dist checkpoint (any saved layout) to an HF directory (TP=1, PP=1).
+
+    The export streams on megatron-core's CPU layer, which cannot share a process with a live CUDA
+    runtime (cpu_process.py): where CUDA is visible it runs as `megatron-dapo convert mcore-to-hf`
+    in a child that sees no GPU, and this process keeps the GPU for the engine; elsewhere in this
+    process (no second interpreter to start).
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        return _export_in_a_cpu_child(ckpt, out)
     from megatron_dapo import parallel
     from megatron_dapo.convert import mcore_to_hf
 
@@ -204,6 +214,24 @@ def export_to_hf(ckpt: Path, out: Path) -> Path:
         return mcore_to_hf(str(ckpt), str(out), device="auto")
     finally:
         parallel.destroy()
+
+
+def _export_in_a_cpu_child(ckpt: Path, out: Path) -> Path:
+    import subprocess
+
+    from megatron_dapo.rollout.server_process import server_environment
+
+    # One process of its own (no launcher variables), no GPU.
+    env = {**server_environment(), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "convert", "mcore-to-hf", "--ckpt", str(ckpt),
+                           "--out", str(out)], env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+    lines = done.stderr.strip().splitlines() or ["no output"]
+    if done.returncode == 2 and lines[-1].startswith("error: "):
+        raise UserError(lines[-1].removeprefix("error: "))
+    if done.returncode != 0:
+        raise RuntimeError(f"exporting {ckpt} to {out} in a CPU process failed (exit {done.returncode}):\n"
+                           + "\n".join(lines[-20:]))
+    return out
 
 
 # ---------------------------------------------------------------------------- responses file
