@@ -41,7 +41,7 @@ from megatron_dapo.device import release_cached_memory
 from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.metrics import MetricsLogger
-from megatron_dapo.models import DecoderAdapter, adapter_for
+from megatron_dapo.models import DecoderAdapter, adapter_for, choose_transformer_impl
 from megatron_dapo.output_dir import RunLock, check_output_dir, prepare_output_dir
 from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
 from megatron_dapo.rollout.controller import RolloutController
@@ -348,6 +348,7 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
         max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
         logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,
         cp_comm_type=cfg.parallel.cp_comm_type, routing_replay=_routing_replay(cfg, adapter),
+        use_te=choose_transformer_impl(cfg.model.transformer_impl),
         shared_prompts=cfg.trainer.shared_prompts if shared_prompts is None else shared_prompts)
 
 

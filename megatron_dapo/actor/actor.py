@@ -98,6 +98,8 @@ class MegatronActor:
         routing_replay: algorithm.routing_replay ("off" | "rollout" | "old_policy"); the passes
             choose per call whether they replay (actor/routing_replay.py), this only refuses
             what cannot replay.
+        use_te: the Transformer Engine layer spec (models.choose_transformer_impl of
+            model.transformer_impl); None = where it imports next to a GPU.
     """
 
     def __init__(
@@ -118,8 +120,9 @@ class MegatronActor:
         sequence_parallel: bool = False,
         cp_comm_type: str = "p2p",
         routing_replay: str = "off",
+        use_te: bool | None = None,
     ) -> None:
-        use_te = te_available()
+        use_te = te_available() if use_te is None else use_te
         if dims.cp > 1 and not use_te:
             raise ValueError(f"context parallelism (cp={dims.cp}) needs Transformer Engine attention on CUDA; "
                              "install transformer_engine or set parallel.context_parallel_size=1")

@@ -90,6 +90,10 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     from megatron_dapo.rollout.factory import check_installed, check_model
 
     check_device(cfg.trainer.device)
+    if cfg.model.transformer_impl == "transformer_engine":
+        from megatron_dapo.models import choose_transformer_impl
+
+        choose_transformer_impl("transformer_engine")  # where TE cannot run, one line naming why
     check_installed(cfg.rollout.engine, cfg.rollout)
     check_output_dir(Path(cfg.trainer.output_dir))
     check_reward_spec(cfg.reward.reward_fn)

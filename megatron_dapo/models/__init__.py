@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.models.adapter import DecoderAdapter, ModelAdapter, te_available, unwrap_model
+from megatron_dapo.models.adapter import (
+    DecoderAdapter,
+    ModelAdapter,
+    choose_transformer_impl,
+    te_available,
+    te_status,
+    unwrap_model,
+)
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint, read_hf_config
 from megatron_dapo.models.llama import LlamaAdapter
@@ -32,8 +39,10 @@ __all__ = [
     "Qwen3Adapter",
     "Qwen3MoeAdapter",
     "adapter_for",
+    "choose_transformer_impl",
     "read_hf_config",
     "te_available",
+    "te_status",
     "unwrap_model",
 ]
 

@@ -10,7 +10,9 @@ layout logic lives in mapping.py.
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dapo.errors import UserError
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.export import RECEIVERS, Receivers, export_to_all, export_to_controller
@@ -32,6 +35,8 @@ from megatron_dapo.models.shared_prompts import enable_token_positions
 from megatron_dapo.parallel import ParallelDims
 
 RECOMPUTE_MODES = ("none", "full", "selective")
+
+logger = logging.getLogger(__name__)
 
 
 class ModelAdapter(Protocol):
@@ -123,9 +128,54 @@ def _local_block_spec(layer_specs: list[ModuleSpec], config: TransformerConfig) 
         layer_specs=[copies[id(spec)] for spec in layer_specs], layer_norm=SequenceParallelRMSNorm))
 
 
+@functools.cache
+def te_status() -> tuple[bool, str]:
+    """Whether the Transformer Engine layer spec can be used here, and if not why.
+
+    "Installed" is not enough: a node whose TE wheel was built for another torch or CUDA has the
+    package but its torch extension fails to import, and the TE spec then crashed at build. So TE
+    counts only once `transformer_engine.pytorch` has imported, next to a visible GPU.
+    """
+    if not torch.cuda.is_available():
+        return False, "no CUDA device is visible"
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False, "transformer_engine is not installed"
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as err:  # an ABI mismatch is an ImportError, OSError or RuntimeError
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        return False, f"transformer_engine is installed but transformer_engine.pytorch failed to import ({type(err).__name__}: {first})"
+    return True, ""
+
+
 def te_available() -> bool:
-    """Whether the Transformer Engine layer spec can be used (TE importable and CUDA present)."""
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    """Whether the Transformer Engine layer spec can be used (te_status)."""
+    return te_status()[0]
+
+
+def choose_transformer_impl(setting: str) -> bool:
+    """model.transformer_impl -> whether to build the TE layer spec (else megatron's local spec).
+
+    Args:
+        setting: "auto" (TE where it imports next to a GPU; the reason logged where it does not, on
+            a GPU), "local" (megatron's own layers, on CPU and CUDA alike) or "transformer_engine".
+
+    Raises:
+        UserError: "transformer_engine" where it cannot be used, naming why.
+    """
+    usable, why = te_status()
+    if setting == "local":
+        return False
+    if setting == "transformer_engine":
+        if not usable:
+            raise UserError(f"model.transformer_impl=transformer_engine: {why}; install Transformer Engine for this "
+                            "torch and CUDA, or set model.transformer_impl=local (megatron's own layers)")
+        return True
+    if setting != "auto":
+        raise ValueError(f"model.transformer_impl={setting!r}")
+    if not usable and torch.cuda.is_available():
+        logger.warning("model.transformer_impl=auto: megatron's local layer spec, since %s", why)
+    return usable
 
 
 FUSION_FLAGS = ("apply_rope_fusion", "gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion")
