@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_utils import alive
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,13 +32,6 @@ if __name__ == "__main__":
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
-
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
 def test_helpers_die_within_10s_of_a_kill_9_of_their_parent(tmp_path: Path) -> None:
@@ -51,13 +45,13 @@ def test_helpers_die_within_10s_of_a_kill_9_of_their_parent(tmp_path: Path) -> N
         line = parent.stdout.readline()
         pids = [int(p) for p in line.split()]
         assert len(pids) == 3, line
-        assert all(_alive(p) for p in pids)
+        assert all(alive(p) for p in pids)
         parent.send_signal(signal.SIGKILL)  # the parent only, as the OOM killer does
         parent.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        while time.monotonic() < deadline and any(alive(p) for p in pids):
             time.sleep(0.2)
-        assert [p for p in pids if _alive(p)] == []
+        assert [p for p in pids if alive(p)] == []
     finally:
         # What survived a failing test: its own session, so only this test's processes.
         with contextlib.suppress(ProcessLookupError):
@@ -82,7 +76,7 @@ time.sleep(600)
 
 
 def _group_alive(pgid: int) -> bool:
-    return any(_alive(int(d)) and open(f"/proc/{d}/stat").read().split(") ")[1].split()[2] == str(pgid)
+    return any(alive(int(d)) and open(f"/proc/{d}/stat").read().split(") ")[1].split()[2] == str(pgid)
                for d in os.listdir("/proc") if d.isdigit())
 
 

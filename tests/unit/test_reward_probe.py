@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proc_utils import alive
 
 from megatron_dapo import cli
 from megatron_dapo.rewards import pool
@@ -57,17 +58,10 @@ def f(solution_str, ground_truth, extra_info=None):
     children = [int(p) for p in pids.read_text().split()]
     assert children
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(_alive(p) for p in children):
+    while time.monotonic() < deadline and any(alive(p) for p in children):
         time.sleep(0.2)
-    assert [p for p in children if _alive(p)] == []
+    assert [p for p in children if alive(p)] == []
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.parametrize(("text", "expected"), [
