@@ -204,8 +204,9 @@ def format_plan(plan: Plan) -> str:
         + (" (all experts)" if m.is_moe else ""),
         f"  KV per token      {plan.kv_bytes_per_token:>8,} B    2 x L x max(1, kv_heads/TP) x d x 2 B",
         f"  KV capacity       {plan.kv_tokens:>8,} tokens per engine = {plan.kv_tokens // plan.max_sequence_tokens} "
-        f"sequences of {plan.max_sequence_tokens} (mem_fraction x GPU - weights) / KV per token",
-        f"  rollout phase     {_gib(plan.rollout_phase_bytes)}  actor model states + mem_fraction x GPU + overhead: "
+        f"sequences of {plan.max_sequence_tokens} (mem_fraction x free at start - weights) / KV per token",
+        "                    (SGLang sizes from the memory free when it starts: GPU - actor states - overhead)",
+        f"  rollout phase     {_gib(plan.rollout_phase_bytes)}  actor model states + engine + overhead: "
         f"{'fits' if plan.rollout_fits else 'DOES NOT FIT'}",
         "",
         "conversion and weight export (benchmarks/scale.py measured both at these shapes, 2 layers, on CPU)",
