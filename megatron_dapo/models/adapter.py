@@ -24,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dapo import stages
 from megatron_dapo.errors import UserError
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
@@ -336,6 +337,7 @@ class DecoderAdapter:
             family_kwargs["qk_layernorm"] = True
         return TransformerConfig(
             num_layers=hf.num_layers,
+            **stages.megatron_split(hf.num_layers, pp),  # uneven stages where pp does not divide the layers
             hidden_size=hf.hidden_size,
             ffn_hidden_size=hf.intermediate_size,
             num_attention_heads=hf.num_attention_heads,
@@ -413,7 +415,7 @@ class DecoderAdapter:
         Returns:
             A layer ModuleSpec or a TransformerBlock ModuleSpec.
         """
-        per_stage = self.hf.num_layers // dims.pp
+        per_stage = stages.stage_layers(self.hf.num_layers, dims.pp)[dims.pp_rank]
         if not self.hf.is_moe:
             spec = self.layer_spec(use_te)
             if config.sequence_parallel and not use_te:
@@ -426,7 +428,7 @@ class DecoderAdapter:
         )
 
         dense, sparse = self.layer_spec(use_te), self.layer_spec(use_te, moe=True)
-        first = dims.pp_rank * per_stage
+        first = stages.first_layer(self.hf.num_layers, dims.pp, dims.pp_rank)
         layers = [sparse if i in self.hf.moe_layers else dense for i in range(first, first + per_stage)]
         if config.sequence_parallel and not use_te:
             return _local_block_spec(layers, config)
@@ -470,10 +472,7 @@ class DecoderAdapter:
         Returns:
             The GPTModel of stage dims.pp_rank (embedding on the first stage, output layer on the last).
         """
-        if self.hf.num_layers % dims.pp != 0:
-            raise ValueError(
-                f"num_hidden_layers={self.hf.num_layers} is not divisible by pp={dims.pp}; pick pp among its divisors"
-            )
+        stages.stage_layers(self.hf.num_layers, dims.pp)  # a stage of no layer is refused here
         for name, value in (
             ("num_attention_heads", self.hf.num_attention_heads),
             ("num_key_value_heads", self.hf.num_kv_heads),

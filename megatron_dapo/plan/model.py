@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from megatron_dapo.config import Config, ConfigError, ParallelConfig
 from megatron_dapo.plan.dims import ModelDims
+from megatron_dapo.stages import stage_layers
 
 GIB = 1024**3
 
@@ -188,19 +189,20 @@ def stage_params(dims: ModelDims, tp: int, pp: int, padded_vocab: int, ep: int =
                  etp: int | None = None) -> list[StageParams]:
     """Parameters held by one GPU of each pipeline stage.
 
-    Layers split evenly over stages. A layer's attention and MLP matrices (and QKV biases,
+    Layers split over stages as models/stages.py splits them (evenly where PP divides them). A layer's attention and MLP matrices (and QKV biases,
     a shared expert) split over TP; its norms, QK-norms and router are replicated on every
     TP rank; a sparse layer's E routed experts split E/EP per rank, each over ETP. Stage 0
     adds the embedding (V_pad x h / TP), the last stage the output layer (V_pad x h / TP,
     a copy even when tied and PP > 1) and the final norm. With PP = 1 one GPU holds all of that.
     """
     etp = tp if etp is None else etp
-    h, per_stage = dims.hidden_size, dims.num_layers // pp
+    h, layers = dims.hidden_size, stage_layers(dims.num_layers, pp)
     sparse_layers = set(dims.moe_layers) if dims.is_moe else set()
     emb = padded_vocab * h // tp
     out = []
     for stage in range(pp):
-        sparse = sum(1 for i in range(stage * per_stage, (stage + 1) * per_stage) if i in sparse_layers)
+        per_stage, first = layers[stage], sum(layers[:stage])
+        sparse = sum(1 for i in range(first, first + per_stage) if i in sparse_layers)
         dense = (per_stage - sparse) * ((dims.attention_params() + dims.mlp_params(False)) // tp
                                         + dims.replicated_params(False))
         dense += sparse * ((dims.attention_params() + dims.mlp_params(True)) // tp + dims.replicated_params(True))

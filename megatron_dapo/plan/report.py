@@ -34,6 +34,7 @@ from megatron_dapo.plan import host
 from megatron_dapo.plan.dims import EMBEDDED_VOCAB_SIZE, resolve_model
 from megatron_dapo.plan.model import GIB, GPUS, Assumptions, Hardware, Plan, check_expert_layout, make_plan
 from megatron_dapo.plan.search import format_search, search_layouts
+from megatron_dapo.stages import stage_layers
 
 __all__ = ["build_parser", "expert_rank_coords", "format_layout", "format_plan", "main", "rank_coords", "rank_groups",
            "run"]
@@ -191,6 +192,7 @@ def format_plan(plan: Plan) -> str:
         f"layout: {plan.nodes} nodes x {plan.gpus_per_node} GPUs = {plan.world_size}; actor TP {plan.tp} PP {plan.pp} "
         f"CP {plan.cp} DP {plan.dp}{experts}; rollout engines TP {plan.rollout_tp} x "
         f"{plan.world_size // plan.rollout_tp}",
+        *_stage_rows(plan),
         f"GPU: {hw.name}, {hw.mem_gib:g} GiB",
         "",
         "actor, per GPU (fullest pipeline stage)",
@@ -224,6 +226,16 @@ def format_plan(plan: Plan) -> str:
 
 
 # ------------------------------------------------------------------------------- CLI
+
+
+def _stage_rows(plan: Plan) -> list[str]:
+    """The pipeline split, when PP does not divide the layers (megatron_dapo/stages.py chooses it)."""
+    split = stage_layers(plan.model.num_layers, plan.pp)
+    if len(set(split)) == 1:
+        return []
+    middle = f" + {len(split) - 2} x {split[1]}" if len(split) > 2 else ""
+    return [f"pipeline stages: {split[0]}{middle} + {split[-1]} layers (PP {plan.pp} does not divide "
+            f"{plan.model.num_layers}: uneven stages, the fullest one sets the pace)"]
 
 
 def build_parser() -> argparse.ArgumentParser:
