@@ -176,9 +176,13 @@ def _actor_rows(plan: Plan) -> list[str]:
 def _host_rows(plan: Plan) -> list[str]:
     convert, convert_formula = host.converter_peak_bytes(plan.model, plan.tp)
     export, export_formula = host.export_transient_bytes(plan.model, plan.tp, pp=plan.pp, ep=plan.ep)
+    restart = host.restart_copy_bytes(plan.model)
+    leaders = max(1, plan.gpus_per_node // plan.rollout_tp)
     return [
         f"  convert (1 proc.) {_gib(convert)}  peak RSS of `megatron-dapo convert` either way: {convert_formula}",
         f"  weight export     {_gib(export)}  per actor rank, on its device, on top of its weights: {export_formula}",
+        f"  engine restarts   {_gib(restart)}  host memory per engine leader while rollout.max_engine_restarts > 0: "
+        f"N x 2 B, one reused copy; x {leaders} leader(s) per node = {restart * leaders / GIB:.2f} GiB",
     ]
 
 
@@ -211,7 +215,7 @@ def format_plan(plan: Plan) -> str:
         f"  rollout phase     {_gib(plan.rollout_phase_bytes)}  actor model states + engine + overhead: "
         f"{'fits' if plan.rollout_fits else 'DOES NOT FIT'}",
         "",
-        "conversion and weight export (benchmarks/scale.py measured both at these shapes, 2 layers, on CPU)",
+        "host memory: conversion and weight export (benchmarks/scale.py measured both at these shapes, 2 layers, on CPU), restarts",
         *_host_rows(plan),
         "",
         f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'} on {hw.mem_gib:g} GiB GPUs",
