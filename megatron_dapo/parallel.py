@@ -279,7 +279,7 @@ def initialize_model_parallel(
         seed: base random seed.
         num_attention_heads: if given, checked to be divisible by tp.
         num_query_groups: if given (KV heads), checked to be divisible by tp.
-        num_layers: if given, checked to be divisible by pp.
+        num_layers: if given, checked to be at least pp (uneven stages where pp does not divide it).
         ep: expert-parallel size (MoE models); ep * etp must divide world / pp.
         etp: expert tensor-parallel size; None = tp (megatron's default).
         num_experts: if given, checked to be divisible by ep.
@@ -394,10 +394,10 @@ def validate_layout(
             f"num_key_value_heads={num_query_groups} is not divisible by tp={tp}; "
             f"pick tp among the divisors of {num_query_groups}"
         )
-    if num_layers is not None and num_layers % pp != 0:
+    if num_layers is not None and num_layers < pp:
         raise ValueError(
-            f"num_hidden_layers={num_layers} is not divisible by pp={pp}; "
-            f"pick pp among the divisors of {num_layers}"
+            f"num_hidden_layers={num_layers} is fewer than the pp={pp} pipeline stages; use pp <= {num_layers} "
+            "(a pp that does not divide the layers gives uneven stages: models/stages.py)"
         )
 
 

@@ -167,7 +167,8 @@ class MegatronActor:
         # TP shards (which the optimizer's grad norm relies on) either way.
         # What a second model of the same layout (the frozen reference) is built with.
         self.model_build_kwargs = {"dtype": optimizer_config.params_dtype, "use_te": use_te,
-                                   "sequence_parallel": sequence_parallel, "cp_comm_type": cp_comm_type}
+                                   "sequence_parallel": sequence_parallel, "cp_comm_type": cp_comm_type,
+                                   "routing_replay": routing_replay != "off"}
         model = adapter.build_model(dims, recompute=recompute, init_weights=hf_checkpoint is None,
                                     **self.model_build_kwargs)
         if hf_checkpoint is not None:

@@ -179,8 +179,9 @@ class Config:
                f"={tp} does not divide num_attention_heads={heads} of {where}; use one of {_divisors(heads)}")
         _check(kv_heads % tp == 0, "parallel.tensor_model_parallel_size",
                f"={tp} does not divide num_key_value_heads={kv_heads} of {where}; use one of {_divisors(kv_heads)}")
-        _check(layers % pp == 0, "parallel.pipeline_model_parallel_size",
-               f"={pp} does not divide num_layers={layers} of {where}; use one of {_divisors(layers)}")
+        _check(layers >= pp, "parallel.pipeline_model_parallel_size",
+               f"={pp} is more stages than the {layers} layers of {where}; use at most {layers} (a size that "
+               "does not divide the layers gives uneven stages)")
 
     def check_world_size(self, world_size: int, source: str) -> int:
         """Validate the launcher's world size against the layout; returns the data-parallel size.

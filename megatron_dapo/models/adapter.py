@@ -24,6 +24,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dapo import stages
 from megatron_dapo.errors import UserError
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
@@ -56,6 +57,7 @@ class ModelAdapter(Protocol):
         cp_comm_type: str = "p2p",
         ep: int = 1,
         etp: int | None = None,
+        fusions: dict[str, bool] | None = None,
     ) -> TransformerConfig: ...
 
     def layer_spec(self, use_te: bool) -> ModuleSpec: ...
@@ -72,6 +74,7 @@ class ModelAdapter(Protocol):
         init_weights: bool = True,
         sequence_parallel: bool = False,
         cp_comm_type: str = "p2p",
+        routing_replay: bool = False,
     ) -> GPTModel: ...
 
     def load_hf(self, model: Any, checkpoint: HFCheckpoint | str | Path, dims: ParallelDims) -> None: ...
@@ -178,35 +181,49 @@ def choose_transformer_impl(setting: str) -> bool:
     return usable
 
 
-FUSION_FLAGS = ("apply_rope_fusion", "gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion")
+FUSION_FLAGS = ("apply_rope_fusion", "gradient_accumulation_fusion", "bias_activation_fusion", "bias_dropout_fusion",
+                "moe_permute_fusion", "moe_router_fusion")
 """The TransformerConfig kernel fusions :func:`kernel_fusions` decides."""
 
 
-def kernel_fusions(*, use_te: bool, apex_wgrad: bool, triton: bool) -> dict[str, bool]:
+def kernel_fusions(*, use_te: bool, apex_wgrad: bool, triton: bool, moe: bool = False,
+                   routing_replay: bool = False) -> dict[str, bool]:
     """TransformerConfig fusion flags for the layer spec in use (read in megatron-core 0.16.1).
 
     Only the TE spec (so a GPU) gets any; the CPU and the local GPU spec keep megatron's
-    unfused defaults, the paths the CPU tests and the H100 run checked.
+    unfused defaults, the paths the CPU tests and the H100 run checked. They are passed to
+    TransformerConfig's constructor (transformer_config), so its __post_init__ checks them: set
+    afterwards, as before issue 39, a flag its machine could not run skipped those checks.
 
-    - apply_rope_fusion: TE's fused RoPE; TransformerConfig refuses it when rope_utils
-      could not import it from TE.
-    - gradient_accumulation_fusion: TE's linears fuse the wgrad GEMM into main_grad on their
-      own, but the output layer is megatron's ColumnParallelLinear, which raises without
-      apex's fused_weight_gradient_mlp_cuda.
+    - apply_rope_fusion: TE's fused RoPE kernel (one kernel for the rotation of q and k instead
+      of several elementwise ops); TransformerConfig refuses it when rope_utils could not
+      import it from TE.
+    - gradient_accumulation_fusion: the weight-gradient GEMM accumulates straight into the
+      fp32 main_grad (no bf16 gradient tensor, no separate add). megatron passes the flag to
+      TE's linears too (`fuse_wgrad_accumulation=config.gradient_accumulation_fusion`,
+      extensions/transformer_engine.py), so without apex's fused_weight_gradient_mlp_cuda, which
+      megatron's own ColumnParallelLinear (the output layer) needs for it, no linear fuses it.
     - bias_activation_fusion (SwiGLU: bias_swiglu_impl, bias or not) and bias_dropout_fusion
-      (bias_dropout_add_fused_train): megatron's jit_fuser, torch.compile, whose CUDA
-      kernels need triton.
+      (bias_dropout_add_fused_train): megatron's jit_fuser, torch.compile, whose CUDA kernels
+      need triton; fewer memory round trips per layer.
+    - moe_permute_fusion (MoE): TE's fused token permute/unpermute around the experts (TE >= 2.1,
+      our floor is 2.8); TransformerConfig refuses it when TE's kernels are missing.
+    - moe_router_fusion (MoE): TE's fused top-k + softmax + aux-loss scores (TE >= 2.7), only
+      without routing replay, which replaces the router's top-k with the recorded routes.
 
     Args:
         use_te: the model uses the Transformer Engine layer spec (CUDA present).
         apex_wgrad: apex's fused_weight_gradient_mlp_cuda extension imports.
         triton: triton imports.
+        moe: the model has MoE layers.
+        routing_replay: algorithm.routing_replay is on.
 
     Returns:
         Every name of FUSION_FLAGS with its value.
     """
     return {"apply_rope_fusion": use_te, "gradient_accumulation_fusion": use_te and apex_wgrad,
-            "bias_activation_fusion": use_te and triton, "bias_dropout_fusion": use_te and triton}
+            "bias_activation_fusion": use_te and triton, "bias_dropout_fusion": use_te and triton,
+            "moe_permute_fusion": use_te and moe, "moe_router_fusion": use_te and moe and not routing_replay}
 
 
 def unwrap_model(model: Any) -> GPTModel:
@@ -297,6 +314,7 @@ class DecoderAdapter:
         cp_comm_type: str = "p2p",
         ep: int = 1,
         etp: int | None = None,
+        fusions: dict[str, bool] | None = None,
     ) -> TransformerConfig:
         """Megatron TransformerConfig that reproduces the HF model.
 
@@ -311,6 +329,7 @@ class DecoderAdapter:
                 or "a2a+p2p" (TE's names).
             ep: expert-parallel size (MoE models).
             etp: expert tensor-parallel size; None = tp (megatron's default).
+            fusions: kernel fusion flags (kernel_fusions); None = none, megatron's defaults.
 
         Returns:
             The TransformerConfig.
@@ -335,7 +354,9 @@ class DecoderAdapter:
         if hf.qk_norm:
             family_kwargs["qk_layernorm"] = True
         return TransformerConfig(
+            **(fusions or {}),  # in the constructor, so that __post_init__ checks them
             num_layers=hf.num_layers,
+            **stages.megatron_split(hf.num_layers, pp),  # uneven stages where pp does not divide the layers
             hidden_size=hf.hidden_size,
             ffn_hidden_size=hf.intermediate_size,
             num_attention_heads=hf.num_attention_heads,
@@ -413,7 +434,7 @@ class DecoderAdapter:
         Returns:
             A layer ModuleSpec or a TransformerBlock ModuleSpec.
         """
-        per_stage = self.hf.num_layers // dims.pp
+        per_stage = stages.stage_layers(self.hf.num_layers, dims.pp)[dims.pp_rank]
         if not self.hf.is_moe:
             spec = self.layer_spec(use_te)
             if config.sequence_parallel and not use_te:
@@ -426,7 +447,7 @@ class DecoderAdapter:
         )
 
         dense, sparse = self.layer_spec(use_te), self.layer_spec(use_te, moe=True)
-        first = dims.pp_rank * per_stage
+        first = stages.first_layer(self.hf.num_layers, dims.pp, dims.pp_rank)
         layers = [sparse if i in self.hf.moe_layers else dense for i in range(first, first + per_stage)]
         if config.sequence_parallel and not use_te:
             return _local_block_spec(layers, config)
@@ -452,6 +473,7 @@ class DecoderAdapter:
         init_weights: bool = True,
         sequence_parallel: bool = False,
         cp_comm_type: str = "p2p",
+        routing_replay: bool = False,
     ) -> GPTModel:
         """Build this pipeline stage's GPTModel on dims.device.
 
@@ -466,14 +488,12 @@ class DecoderAdapter:
             sequence_parallel: Megatron sequence parallelism (dims.tp > 1); every input's
                 sequence length must then be a multiple of dims.tp.
             cp_comm_type: see transformer_config.
+            routing_replay: routes are replayed (no fused router: kernel_fusions).
 
         Returns:
             The GPTModel of stage dims.pp_rank (embedding on the first stage, output layer on the last).
         """
-        if self.hf.num_layers % dims.pp != 0:
-            raise ValueError(
-                f"num_hidden_layers={self.hf.num_layers} is not divisible by pp={dims.pp}; pick pp among its divisors"
-            )
+        stages.stage_layers(self.hf.num_layers, dims.pp)  # a stage of no layer is refused here
         for name, value in (
             ("num_attention_heads", self.hf.num_attention_heads),
             ("num_key_value_heads", self.hf.num_kv_heads),
@@ -482,16 +502,15 @@ class DecoderAdapter:
                 raise ValueError(
                     f"{name}={value} is not divisible by tp={dims.tp}; pick tp among its divisors"
                 )
-        config = self.transformer_config(dtype=dtype, tp=dims.tp, pp=dims.pp, recompute=recompute,
-                                         sequence_parallel=sequence_parallel, cp=dims.cp, cp_comm_type=cp_comm_type,
-                                         ep=dims.ep, etp=dims.etp)
-        config.perform_initialization = init_weights
         use_te = te_available() if use_te is None else use_te
         fusions = kernel_fusions(use_te=use_te,
                                  apex_wgrad=importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
-                                 triton=importlib.util.find_spec("triton") is not None)
-        for flag, value in fusions.items():
-            setattr(config, flag, value)
+                                 triton=importlib.util.find_spec("triton") is not None,
+                                 moe=self.hf.is_moe, routing_replay=routing_replay)
+        config = self.transformer_config(dtype=dtype, tp=dims.tp, pp=dims.pp, recompute=recompute,
+                                         sequence_parallel=sequence_parallel, cp=dims.cp, cp_comm_type=cp_comm_type,
+                                         ep=dims.ep, etp=dims.etp, fusions=fusions)
+        config.perform_initialization = init_weights
         if self.hf.is_moe:
             config.moe_grouped_gemm = use_te  # TEGroupedMLP on the TE spec, SequentialMLP on the local one
             ensure_router_fallback()

@@ -17,6 +17,10 @@ and the formulas below are what those measurements follow (docs/benchmarks.md ha
   is gathered: a receiver holds the largest tensor it gets whole (another stage's, another EP
   rank's expert), and nothing at PP 1 x EP 1. The controller also holds one bucket
   (rollout.update_weights_bucket_megabytes).
+- **Engine restarts** (rollout.max_engine_restarts > 0, colocated SGLang): each engine's leader
+  rank keeps the last sync's full weights in host buffers reused by every sync (pinned beside a
+  GPU; rollout/sglang/colocated.py), so a restarted server reloads them: N x 2 B per leader, one
+  copy (before issue 39 a fresh copy was made at each sync while the last one was kept: two).
 """
 
 from __future__ import annotations
@@ -93,3 +97,8 @@ def export_transient_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2, *
         held.append(2 * dims.moe_intermediate_size * dims.hidden_size * bytes_per_param)  # one expert's fc1
     formula = "TP 1: the largest tensor received whole (other stages' V x h or fc1, another rank's expert) x 2 B"
     return max(held, default=0), formula
+
+
+def restart_copy_bytes(dims: ModelDims, bytes_per_param: int = 2) -> int:
+    """Host bytes an engine leader keeps for restarts: one copy of the whole model (all experts)."""
+    return dims.num_params() * bytes_per_param

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from megatron_dapo.config import Config, ConfigError, ParallelConfig
 from megatron_dapo.plan.dims import ModelDims
+from megatron_dapo.stages import stage_layers
 
 GIB = 1024**3
 
@@ -188,19 +189,20 @@ def stage_params(dims: ModelDims, tp: int, pp: int, padded_vocab: int, ep: int =
                  etp: int | None = None) -> list[StageParams]:
     """Parameters held by one GPU of each pipeline stage.
 
-    Layers split evenly over stages. A layer's attention and MLP matrices (and QKV biases,
+    Layers split over stages as models/stages.py splits them (evenly where PP divides them). A layer's attention and MLP matrices (and QKV biases,
     a shared expert) split over TP; its norms, QK-norms and router are replicated on every
     TP rank; a sparse layer's E routed experts split E/EP per rank, each over ETP. Stage 0
     adds the embedding (V_pad x h / TP), the last stage the output layer (V_pad x h / TP,
     a copy even when tied and PP > 1) and the final norm. With PP = 1 one GPU holds all of that.
     """
     etp = tp if etp is None else etp
-    h, per_stage = dims.hidden_size, dims.num_layers // pp
+    h, layers = dims.hidden_size, stage_layers(dims.num_layers, pp)
     sparse_layers = set(dims.moe_layers) if dims.is_moe else set()
     emb = padded_vocab * h // tp
     out = []
     for stage in range(pp):
-        sparse = sum(1 for i in range(stage * per_stage, (stage + 1) * per_stage) if i in sparse_layers)
+        per_stage, first = layers[stage], sum(layers[:stage])
+        sparse = sum(1 for i in range(first, first + per_stage) if i in sparse_layers)
         dense = (per_stage - sparse) * ((dims.attention_params() + dims.mlp_params(False)) // tp
                                         + dims.replicated_params(False))
         dense += sparse * ((dims.attention_params() + dims.mlp_params(True)) // tp + dims.replicated_params(True))
@@ -381,11 +383,16 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
     # released its memory; while it generates, the actor's model states stay resident (no CPU offload).
     engine_weights = dims.num_params() * 2 / rtp
     kv_per_tok = kv_bytes_per_token(dims, rtp)
-    engine_static = r.gpu_memory_utilization * gpu_bytes
+    engine_static = engine_static_bytes(r.engine, r.gpu_memory_utilization, gpu_bytes, states + overhead)
     kv_tokens = max(0, int((engine_static - engine_weights) // kv_per_tok))
     train_phase = states + activations + logits + chunk + dispatch + overhead
     rollout_phase = states + engine_static + overhead
-    if kv_tokens < max_seq:
+    if engine_static <= engine_weights and r.engine == "sglang":
+        warnings.append(f"SGLang would refuse to start (\"Loaded weights leave no GPU memory for the KV cache\"): "
+                        f"{r.gpu_memory_utilization} x the {(gpu_bytes - states - overhead) / GIB:.1f} GiB free next to "
+                        f"the actor is below its {engine_weights / GIB:.1f} GiB of weights; raise "
+                        "rollout.gpu_memory_utilization or rollout.tensor_model_parallel_size")
+    elif kv_tokens < max_seq:
         warnings.append(f"the KV cache holds {kv_tokens} tokens per engine, less than one {max_seq}-token "
                         "sequence: raise rollout.gpu_memory_utilization or rollout.tensor_model_parallel_size")
 
@@ -406,6 +413,43 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
     )
     plan.timing = _timing(cfg, plan)
     return plan
+
+
+def engine_static_bytes(engine: str, fraction: float, gpu_bytes: float, resident_bytes: float) -> float:
+    """Per GPU, what a colocated engine takes for its weights and KV cache at start.
+
+    SGLang (read in sglang 0.5.23, mem_cache/kv_cache_configurator._profile_available_bytes and
+    distributed/bootstrap.measure_pre_model_load_memory): it measures the memory *free* before its
+    weights load (`pre`), and after loading keeps `free_now - pre x (1 - mem_fraction_static)` for
+    the KV pool, so weights + pool = mem_fraction_static x pre. The actor's model states, its CUDA
+    context and NCCL buffers are resident when the engines start (they start after the actor is
+    built), so pre = GPU - those, and memory another process holds shrinks the pool by the
+    fraction of it. vLLM budgets a fraction of the GPU's total (`--gpu-memory-utilization`).
+
+    Args:
+        engine: rollout.engine.
+        fraction: rollout.gpu_memory_utilization (SGLang's --mem-fraction-static).
+        gpu_bytes: the GPU's memory.
+        resident_bytes: what the actor process holds when the engine starts (states + overhead).
+    """
+    if engine == "sglang":
+        return fraction * max(0.0, gpu_bytes - resident_bytes)
+    return fraction * gpu_bytes
+
+
+def sglang_kv_pool_tokens(fraction: float, free_at_start: float, weights: float, cell_bytes: int,
+                          page_size: int = 1) -> int:
+    """SGLang 0.5.23's `max_total_num_tokens` on one GPU (0 = it refuses to start).
+
+    rest = free_after_load - free_at_start x (1 - f), free_after_load = free_at_start - weights
+    (kv_cache_configurator.py, _profile_available_bytes); tokens = rest // cell, down to a whole
+    page (pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes). `cell_bytes` is
+    layers x max(1, kv_heads / attn TP) x (head_dim + v_head_dim) x dtype bytes.
+    """
+    rest = (free_at_start - weights) - free_at_start * (1 - fraction)
+    if rest <= 0:
+        return 0
+    return int(rest // cell_bytes) // page_size * page_size
 
 
 def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:

@@ -34,6 +34,7 @@ from megatron_dapo.plan import host
 from megatron_dapo.plan.dims import EMBEDDED_VOCAB_SIZE, resolve_model
 from megatron_dapo.plan.model import GIB, GPUS, Assumptions, Hardware, Plan, check_expert_layout, make_plan
 from megatron_dapo.plan.search import format_search, search_layouts
+from megatron_dapo.stages import stage_layers
 
 __all__ = ["build_parser", "expert_rank_coords", "format_layout", "format_plan", "main", "rank_coords", "rank_groups",
            "run"]
@@ -175,9 +176,13 @@ def _actor_rows(plan: Plan) -> list[str]:
 def _host_rows(plan: Plan) -> list[str]:
     convert, convert_formula = host.converter_peak_bytes(plan.model, plan.tp)
     export, export_formula = host.export_transient_bytes(plan.model, plan.tp, pp=plan.pp, ep=plan.ep)
+    restart = host.restart_copy_bytes(plan.model)
+    leaders = max(1, plan.gpus_per_node // plan.rollout_tp)
     return [
         f"  convert (1 proc.) {_gib(convert)}  peak RSS of `megatron-dapo convert` either way: {convert_formula}",
         f"  weight export     {_gib(export)}  per actor rank, on its device, on top of its weights: {export_formula}",
+        f"  engine restarts   {_gib(restart)}  host memory per engine leader while rollout.max_engine_restarts > 0: "
+        f"N x 2 B, one reused copy; x {leaders} leader(s) per node = {restart * leaders / GIB:.2f} GiB",
     ]
 
 
@@ -191,6 +196,7 @@ def format_plan(plan: Plan) -> str:
         f"layout: {plan.nodes} nodes x {plan.gpus_per_node} GPUs = {plan.world_size}; actor TP {plan.tp} PP {plan.pp} "
         f"CP {plan.cp} DP {plan.dp}{experts}; rollout engines TP {plan.rollout_tp} x "
         f"{plan.world_size // plan.rollout_tp}",
+        *_stage_rows(plan),
         f"GPU: {hw.name}, {hw.mem_gib:g} GiB",
         "",
         "actor, per GPU (fullest pipeline stage)",
@@ -204,11 +210,12 @@ def format_plan(plan: Plan) -> str:
         + (" (all experts)" if m.is_moe else ""),
         f"  KV per token      {plan.kv_bytes_per_token:>8,} B    2 x L x max(1, kv_heads/TP) x d x 2 B",
         f"  KV capacity       {plan.kv_tokens:>8,} tokens per engine = {plan.kv_tokens // plan.max_sequence_tokens} "
-        f"sequences of {plan.max_sequence_tokens} (mem_fraction x GPU - weights) / KV per token",
-        f"  rollout phase     {_gib(plan.rollout_phase_bytes)}  actor model states + mem_fraction x GPU + overhead: "
+        f"sequences of {plan.max_sequence_tokens} (mem_fraction x free at start - weights) / KV per token",
+        "                    (SGLang sizes from the memory free when it starts: GPU - actor states - overhead)",
+        f"  rollout phase     {_gib(plan.rollout_phase_bytes)}  actor model states + engine + overhead: "
         f"{'fits' if plan.rollout_fits else 'DOES NOT FIT'}",
         "",
-        "conversion and weight export (benchmarks/scale.py measured both at these shapes, 2 layers, on CPU)",
+        "host memory: conversion and weight export (benchmarks/scale.py measured both at these shapes, 2 layers, on CPU), restarts",
         *_host_rows(plan),
         "",
         f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'} on {hw.mem_gib:g} GiB GPUs",
@@ -223,6 +230,16 @@ def format_plan(plan: Plan) -> str:
 
 
 # ------------------------------------------------------------------------------- CLI
+
+
+def _stage_rows(plan: Plan) -> list[str]:
+    """The pipeline split, when PP does not divide the layers (megatron_dapo/stages.py chooses it)."""
+    split = stage_layers(plan.model.num_layers, plan.pp)
+    if len(set(split)) == 1:
+        return []
+    middle = f" + {len(split) - 2} x {split[1]}" if len(split) > 2 else ""
+    return [f"pipeline stages: {split[0]}{middle} + {split[-1]} layers (PP {plan.pp} does not divide "
+            f"{plan.model.num_layers}: uneven stages, the fullest one sets the pace)"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,7 +1,7 @@
 """HF -> Megatron (2 processes under torchrun) -> HF through the two tools is bit-exact, and bad
 checkpoints fail with one line and exit code 2.
 
-Qwen2 (untied, qkv bias) is written at TP=2, Llama (tied embeddings) at PP=2; both are
+Qwen2 (untied, qkv bias) is written at TP=2, Llama (tied embeddings, 3 layers: uneven stages) at PP=2; both are
 exported by one process (TP=1), so the export also reshards, and vocab_size=100 makes the
 TP=2 checkpoint's padded vocab (256 rows) differ from TP=1's default (128).
 """
@@ -51,8 +51,8 @@ def _run(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
 
 
-def _hf(root: Path, family: str, tied: bool) -> Path:
-    path = make_tiny_checkpoint(root / f"{family}_hf", family, num_layers=2, tie_word_embeddings=tied, seed=3)
+def _hf(root: Path, family: str, tied: bool, num_layers: int = 2) -> Path:
+    path = make_tiny_checkpoint(root / f"{family}_hf", family, num_layers=num_layers, tie_word_embeddings=tied, seed=3)
     for name, text in TOKENIZER_FILES.items():
         (path / name).write_text(text)
     return path
@@ -63,8 +63,9 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     """{family: (hf_dir, mcore_dir)} converted by the tool with two processes."""
     root = tmp_path_factory.mktemp("convert")
     out = {}
-    for family, tied, layout in (("qwen2", False, ["--tp", "2"]), ("llama", True, ["--pp", "2"])):
-        hf = _hf(root, family, tied)
+    # Llama has 3 layers: PP=2 writes uneven stages, 2 + 1 (megatron_dapo/stages.py).
+    for family, tied, layout, layers in (("qwen2", False, ["--tp", "2"], 2), ("llama", True, ["--pp", "2"], 3)):
+        hf = _hf(root, family, tied, layers)
         mcore = root / f"{family}_mcore"
         proc = _run([str(TO_MCORE), "--hf", str(hf), "--out", str(mcore), *layout], nproc=2)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,5 +1,5 @@
 """tools/check_parity.py under torchrun at TP=2 and PP=2, and for Qwen3-MoE at EP=2, TP2 x EP2 and PP2 x EP2
-(issue 25), and its exit codes."""
+(issue 25), and its exit codes. The PP=2 cases use 3-layer models: uneven stages, 2 + 1 (issue 39)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("parity_tool")
     return {
         "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2", seed=3),
-        "llama_tied": make_tiny_checkpoint(root / "llama", "llama", tie_word_embeddings=True, seed=4),
+        # 3 layers: PP=2 splits them 2 + 1 (megatron_dapo/stages.py).
+        "llama_tied": make_tiny_checkpoint(root / "llama", "llama", num_layers=3, tie_word_embeddings=True, seed=4),
         "qwen3_moe": make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=5),
+        "qwen3_moe_3": make_tiny_checkpoint(root / "qwen3_moe_3", "qwen3_moe", num_layers=3, seed=6),
     }
 
 
@@ -62,7 +64,8 @@ def test_torchrun_two_ranks_pass(tiny: dict[str, Path], family: str, tp: int, pp
                          ids=["ep2", "tp2xep2", "pp2xep2"])
 def test_torchrun_moe_expert_parallel_pass(tiny: dict[str, Path], nproc: int, tp: int, pp: int, ep: int) -> None:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
-    proc = _run([*torchrun, str(TOOL), "--hf-checkpoint", str(tiny["qwen3_moe"]), "--tp", str(tp), "--pp", str(pp),
+    model = tiny["qwen3_moe_3" if pp > 1 else "qwen3_moe"]  # uneven stages at PP=2
+    proc = _run([*torchrun, str(TOOL), "--hf-checkpoint", str(model), "--tp", str(tp), "--pp", str(pp),
                  "--ep", str(ep), "--num-tokens", "16"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     match = re.search(r"PASS tp=(\d) pp=(\d) ep=(\d) .* = (\S+) ", proc.stdout)

@@ -17,17 +17,20 @@ tests/sglang_cpu/test_sglang_train.py, which kills a real one mid-generation):
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 import pytest
 from dist_utils import run_distributed
 from test_rollout_colocated_sync import SHAPES, _describe, _export, _FakeServer
+from test_rollout_colocated_sync import _tensors as _export_tensors
 
 pytestmark = pytest.mark.multirank
 
 
 def _scenario() -> dict[str, Any]:
+    import torch
     import torch.distributed as dist
 
     from megatron_dapo.rollout.engine import EngineRestartsExhausted
@@ -67,7 +70,15 @@ def _scenario() -> dict[str, Any]:
     engines = ColocatedEngines.create(placement, rank=rank, local_rank=rank, start_engine=start, make_client=client,
                                       serializer=_describe, weight_format="tensors", max_restarts=2)
     out: dict[str, Any] = {"restartable": [bool(c.restartable) for c in engines.clients]}
-    engines.sync_weights(_export(), bucket_bytes=16 * 1024, version=7)
+    engines.sync_weights(_export(), bucket_bytes=16 * 1024, version=6)
+    buffers = {name: t.data_ptr() for name, t in engines._host_buffers.items()}
+    # A second sync reuses the leader's host buffers (one copy of the weights, not two at the peak).
+    engines.sync_weights(((name, t * 2) for name, t in _export()), bucket_bytes=16 * 1024, version=7)
+    if engines._restart_server is not None:
+        out["buffers_reused"] = buffers == {name: t.data_ptr() for name, t in engines._host_buffers.items()}
+        out["kept_is_second_sync"] = all(torch.equal(t, dict(_export_tensors())[name] * 2)
+                                         for bucket in engines._kept for name, t in bucket)
+        out["kept_bytes"] = sum(t.numel() * t.element_size() for t in engines._host_buffers.values())
     synced = len(servers[0].requests)
 
     # 1. The controller asks; rank 1 serves from its thread while its main thread waits here.
@@ -121,6 +132,8 @@ def test_the_owner_restarts_its_server_for_the_controller_and_at_the_resume() ->
     assert controller["restartable"] == [True, True]
     # Served by rank 1: one relaunch, then every kept tensor once and the version of the last sync.
     assert owner["relaunches_after_request"] == [owner["relaunches_after_request"][0]]
+    assert owner["buffers_reused"] and owner["kept_is_second_sync"]
+    assert owner["kept_bytes"] == sum(math.prod(shape) * 4 for shape in SHAPES.values())
     reload = owner["reload"]
     sent = [tensor[0] for path, body in reload if path == "/update_weights_from_tensor"
             for tensor in json.loads(body["serialized_named_tensors"][0])["tensors"]]

@@ -52,9 +52,10 @@ BAD_CONFIGS = [
     ("parallel: {tensor_model_parallel_size: 4}", [],
      "{f}: parallel.tensor_model_parallel_size=4 does not divide num_key_value_heads=2 of model.scratch; "
      "use one of [1, 2]"),
-    ("parallel: {pipeline_model_parallel_size: 3}", [],
-     "{f}: parallel.pipeline_model_parallel_size=3 does not divide num_layers=4 of model.scratch; "
-     "use one of [1, 2, 4]"),
+    # PP 3 of 4 layers is uneven stages (2 + 1 + 1 ... stages.py), not an error; 5 stages of 4 layers is.
+    ("parallel: {pipeline_model_parallel_size: 5}", [],
+     "{f}: parallel.pipeline_model_parallel_size=5 is more stages than the 4 layers of model.scratch; use at most 4 "
+     "(a size that does not divide the layers gives uneven stages)"),
     ("parallel: {tensor_model_parallel_size: 0}", [],
      "{f}: parallel.tensor_model_parallel_size=0: must be >= 1"),
     ("parallel: {sequence_parallel: true}", [],

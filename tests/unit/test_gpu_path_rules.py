@@ -135,6 +135,32 @@ def test_kernel_fusions_follow_what_each_needs(use_te, apex_wgrad, triton, on):
     fusions = kernel_fusions(use_te=use_te, apex_wgrad=apex_wgrad, triton=triton)
     assert set(fusions) == set(FUSION_FLAGS)
     assert {flag for flag, value in fusions.items() if value} == on
+    # MoE: TE's fused permutation, and its fused router unless routes are replayed.
+    moe = {flag for flag, value in kernel_fusions(use_te=use_te, apex_wgrad=apex_wgrad, triton=triton,
+                                                   moe=True).items() if value}
+    assert moe == on | ({"moe_permute_fusion", "moe_router_fusion"} if use_te else set())
+    replay = kernel_fusions(use_te=use_te, apex_wgrad=apex_wgrad, triton=triton, moe=True, routing_replay=True)
+    assert not replay["moe_router_fusion"] and replay["moe_permute_fusion"] == use_te
+
+
+def test_fusion_flags_reach_the_constructor_and_its_checks():
+    """Issue 39: flags set on the config after __post_init__ skipped megatron-core's own checks. Passed
+    to the constructor, a fusion this machine cannot run is refused there (TE's fused permutation,
+    absent without TE). kernel_fusions never asks for it without TE."""
+    import torch
+
+    from megatron_dapo.models import adapter_for
+
+    adapter = adapter_for({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"],
+                           "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                           "vocab_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+                           "moe_intermediate_size": 16, "max_position_embeddings": 64})
+    assert adapter.transformer_config(dtype=torch.float32, tp=1, pp=1, fusions={"moe_permute_fusion": False})
+    # megatron-core 0.16.1 without TE: moe_utils has no fused kernels to import (ImportError), with an
+    # older TE they are None (ValueError "fused permutation is not available").
+    with pytest.raises((ImportError, ValueError), match=r"fused_permute|fused permutation"):
+        adapter.transformer_config(dtype=torch.float32, tp=1, pp=1, fusions={"moe_permute_fusion": True})
 
 
 @pytest.mark.parametrize(("packed", "use_te", "cp", "device_type", "on"), [

@@ -77,12 +77,14 @@ def test_32b_example_fits_on_80gb_at_tp8_pp2() -> None:
     # KV cache: 2 (K, V) x 64 layers x 8 kv heads / 8 GPUs x 128 x 2 bytes.
     assert plan.kv_bytes_per_token == 2 * 64 * 1 * 128 * 2 == 32_768
     weights = 32_763_876_352 * 2 / 8
-    assert plan.kv_tokens == int((0.7 * 80 * GIB - weights) // 32_768) == 1_585_039
+    # SGLang keeps 0.7 of the memory free when it starts (80 GiB - the actor's states - 4 GiB overhead).
+    free_at_start = 80 * GIB - local * 7.5 - 4 * GIB
+    assert plan.kv_tokens == int((0.7 * free_at_start - weights) // 32_768) == 1_165_106
     train = local * 7.5 + recompute + plan.logits_bytes + 3 * 1024 * 152_576 / 8 * 4 + 4 * GIB
     assert plan.train_phase_bytes == pytest.approx(train, rel=1e-12)
     assert round(plan.train_phase_bytes / GIB, 2) == 24.58
-    assert plan.rollout_phase_bytes == local * 7.5 + 0.7 * 80 * GIB + 4 * GIB
-    assert round(plan.rollout_phase_bytes / GIB, 2) == 74.31
+    assert plan.rollout_phase_bytes == local * 7.5 + 0.7 * free_at_start + 4 * GIB
+    assert round(plan.rollout_phase_bytes / GIB, 2) == 61.49
     assert plan.train_fits and plan.rollout_fits and plan.fits
 
 
@@ -381,3 +383,33 @@ def test_plan_help_through_the_cli(flag: str) -> None:
     bare = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "plan"], text=True, capture_output=True,
                           timeout=120, cwd=REPO)
     assert bare.returncode == 2 and "(see megatron-dapo plan --help)" in bare.stderr
+
+
+def test_the_sglang_kv_pool_is_sized_as_sglang_sizes_it() -> None:
+    """sglang 0.5.23 (mem_cache/kv_cache_configurator._profile_available_bytes): the pool is
+    free_after_load - free_at_start x (1 - f), in whole cells and pages; memory another process
+    holds when the server starts shrinks it by f of itself. The planner used f x total memory,
+    which for the MoE recipe was five times what SGLang would allocate (issue 39, item 5)."""
+    from megatron_dapo.plan.model import Assumptions, engine_static_bytes, sglang_kv_pool_tokens
+
+    # 80 GiB GPU, 30 GiB held by the actor, f = 0.7, 16 GiB of weights, 128 KiB per token:
+    # pre = 50, after load 34, slack 50 x 0.3 = 15, rest 19 GiB = 155,648 tokens.
+    assert sglang_kv_pool_tokens(0.7, 50 * GIB, 16 * GIB, 128 * 1024) == 155_648
+    assert sglang_kv_pool_tokens(0.7, 50 * GIB, 16 * GIB, 128 * 1024, page_size=1000) == 155_000
+    # Another 10 GiB held at start: 7 GiB (f x 10) fewer in the pool.
+    assert abs(sglang_kv_pool_tokens(0.7, 40 * GIB, 16 * GIB, 128 * 1024) - (155_648 - 7 * 8192)) <= 1
+    assert sglang_kv_pool_tokens(0.3, 50 * GIB, 16 * GIB, 128 * 1024) == 0  # "Loaded weights leave no GPU memory"
+    assert engine_static_bytes("sglang", 0.7, 80 * GIB, 30 * GIB) == 0.7 * 50 * GIB
+    assert engine_static_bytes("vllm", 0.7, 80 * GIB, 30 * GIB) == 0.7 * 80 * GIB
+    for config in (CONFIG_32B, str(REPO / "examples" / "dapo_qwen3_30b_a3b.yaml")):
+        cfg = load_config(config)
+        dims = resolve_model(cfg)
+        plan = make_plan(cfg, dims, nodes=cfg.trainer.nnodes, gpus_per_node=cfg.trainer.n_gpus_per_node or 8,
+                         hardware=H100, assumptions=Assumptions())
+        free_at_start = plan.gpu_bytes - plan.model_state_bytes - Assumptions().overhead_gib * GIB
+        expected = sglang_kv_pool_tokens(cfg.rollout.gpu_memory_utilization, free_at_start,
+                                         plan.rollout_weight_bytes, plan.kv_bytes_per_token)
+        assert abs(plan.kv_tokens - expected) <= 1, (config, plan.kv_tokens, expected)
+        # The recipes' fractions leave a pool of many full-length sequences per engine.
+        assert plan.kv_tokens >= 16 * plan.max_sequence_tokens, (config, plan.kv_tokens)
+        assert plan.rollout_phase_bytes <= plan.gpu_bytes

@@ -49,3 +49,18 @@ def test_export_transient_is_the_largest_tensor_a_receiver_builds() -> None:
     assert host.export_transient_bytes(tied, 1, pp=2, receivers="all")[0] == 152_064 * 5120 * 2
     moe = _dims("Qwen3-30B-A3B", num_hidden_layers=2)
     assert host.export_transient_bytes(moe, 1, ep=8, receivers="controller")[0] == 2 * 768 * 2048 * 2  # one expert
+
+
+def test_the_restart_copy_is_one_model_per_engine_leader() -> None:
+    """Issue 39 item 6: leaders kept two host copies at the peak of every sync (61 GB each for 32B);
+    now one reused copy, which the plan counts per leader and node."""
+    from megatron_dapo.config.loader import load_config
+    from megatron_dapo.plan import GPUS, format_plan, make_plan, resolve_model
+    from megatron_dapo.plan.host import restart_copy_bytes
+
+    cfg = load_config(str(MODEL_CONFIG_DIR.parent / "dapo_qwen3_30b_a3b.yaml"))
+    dims = resolve_model(cfg)
+    assert restart_copy_bytes(dims) == dims.num_params() * 2
+    plan = make_plan(cfg, dims, nodes=4, gpus_per_node=8, hardware=GPUS["h100"])
+    line = [row for row in format_plan(plan).splitlines() if row.startswith("  engine restarts")]
+    assert len(line) == 1 and "x 2 leader(s) per node = 113.74 GiB" in line[0]

@@ -95,9 +95,10 @@ def test_recipe_fits_at_tp2_ep8_by_hand() -> None:
     # SGLang holds all 128 experts of every layer, sharded over its TP 4.
     assert plan.rollout_weight_bytes == 30_532_122_624 * 2 / 4
     assert plan.kv_bytes_per_token == 2 * L * 1 * D * 2  # 4 KV heads / TP 4
-    assert plan.rollout_phase_bytes == states + 0.45 * 80 * GIB + 4 * GIB
+    # SGLang keeps 0.8 of what is free beside the actor when it starts (sglang 0.5.23's sizing).
+    assert plan.rollout_phase_bytes == states + 0.8 * (80 * GIB - states - 4 * GIB) + 4 * GIB
     assert [round(x / GIB, 2) for x in (states, plan.train_phase_bytes, plan.rollout_phase_bytes)] == \
-        [35.26, 58.79, 75.26]
+        [35.26, 58.79, 71.85]
     assert plan.fits
 
 
@@ -236,29 +237,30 @@ def test_expert_rank_groups_match_megatron_rank_generator() -> None:
             assert ours[name] == sorted(gen.get_ranks(key)), (name, tp, pp, ep, etp, world)
 
 
-def test_search_recommends_the_recipes_layout() -> None:
+def test_search_ranks_the_recipes_layout() -> None:
+    """With SGLang's pool sized from the memory free beside the actor (sglang 0.5.23), layouts that
+    leave more of it free generate with more sequences in flight: the search now ranks deeper
+    pipelines first, and the recipe's TP 2 x EP 8 layout (which fits) 43rd. The ranking is the
+    planner's model (decode HBM roofline, MFU 0.35), not a measurement."""
     cfg = load_config(RECIPE)
     dims = resolve_model(cfg)
     fitting, planned = search_layouts(cfg, dims, nodes=4, gpus_per_node=8, hardware=H100)
-    assert planned == 272 and len(fitting) == 135
+    assert planned == 276 and len(fitting) == 153  # 276: PP 32 at TP 1 too (48 layers: uneven stages)
     best = fitting[0]
-    assert (best.tp, best.pp, best.ep, best.etp, best.rollout_tp) == (2, 1, 8, 1, 4)
+    assert (best.tp, best.pp, best.ep, best.etp, best.rollout_tp) == (2, 16, 2, 1, 4)
     assert all(8 % (c.ep * c.etp) == 0 for c in fitting)
     # TP 1 x PP 1 holds 28 GiB of fp32 logits next to 40 GiB of states: never fits.
     assert not [c for c in fitting if (c.tp, c.pp) == (1, 1)]
     assert all(c.plan.fits for c in fitting)
-    report = format_search(fitting, planned, make_plan(cfg, dims, nodes=4, gpus_per_node=8, hardware=H100))
+    recipe = make_plan(cfg, dims, nodes=4, gpus_per_node=8, hardware=H100)
+    assert recipe.fits
+    report = format_search(fitting, planned, recipe)
     lines = report.splitlines()
-    assert lines[1].startswith("  1. TP 2 PP 1 EP 8 ETP 1, rollout TP 4: step 1217 s, train 58.8 GiB, rollout 75.3 GiB")
-    assert lines[1].endswith("<- this config")
-    assert lines[-1] == ("recommended: parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=1 "
-                         "parallel.expert_model_parallel_size=8 parallel.expert_tensor_parallel_size=1 "
+    assert lines[1].startswith("  1. TP 2 PP 16 EP 2 ETP 1, rollout TP 4: step 1019 s")
+    assert "  this config's layout: rank 43 of 153" in lines
+    assert lines[-1] == ("recommended: parallel.tensor_model_parallel_size=2 parallel.pipeline_model_parallel_size=16 "
+                         "parallel.expert_model_parallel_size=2 parallel.expert_tensor_parallel_size=1 "
                          "parallel.sequence_parallel=true rollout.tensor_model_parallel_size=4")
-    # One node cannot hold the actor's states next to SGLang's share: nothing fits, and the report says why.
-    none, planned_one = search_layouts(load_config(RECIPE, ["trainer.nnodes=1"]), dims, nodes=1, gpus_per_node=8,
-                                       hardware=H100)
-    assert none == [] and planned_one > 0
-    assert format_search(none, planned_one, best.plan).startswith(f"layout search: none of {planned_one} layouts fits")
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -278,8 +280,7 @@ def test_dry_run_of_the_moe_script_shows_plan_and_fit() -> None:
     assert "EP groups (4): [0,1,2,3,4,5,6,7] [8,9,10,11,12,13,14,15] [16,17,18,19,20,21,22,23] " \
            "[24,25,26,27,28,29,30,31]" in lines
     assert "verdict: FITS on 80 GiB GPUs" in lines
-    assert any(line.startswith("  1. TP 2 PP 1 EP 8 ETP 1, rollout TP 4") and line.endswith("<- this config")
-               for line in lines)
+    assert "  this config's layout: rank 43 of 153" in lines
 
 
 def test_bundled_config_is_the_model_cards() -> None:

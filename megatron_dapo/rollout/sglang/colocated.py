@@ -240,6 +240,9 @@ class ColocatedEngines:
         self._kept: list[list[tuple[str, torch.Tensor]]] = []  # the last sync's buckets, on the host
         self._kept_version: int | None = None
         self._kept_device: torch.device | None = None
+        # One host buffer per tensor, reused by every sync (pinned beside a GPU): the last sync's
+        # weights for a restart cost one copy of the model per leader, not two at the peak.
+        self._host_buffers: dict[str, torch.Tensor] = {}
         self._released = False
         self._dead = False  # found dead at the release: relaunched at the resume
         self._restart_server = RestartServer(restarts, self.slot.name, self.restart_owned) \
@@ -355,11 +358,13 @@ class ColocatedEngines:
         num_bytes = num_tensors = num_buckets = 0
         keep = self._restart_server is not None
         incoming: list[list[tuple[str, torch.Tensor]]] = []
+        if keep:  # the buffers are rewritten below: until the sync has passed them all, nothing to reload
+            self._kept, self._kept_version = [], None
         for bucket in iter_buckets(named_tensors, bucket_bytes, meter):
             if failure is None:
                 failure = self._send_bucket(bucket)
             if keep:  # what a restart of this leader's server loads (restart_owned)
-                incoming.append([(name, t.detach().to("cpu", copy=True)) for name, t in bucket])
+                incoming.append([(name, self._host_copy(name, t)) for name, t in bucket])
                 self._kept_device = bucket[0][1].device
             num_buckets += 1
             num_tensors += len(bucket)
@@ -369,13 +374,24 @@ class ColocatedEngines:
             if on_cuda:
                 # Blocks shared over IPC wait in torch's limbo until the server let go of them.
                 torch.cuda.ipc_collect()
+        if keep and self._kept_device is not None and self._kept_device.type == "cuda":
+            torch.cuda.current_stream(self._kept_device).synchronize()  # the pinned copies have landed
         if failure is None and self.engine is not None:
             failure = _call(functools.partial(self.engine.finish_weight_update, version=version))
-        if keep and failure is None:
+        if keep:  # complete even when the engine failed: a restart then loads this version
             self._kept, self._kept_version = incoming, version
         self._raise_if_any_failed(failure, "weight sync")
         return WeightSyncStats(num_bytes=num_bytes, num_tensors=num_tensors, num_buckets=num_buckets,
                                seconds=time.perf_counter() - start, peak_bucket_bytes=meter.peak_bytes)
+
+    def _host_copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` copied into this name's reused host buffer (allocated on first use or a new shape)."""
+        buffer = self._host_buffers.get(name)
+        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
+            self._host_buffers[name] = buffer
+        buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
+        return buffer
 
     def _send_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> str | None:
         """Flatten, serialize, gather to the leader, POST, share the outcome in the group; returns the failure."""
