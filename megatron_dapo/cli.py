@@ -114,7 +114,7 @@ def run(argv: list[str] | None, parser: argparse.ArgumentParser | None = None) -
         argv = sys.argv[1:]
     if argv[:1] == ["convert"]:
         # One process streams the checkpoint on the CPU (a torchrun launch uses its GPUs).
-        from megatron_dapo.cpu_process import hide_gpus_for_cpu_work
+        from megatron_dapo.device import hide_gpus_for_cpu_work
 
         hide_gpus_for_cpu_work()
     if argv[:1] == ["plan"]:

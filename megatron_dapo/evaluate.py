@@ -199,7 +199,7 @@ def export_to_hf(ckpt: Path, out: Path) -> Path:
     """Export a torch_dist checkpoint (any saved layout) to an HF directory (TP=1, PP=1).
 
     The export streams on megatron-core's CPU layer, which cannot share a process with a live CUDA
-    runtime (cpu_process.py): where CUDA is visible it runs as `megatron-dapo convert mcore-to-hf`
+    runtime (device.hide_gpus_for_cpu_work): where CUDA is visible it runs as `megatron-dapo convert mcore-to-hf`
     in a child that sees no GPU, and this process keeps the GPU for the engine; elsewhere in this
     process (no second interpreter to start).
     """

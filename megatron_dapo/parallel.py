@@ -397,7 +397,7 @@ def validate_layout(
     if num_layers is not None and num_layers < pp:
         raise ValueError(
             f"num_hidden_layers={num_layers} is fewer than the pp={pp} pipeline stages; use pp <= {num_layers} "
-            "(a pp that does not divide the layers gives uneven stages: models/stages.py)"
+            "(a pp that does not divide the layers gives uneven stages: plan/stages.py)"
         )
 
 

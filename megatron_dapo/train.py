@@ -102,8 +102,14 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return EXIT_USER_ERROR
     except Preempted as e:
-        if rank == "0":
-            print(f"{e}", file=sys.stderr, flush=True)
+        # Every rank stops at the same step, but the first to exit makes srun (--kill-on-bad-exit)
+        # or torchrun SIGTERM the rest, and a rank still shutting down would die with -15 (143),
+        # which the sbatch script does not take for a preemption: as for a shared user error.
+        line = str(e) if rank == "0" else None
+        exit_on_sigterm(EXIT_PREEMPTED, line)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return EXIT_PREEMPTED
     except EngineRestartsExhausted as e:
         record_for_launcher(e)

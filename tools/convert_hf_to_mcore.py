@@ -13,8 +13,8 @@ import sys
 
 if __name__ == "__main__":
     # One process streams on the CPU: hide the GPUs before megatron-core touches CUDA (a torchrun
-    # launch keeps them). megatron_dapo/cpu_process.py says why.
-    from megatron_dapo.cpu_process import hide_gpus_for_cpu_work
+    # launch keeps them). megatron_dapo/device.py says why (hide_gpus_for_cpu_work).
+    from megatron_dapo.device import hide_gpus_for_cpu_work
 
     hide_gpus_for_cpu_work()
     from megatron_dapo.convert import tool_main

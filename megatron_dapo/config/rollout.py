@@ -75,7 +75,9 @@ class RolloutConfig:
     tensor_model_parallel_size: int = 1
     """GPUs per SGLang engine; the node's GPUs are split into engines of this size."""
     gpu_memory_utilization: float = 0.7
-    """SGLang --mem-fraction-static: share of GPU memory for weights + KV cache."""
+    """Share of GPU memory for the engine's weights + KV cache: for SGLang (--mem-fraction-static)
+    a share of the memory free when the server starts (beside the actor's resident states), for
+    vLLM (--gpu-memory-utilization) of the GPU's total; engine_memory_bytes is the rule."""
     update_weights_bucket_megabytes: int = 512
     """Weight-sync bucket size; peak extra memory of a sync is about one bucket."""
     request_timeout_s: float = 3600.0
@@ -110,6 +112,26 @@ class RolloutConfig:
     """Sampling for evaluation."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers' interpreter and KV pool (rollout.engine=sglang)."""
+
+    def engine_memory_bytes(self, gpu_bytes: float, resident_bytes: float) -> float:
+        """Per GPU, what a colocated engine takes for its weights and KV cache when it starts.
+
+        SGLang (read in sglang 0.5.23, mem_cache/kv_cache_configurator._profile_available_bytes and
+        distributed/bootstrap.measure_pre_model_load_memory) measures the memory *free* before its
+        weights load (`pre`) and keeps `free_now - pre x (1 - mem_fraction_static)` for the KV pool,
+        so weights + pool = mem_fraction_static x pre; the actor's states, CUDA context and NCCL
+        buffers (`resident_bytes`) are resident when the engines start, after the actor is built.
+        vLLM budgets a share of the GPU's total.
+        """
+        if self.engine == "sglang":
+            return self.gpu_memory_utilization * max(0.0, gpu_bytes - resident_bytes)
+        return self.gpu_memory_utilization * gpu_bytes
+
+    def engine_refuses_to_start(self, engine_bytes: float, weight_bytes: float) -> str | None:
+        """The engine's own words when its weights leave no KV cache at start, else None."""
+        if self.engine == "sglang" and engine_bytes <= weight_bytes:
+            return "SGLang would refuse to start (\"Loaded weights leave no GPU memory for the KV cache\")"
+        return None
 
     def __post_init__(self) -> None:
         _sampling_checks(self.n, self.temperature, self.top_p, self.top_k)

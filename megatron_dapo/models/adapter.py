@@ -24,7 +24,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_dapo import stages
 from megatron_dapo.errors import UserError
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
@@ -34,6 +33,7 @@ from megatron_dapo.models.moe import ensure_router_fallback, mark_expert_paramet
 from megatron_dapo.models.sdpa_attention import SdpaDotProductAttention
 from megatron_dapo.models.shared_prompts import enable_token_positions
 from megatron_dapo.parallel import ParallelDims
+from megatron_dapo.plan import stages
 
 RECOMPUTE_MODES = ("none", "full", "selective")
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from megatron_dapo.config import Config, ConfigError, ParallelConfig
 from megatron_dapo.plan.dims import ModelDims
-from megatron_dapo.stages import stage_layers
+from megatron_dapo.plan.stages import stage_layers
 
 GIB = 1024**3
 
@@ -383,12 +383,13 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
     # released its memory; while it generates, the actor's model states stay resident (no CPU offload).
     engine_weights = dims.num_params() * 2 / rtp
     kv_per_tok = kv_bytes_per_token(dims, rtp)
-    engine_static = engine_static_bytes(r.engine, r.gpu_memory_utilization, gpu_bytes, states + overhead)
+    engine_static = r.engine_memory_bytes(gpu_bytes, states + overhead)
     kv_tokens = max(0, int((engine_static - engine_weights) // kv_per_tok))
     train_phase = states + activations + logits + chunk + dispatch + overhead
     rollout_phase = states + engine_static + overhead
-    if engine_static <= engine_weights and r.engine == "sglang":
-        warnings.append(f"SGLang would refuse to start (\"Loaded weights leave no GPU memory for the KV cache\"): "
+    refusal = r.engine_refuses_to_start(engine_static, engine_weights)
+    if refusal is not None:
+        warnings.append(f"{refusal}: "
                         f"{r.gpu_memory_utilization} x the {(gpu_bytes - states - overhead) / GIB:.1f} GiB free next to "
                         f"the actor is below its {engine_weights / GIB:.1f} GiB of weights; raise "
                         "rollout.gpu_memory_utilization or rollout.tensor_model_parallel_size")
@@ -413,28 +414,6 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
     )
     plan.timing = _timing(cfg, plan)
     return plan
-
-
-def engine_static_bytes(engine: str, fraction: float, gpu_bytes: float, resident_bytes: float) -> float:
-    """Per GPU, what a colocated engine takes for its weights and KV cache at start.
-
-    SGLang (read in sglang 0.5.23, mem_cache/kv_cache_configurator._profile_available_bytes and
-    distributed/bootstrap.measure_pre_model_load_memory): it measures the memory *free* before its
-    weights load (`pre`), and after loading keeps `free_now - pre x (1 - mem_fraction_static)` for
-    the KV pool, so weights + pool = mem_fraction_static x pre. The actor's model states, its CUDA
-    context and NCCL buffers are resident when the engines start (they start after the actor is
-    built), so pre = GPU - those, and memory another process holds shrinks the pool by the
-    fraction of it. vLLM budgets a fraction of the GPU's total (`--gpu-memory-utilization`).
-
-    Args:
-        engine: rollout.engine.
-        fraction: rollout.gpu_memory_utilization (SGLang's --mem-fraction-static).
-        gpu_bytes: the GPU's memory.
-        resident_bytes: what the actor process holds when the engine starts (states + overhead).
-    """
-    if engine == "sglang":
-        return fraction * max(0.0, gpu_bytes - resident_bytes)
-    return fraction * gpu_bytes
 
 
 def sglang_kv_pool_tokens(fraction: float, free_at_start: float, weights: float, cell_bytes: int,

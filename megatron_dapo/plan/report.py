@@ -34,7 +34,7 @@ from megatron_dapo.plan import host
 from megatron_dapo.plan.dims import EMBEDDED_VOCAB_SIZE, resolve_model
 from megatron_dapo.plan.model import GIB, GPUS, Assumptions, Hardware, Plan, check_expert_layout, make_plan
 from megatron_dapo.plan.search import format_search, search_layouts
-from megatron_dapo.stages import stage_layers
+from megatron_dapo.plan.stages import stage_layers
 
 __all__ = ["build_parser", "expert_rank_coords", "format_layout", "format_plan", "main", "rank_coords", "rank_groups",
            "run"]
@@ -233,7 +233,7 @@ def format_plan(plan: Plan) -> str:
 
 
 def _stage_rows(plan: Plan) -> list[str]:
-    """The pipeline split, when PP does not divide the layers (megatron_dapo/stages.py chooses it)."""
+    """The pipeline split, when PP does not divide the layers (megatron_dapo/plan/stages.py chooses it)."""
     split = stage_layers(plan.model.num_layers, plan.pp)
     if len(set(split)) == 1:
         return []

@@ -65,7 +65,7 @@ def candidate_layouts(dims: ModelDims, world: int, gpus_per_node: int,
     for tp in node:
         if dims.num_attention_heads % tp or dims.num_key_value_heads % tp:
             continue
-        # Any PP up to the layer count: where it does not divide them the stages are uneven (stages.py).
+        # Any PP up to the layer count: where it does not divide them the stages are uneven (plan/stages.py).
         for pp in range(1, dims.num_layers + 1):
             if world % (tp * pp * cp):
                 continue

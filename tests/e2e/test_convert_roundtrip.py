@@ -63,7 +63,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path,
     """{family: (hf_dir, mcore_dir)} converted by the tool with two processes."""
     root = tmp_path_factory.mktemp("convert")
     out = {}
-    # Llama has 3 layers: PP=2 writes uneven stages, 2 + 1 (megatron_dapo/stages.py).
+    # Llama has 3 layers: PP=2 writes uneven stages, 2 + 1 (megatron_dapo/plan/stages.py).
     for family, tied, layout, layers in (("qwen2", False, ["--tp", "2"], 2), ("llama", True, ["--pp", "2"], 3)):
         hf = _hf(root, family, tied, layers)
         mcore = root / f"{family}_mcore"

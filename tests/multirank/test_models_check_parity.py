@@ -23,7 +23,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("parity_tool")
     return {
         "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2", seed=3),
-        # 3 layers: PP=2 splits them 2 + 1 (megatron_dapo/stages.py).
+        # 3 layers: PP=2 splits them 2 + 1 (megatron_dapo/plan/stages.py).
         "llama_tied": make_tiny_checkpoint(root / "llama", "llama", num_layers=3, tie_word_embeddings=True, seed=4),
         "qwen3_moe": make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=5),
         "qwen3_moe_3": make_tiny_checkpoint(root / "qwen3_moe_3", "qwen3_moe", num_layers=3, seed=6),

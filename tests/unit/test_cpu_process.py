@@ -15,7 +15,7 @@ import torch
 from model_utils import make_tiny_checkpoint
 
 from megatron_dapo import cli
-from megatron_dapo.cpu_process import hide_gpus_for_cpu_work, one_process
+from megatron_dapo.device import hide_gpus_for_cpu_work, one_process
 
 
 def _gpu_node(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -390,7 +390,8 @@ def test_the_sglang_kv_pool_is_sized_as_sglang_sizes_it() -> None:
     free_after_load - free_at_start x (1 - f), in whole cells and pages; memory another process
     holds when the server starts shrinks it by f of itself. The planner used f x total memory,
     which for the MoE recipe was five times what SGLang would allocate (issue 39, item 5)."""
-    from megatron_dapo.plan.model import Assumptions, engine_static_bytes, sglang_kv_pool_tokens
+    from megatron_dapo.config import RolloutConfig
+    from megatron_dapo.plan.model import Assumptions, sglang_kv_pool_tokens
 
     # 80 GiB GPU, 30 GiB held by the actor, f = 0.7, 16 GiB of weights, 128 KiB per token:
     # pre = 50, after load 34, slack 50 x 0.3 = 15, rest 19 GiB = 155,648 tokens.
@@ -399,8 +400,10 @@ def test_the_sglang_kv_pool_is_sized_as_sglang_sizes_it() -> None:
     # Another 10 GiB held at start: 7 GiB (f x 10) fewer in the pool.
     assert abs(sglang_kv_pool_tokens(0.7, 40 * GIB, 16 * GIB, 128 * 1024) - (155_648 - 7 * 8192)) <= 1
     assert sglang_kv_pool_tokens(0.3, 50 * GIB, 16 * GIB, 128 * 1024) == 0  # "Loaded weights leave no GPU memory"
-    assert engine_static_bytes("sglang", 0.7, 80 * GIB, 30 * GIB) == 0.7 * 50 * GIB
-    assert engine_static_bytes("vllm", 0.7, 80 * GIB, 30 * GIB) == 0.7 * 80 * GIB
+    sglang = RolloutConfig(engine="sglang", gpu_memory_utilization=0.7)
+    assert sglang.engine_memory_bytes(80 * GIB, 30 * GIB) == 0.7 * 50 * GIB
+    assert RolloutConfig(engine="vllm", gpu_memory_utilization=0.7, top_p=1.0).engine_memory_bytes(
+        80 * GIB, 30 * GIB) == 0.7 * 80 * GIB
     for config in (CONFIG_32B, str(REPO / "examples" / "dapo_qwen3_30b_a3b.yaml")):
         cfg = load_config(config)
         dims = resolve_model(cfg)

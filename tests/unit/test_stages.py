@@ -1,11 +1,11 @@
-"""How layers split over pipeline stages (megatron_dapo/stages.py, issue 39 item 8)."""
+"""How layers split over pipeline stages (megatron_dapo/plan/stages.py, issue 39 item 8)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from megatron_dapo.stages import first_layer, megatron_split, stage_layers
+from megatron_dapo.plan.stages import first_layer, megatron_split, stage_layers
 
 
 @pytest.mark.parametrize(("layers", "pp", "split"), [
