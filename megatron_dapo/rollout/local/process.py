@@ -124,6 +124,12 @@ class ProcessEngine:
             self._join(timeout=10)
         with contextlib.suppress(Exception):
             self._conn.close()
+        # The old child's reader marks the engine dead when its pipe closes: let it finish first, or
+        # its mark can land after _start() reset it and fail the new child's first call (seen under
+        # load in tests/unit/test_engine_restart.py: "its process (pid N) exited with code -9").
+        reader = getattr(self, "_reader", None)
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(timeout=15)
         self._start()
 
     def _watch(self, process: Any) -> None:
