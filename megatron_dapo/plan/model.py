@@ -416,21 +416,6 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
     return plan
 
 
-def sglang_kv_pool_tokens(fraction: float, free_at_start: float, weights: float, cell_bytes: int,
-                          page_size: int = 1) -> int:
-    """SGLang 0.5.23's `max_total_num_tokens` on one GPU (0 = it refuses to start).
-
-    rest = free_after_load - free_at_start x (1 - f), free_after_load = free_at_start - weights
-    (kv_cache_configurator.py, _profile_available_bytes); tokens = rest // cell, down to a whole
-    page (pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes). `cell_bytes` is
-    layers x max(1, kv_heads / attn TP) x (head_dim + v_head_dim) x dtype bytes.
-    """
-    rest = (free_at_start - weights) - free_at_start * (1 - fraction)
-    if rest <= 0:
-        return 0
-    return int(rest // cell_bytes) // page_size * page_size
-
-
 def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
     """Expected distinct experts a layer reads for `tokens` tokens routed uniformly: E(1 - (1 - k/E)^n)."""
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)

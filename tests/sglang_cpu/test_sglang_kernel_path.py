@@ -14,6 +14,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from proc_utils import cpu_flags
 from sglang_venv import venv_kernel
 
 from megatron_dapo.rollout.sglang.server import sglang_python
@@ -27,13 +28,6 @@ REPO = Path(__file__).resolve().parents[2]
 INSTALL = REPO / "scripts" / "install_sglang_cpu.sh"
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's flags; MEGATRON_DAPO_CPUINFO names another cpuinfo (the install script's rule), for a
-    venv whose Python runs under an emulated CPU (docs/benchmarks.md: the AVX2 check under QEMU)."""
-    for line in Path(os.environ.get("MEGATRON_DAPO_CPUINFO", "/proc/cpuinfo")).read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def test_sglang_takes_the_path_of_the_kernel_the_venv_holds():

@@ -385,13 +385,29 @@ def test_plan_help_through_the_cli(flag: str) -> None:
     assert bare.returncode == 2 and "(see megatron-dapo plan --help)" in bare.stderr
 
 
+def sglang_kv_pool_tokens(fraction: float, free_at_start: float, weights: float, cell_bytes: int,
+                          page_size: int = 1) -> int:
+    """SGLang 0.5.23's `max_total_num_tokens` on one GPU (0 = it refuses to start), written from its
+    source as the oracle the planner (RolloutConfig.engine_memory_bytes) is held to.
+
+    rest = free_after_load - free_at_start x (1 - f), free_after_load = free_at_start - weights
+    (kv_cache_configurator.py, _profile_available_bytes); tokens = rest // cell, down to a whole
+    page (pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes). `cell_bytes` is
+    layers x max(1, kv_heads / attn TP) x (head_dim + v_head_dim) x dtype bytes.
+    """
+    rest = (free_at_start - weights) - free_at_start * (1 - fraction)
+    if rest <= 0:
+        return 0
+    return int(rest // cell_bytes) // page_size * page_size
+
+
 def test_the_sglang_kv_pool_is_sized_as_sglang_sizes_it() -> None:
     """sglang 0.5.23 (mem_cache/kv_cache_configurator._profile_available_bytes): the pool is
     free_after_load - free_at_start x (1 - f), in whole cells and pages; memory another process
     holds when the server starts shrinks it by f of itself. The planner used f x total memory,
     which for the MoE recipe was five times what SGLang would allocate (issue 39, item 5)."""
     from megatron_dapo.config import RolloutConfig
-    from megatron_dapo.plan.model import Assumptions, sglang_kv_pool_tokens
+    from megatron_dapo.plan.model import Assumptions
 
     # 80 GiB GPU, 30 GiB held by the actor, f = 0.7, 16 GiB of weights, 128 KiB per token:
     # pre = 50, after load 34, slack 50 x 0.3 = 15, rest 19 GiB = 155,648 tokens.

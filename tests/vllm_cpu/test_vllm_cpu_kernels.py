@@ -14,9 +14,9 @@ import os
 import subprocess
 import sys
 from importlib.util import find_spec
-from pathlib import Path
 
 import pytest
+from proc_utils import cpu_flags
 
 pytestmark = [
     pytest.mark.vllm_cpu,
@@ -35,12 +35,6 @@ print(json.dumps({"loaded": sorted(b for b in BUILDS if "/vllm/" + b in maps),
 """
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's flags (MEGATRON_DAPO_CPUINFO: another cpuinfo, for a Python under an emulated CPU)."""
-    for line in Path(os.environ.get("MEGATRON_DAPO_CPUINFO", "/proc/cpuinfo")).read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
 
 
 def test_vllm_loads_the_kernel_build_of_this_cpu():
