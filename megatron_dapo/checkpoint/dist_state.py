@@ -16,6 +16,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import logging
 import os
 import pickle
 import time
@@ -41,6 +42,7 @@ from megatron_dapo.checkpoint.files import (
     write_synced,
 )
 from megatron_dapo.checkpoint.format import (
+    _MetadataUnpickler,
     current_layout,
     model_architecture,
     model_sharded_state_dict,
@@ -48,6 +50,9 @@ from megatron_dapo.checkpoint.format import (
 )
 from megatron_dapo.checkpoint.integrity import checksum_tree
 from megatron_dapo.checkpoint.rng import capture_rng_state
+from megatron_dapo.checkpoint.spec_keys import StoredIndex, align_to_checkpoint, layer_spec_of, restore_kept
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "build_manifest",
@@ -209,6 +214,7 @@ def build_manifest(
         "model_family": family,
         "model": model_architecture(model_chunks[0]),
         "layout": current_layout(model_chunks),
+        "layer_spec": layer_spec_of(unwrap(model_chunks[0])),
         "params_dtype": str(unwrap(model_chunks[0]).config.params_dtype).removeprefix("torch."),
         "has_optimizer": has_optimizer,
         "optimizer_sharding": OPTIMIZER_SHARDINGS[0] if has_optimizer else None,
@@ -226,12 +232,22 @@ def _mcore_version() -> str:
 
 
 def dist_load(state: dict[str, Any], ckpt: Path) -> dict[str, Any]:
-    """dist_checkpointing.load with file-level failures turned into one-line CheckpointErrors."""
+    """dist_checkpointing.load of a request aligned with the checkpoint's layer spec (spec_keys.py),
+    with file-level failures turned into one-line CheckpointErrors."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
+    with open(ckpt / DIST_DIR / ".metadata", "rb") as f:
+        stored = StoredIndex.from_metadata(_MetadataUnpickler(f).load())
+    renamed, kept = align_to_checkpoint(state, stored)
+    if renamed or kept:
+        logger.info("checkpoint %s was written under the other layer spec: %d tensors read by their other name "
+                    "(e.g. %s), %d extra states kept from the model", ckpt, len(renamed),
+                    renamed[0] if renamed else "-", len(kept))
     try:
-        return dist_checkpointing.load(state, str(ckpt / DIST_DIR))
+        loaded = dist_checkpointing.load(state, str(ckpt / DIST_DIR))
+        restore_kept(loaded, kept)
+        return loaded
     except (CheckpointingException, OSError, EOFError, pickle.UnpicklingError, RuntimeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(

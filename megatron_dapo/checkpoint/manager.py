@@ -56,6 +56,7 @@ from megatron_dapo.checkpoint.format import (
 )
 from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.checkpoint.rng import restore_rng_state
+from megatron_dapo.checkpoint.spec_keys import layer_spec_of
 from megatron_dapo.faults import fault_point
 
 __all__ = ["CheckpointManager", "build_manifest", "os_error_in", "save_model_checkpoint"]
@@ -239,6 +240,13 @@ class CheckpointManager:
         state: dict[str, Any] = model_sharded_state_dict(model_chunks)
         if load_optimizer and manifest.get("optimizer_sharding") == "dp_reshardable":
             saved, now = manifest.get("layout", {}), current_layout(model_chunks)
+            spec, saved_spec = layer_spec_of(unwrap(model_chunks[0])), manifest.get("layer_spec", "local")
+            if saved_spec != spec:
+                raise CheckpointError(
+                    f"checkpoint {ckpt} holds dp_reshardable optimizer state of the {saved_spec} layer spec, whose "
+                    f"flat buffers follow that spec's parameter order; this run builds the {spec} spec "
+                    "(model.transformer_impl): resume with the saved spec, or load the model alone (optimizer=None)"
+                )
             if (saved.get("tp"), saved.get("pp")) != (now["tp"], now["pp"]):
                 raise CheckpointError(
                     f"checkpoint {ckpt} holds dp_reshardable optimizer state saved at tp={saved.get('tp')} "

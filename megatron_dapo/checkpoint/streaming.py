@@ -34,6 +34,7 @@ import torch
 
 from megatron_dapo.checkpoint.files import CheckpointError
 from megatron_dapo.checkpoint.format import _MetadataUnpickler, model_sharded_state_dict
+from megatron_dapo.checkpoint.spec_keys import StoredIndex, align_to_checkpoint
 
 Fill = Callable[[str, torch.nn.Parameter], torch.Tensor]
 """(parameter name, parameter) -> a new tensor with the parameter's full content and shape."""
@@ -156,6 +157,7 @@ def load_groups(
         metadata = _MetadataUnpickler(f).load()
     sharded = model_sharded_state_dict([model])["model"]
     apply_factories(sharded)
+    align_to_checkpoint({"model": sharded}, StoredIndex.from_metadata(metadata))  # a TE run's names too
     params = dict(model.named_parameters())
     parts: dict[int, list[ShardedTensor]] = {}  # parameter storage -> its sharded tensors
     for value in sharded.values():
