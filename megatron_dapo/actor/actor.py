@@ -147,11 +147,6 @@ class MegatronActor:
         if routing_replay != "off" and not adapter.hf.is_moe:
             raise ValueError(f"algorithm.routing_replay={routing_replay} needs a mixture-of-experts model; "
                              "set algorithm.routing_replay=off")
-        if routing_replay != "off" and recompute == "full":
-            # megatron-core 0.16.1 never switches a router to replaying in the recomputed forward.
-            raise ValueError(f"algorithm.routing_replay={routing_replay} cannot run with full activation "
-                             "recompute (the recomputed forward would route afresh); set "
-                             "model.recompute_activations=false")
         self.adapter = adapter
         self.dims = dims
         self.packed = packed

@@ -20,11 +20,24 @@ with a route:
   router kernel that ignores the hook, ...).
 Recording (R2): the routes the old-log-prob pass used are written back to rows (the inverse
 map) and merged over TP (SP shards), CP and PP (each stage its layers) with one MAX all-reduce.
+
+Under full activation recompute (`model.recompute_activations`, megatron's uniform method) a
+layer's forward runs twice: once inside `CheckpointFunction.forward` (grad disabled, activations
+dropped) and again in its backward (`torch.enable_grad()`, tensor_parallel/random.py). megatron-core
+0.16.1 switches no router to replaying in that second forward, which would route afresh. Here each
+router keeps, per forward of a pass that recomputes, the experts it returned (replayed or its own)
+in a FIFO; a call with grad enabled in such a pass is the recompute, and takes the oldest entry.
+Megatron's schedules run a stage's backwards in the order of its forwards (no pipelining: each
+right after its forward; 1F1B at PP>1: micro-batch i's backward before i+1's), so the entry is
+that micro-batch's, and the recomputed forward dispatches exactly what the forward did, replay or
+not, at any PP size (one model chunk; virtual pipeline stages are refused by the adapter). The
+recompute's dispatch is checked like the forward's (`moe/replay_route_mismatch`).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +59,10 @@ class LayerReplay:
         self.owner = owner
         self.moe_index = moe_index
         """Position of this layer among the model's MoE layers (the L axis of routes)."""
+        self.forwards: deque[tuple[torch.Tensor, torch.Tensor | None]] = deque()
+        """Under recompute: (experts returned [T, k], tokens replayed [T] or None) per forward not yet recomputed."""
+        self.dispatched: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The replayed experts of the current call and the tokens they hold for, for the dispatch check."""
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
                         group_topk: int | None = None,
@@ -54,18 +71,31 @@ class LayerReplay:
         """megatron's top-k, or the replayed indices with their scores ([T, k] each)."""
         probs, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
         owner = self.owner
+        self.dispatched = None
         if not owner.active:
             return probs, indices
+        if owner.recompute and torch.is_grad_enabled():  # the backward's second forward
+            if not self.forwards:
+                raise RuntimeError(f"MoE layer {self.moe_index}: a recomputed forward without its forward; "
+                                   "routing replay cannot tell which routes it took")
+            indices, has = self.forwards.popleft()
+            if has is not None:
+                self.dispatched = (indices, has)
+            return scores.gather(1, indices), indices
         if owner.engine is not None:
             targets, has = owner.engine[0][:, self.moe_index], owner.engine[1]
             differs = (indices.sort(-1).values != targets.sort(-1).values).any(-1) & has
             owner.sums[0] += differs.sum()
             owner.sums[1] += has.sum()
+        replayed = None
         if owner.replay is not None:
-            indices = owner.replay[0][:, self.moe_index]
+            indices, replayed = owner.replay[0][:, self.moe_index], owner.replay[1]
             probs = scores.gather(1, indices)
+            self.dispatched = (indices, replayed)
         if owner.recorded is not None:
             owner.recorded[:, self.moe_index] = indices
+        if owner.recompute:
+            self.forwards.append((indices, replayed))
         return probs, indices
 
 
@@ -85,6 +115,9 @@ class RouteReplay:
         """
         from megatron.core.transformer.moe.router import TopKRouter
 
+        self.layers: list[LayerReplay] = []
+        self.recompute = False
+        """The model recomputes every layer's forward in its backward (full recompute)."""
         self.top_k = top_k
         self.num_layers = len(moe_layers)
         self.dims = dims
@@ -103,15 +136,23 @@ class RouteReplay:
                 if module.config.moe_router_fusion:
                     raise ValueError("routing replay needs megatron's unfused router (moe_router_fusion=False): "
                                      "the fused kernel never calls the replay hook")
+                if module.config.recompute_granularity == "full":
+                    if module.config.recompute_method != "uniform":
+                        raise ValueError("routing replay under full recompute needs megatron's uniform method "
+                                         f"(got {module.config.recompute_method!r}): every layer recomputed")
+                    self.recompute = True
                 module.router_replay = LayerReplay(self, moe_layers.index(module.layer_number - 1))
+                self.layers.append(module.router_replay)
                 self._handles.append(module.register_forward_hook(self._check_dispatch))
 
     def _check_dispatch(self, router: Any, _inputs: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Count (token, layer) pairs whose dispatched experts are not the replayed ones."""
-        if not self.active or self.replay is None:
+        layer: LayerReplay = router.router_replay
+        if not self.active or layer.dispatched is None:
             return
         routing_map = output[1].reshape(-1, output[1].shape[-1])  # [T, E] bool
-        targets, has = self.replay[0][:, router.router_replay.moe_index], self.replay[1]
+        targets, has = layer.dispatched
+        layer.dispatched = None
         wanted = torch.zeros_like(routing_map).scatter_(1, targets, True)
         self.sums[2] += ((routing_map != wanted).any(-1) & has).sum()
         self.sums[3] += has.sum()
@@ -122,11 +163,19 @@ class RouteReplay:
         and (compare) count where the routers' own top-k differs from the engine's routes: only
         meaningful while the weights are those that generated the batch."""
         self.active, self._replaying, self._recording, self._comparing = True, replay, record, compare
+        self._forget_forwards()
         try:
             yield
         finally:
             self.active = self._replaying = self._recording = False
             self.engine = self.replay = self.recorded = None
+            self._forget_forwards()
+
+    def _forget_forwards(self) -> None:
+        """Drop the experts kept for recompute (a forward-only pass keeps entries nothing takes)."""
+        for layer in self.layers:
+            layer.forwards.clear()
+            layer.dispatched = None
 
     def prepare(self, mb: MicroBatch) -> None:
         """Before a micro-batch's forward: the targets of the tokens this rank's routers see.

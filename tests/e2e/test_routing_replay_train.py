@@ -1,5 +1,5 @@
 """Rollout routing replay (R3) through the whole trainer: one process, TP=2 and PP=2 under torchrun,
-and with partial rollouts (issue 26's acceptance, on the e2e tiny config with a Qwen3-MoE).
+with full activation recompute (the recomputed forward replays too), and with partial rollouts (issue 26's acceptance, on the e2e tiny config with a Qwen3-MoE).
 
 Every step's forward must use exactly the engine's routes (`moe/replay_route_mismatch` 0, on every
 rank's share, summed by the trainer), while the same step also measures how often free routing
@@ -34,8 +34,8 @@ PARTIAL_DATA = {"max_prompt_length": 64, "max_response_length": 24, "embedded": 
 @pytest.mark.parametrize(
     ("nproc", "overrides"),
     [(1, ("rollout.partial_rollout=true",)), (2, ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")),
-     (2, ("parallel.pipeline_model_parallel_size=2",))],
-    ids=["single-partial", "tp2", "pp2"],
+     (2, ("parallel.pipeline_model_parallel_size=2",)), (1, ("model.recompute_activations=true",))],
+    ids=["single-partial", "tp2", "pp2", "recompute"],
 )
 def test_replayed_routes_are_the_engines_at_every_step(tmp_path, cache_dir, nproc, overrides):
     out = tmp_path / "run"

@@ -177,3 +177,58 @@ def test_replay_is_token_exact_with_shared_prompts_padded_rows_tp2_sp_pp2_ep2(se
             # The forwards of the old-log-prob pass and the update used exactly the replayed routes.
             assert rank_out[variant]["replay_metrics"]["moe/replay_route_mismatch"] == 0.0
             assert rank_out[variant]["update_metrics"]["moe/replay_route_mismatch"] == 0.0
+
+
+def _recompute_worker(variants: list[tuple[int, int, str, bool]], directory: str) -> dict:
+    """Per (pp, budget, recompute, replay): this rank's parameters after one update, and the route metrics."""
+    from megatron_dapo import parallel
+    from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
+    from megatron_dapo.actor.microbatch import RolloutBatch
+    from megatron_dapo.algo import LossSettings
+    from megatron_dapo.config import OptimConfig
+    from megatron_dapo.models import adapter_for
+
+    parallel.init_distributed(os.environ["MEGATRON_DAPO_TEST_DEVICE"])
+    t = _batch_tensors()
+    adapter = adapter_for(directory)
+    results: dict = {}
+    for pp, budget, recompute, replay in variants:
+        dims = parallel.initialize_model_parallel(1, pp, seed=0, num_experts=adapter.hf.num_experts)
+        batch = RolloutBatch(input_ids=t["input_ids"], seq_lens=t["seq_lens"], response_mask=t["response_mask"],
+                             advantages=t["advantages"], routes=_routes())
+        mine = batch.select(range(len(LENGTHS)))
+        actor = MegatronActor(adapter=adapter, dims=dims, hf_checkpoint=directory, recompute=recompute,
+                              optimizer_config=make_optimizer_config(OptimConfig(lr=1e-2), dtype=torch.float32,
+                                                                     use_distributed_optimizer=False),
+                              max_tokens_per_microbatch=budget, routing_replay="rollout")
+        mine.replay_routes = mine.routes
+        mine.old_log_probs, _ = actor.compute_log_probs(mine, TEMPERATURE, replay=True)
+        actor.route_metrics()
+        stats = actor.train_step(mine, LossSettings(temperature=TEMPERATURE), replay=replay)
+        results[(pp, budget, recompute, replay)] = {
+            "params": [p.detach().clone() for p in actor.model.parameters()],
+            "metrics": actor.route_metrics(), "grad_norm": stats.get("actor/grad_norm")}
+    return results
+
+
+def test_the_recomputed_forward_replays_the_forwards_routes_at_pp1_and_pp2(setup: dict) -> None:
+    """Under full recompute the update is the one without recompute, replayed routes and all.
+
+    The random routes move the log-probs far from free routing, so an update whose backward
+    recomputed the layers with free routes would differ: the replayed update with recompute must
+    equal the replayed one without, and differ from the free one. PP 2 with 3 micro-batches runs
+    1F1B (two forwards before the first backward): each backward's recompute takes its own
+    micro-batch's routes.
+    """
+    variants = [(pp, budget, recompute, replay) for pp, budget in ((1, 200), (1, 30), (2, 30))
+                for recompute, replay in (("none", True), ("full", True), ("none", False))]
+    out = run_distributed(_recompute_worker, 2, variants, setup["dir"], timeout_s=400)
+    for rank_out in out:
+        for pp, budget in ((1, 200), (1, 30), (2, 30)):
+            plain, recomputed = rank_out[(pp, budget, "none", True)], rank_out[(pp, budget, "full", True)]
+            free = rank_out[(pp, budget, "none", False)]
+            assert recomputed["metrics"]["moe/replay_route_mismatch"] == 0.0  # forward and recompute both
+            for a, b in zip(plain["params"], recomputed["params"], strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            moved = max(float((a - b).abs().max()) for a, b in zip(plain["params"], free["params"], strict=True))
+            assert moved > 1e-4, moved  # the replayed routes do change the update

@@ -14,9 +14,6 @@ BAD = [
     ("algorithm: {routing_replay: old_policy}",
      "{f}: algorithm.routing_replay='old_policy': needs a mixture-of-experts model "
      "(model.scratch.family=qwen2); set algorithm.routing_replay=off"),
-    (MOE.replace("}}", "}, recompute_activations: true}") + "algorithm: {routing_replay: rollout}",
-     "{f}: algorithm.routing_replay='rollout': cannot run with model.recompute_activations=true (megatron-core "
-     "0.16.1 routes the recomputed forward afresh); set one of them off"),
     ("rollout: {router_noise_std: -1}", "{f}: rollout.router_noise_std=-1: must be >= 0 (0 = off)"),
     ("rollout: {router_noise_std: 0.5, engine: sglang}",
      "{f}: rollout.router_noise_std=0.5: is a perturbation of the local engine in the trainer's process: needs "
@@ -39,3 +36,6 @@ def test_bad_routing_replay_settings_are_one_line_and_exit_2(tmp_path, capsys, t
 def test_the_tiny_moe_run_validates_with_every_mode(capsys):
     for mode in ("off", "rollout", "old_policy"):
         assert cli.run(["config", "validate", "examples/tiny_moe_cpu.yaml", f"algorithm.routing_replay={mode}"]) == 0
+    # Replay under full recompute (actor/routing_replay.py: the recomputed forward takes the forward's routes).
+    assert cli.run(["config", "validate", "examples/tiny_moe_cpu.yaml", "algorithm.routing_replay=rollout",
+                    "model.recompute_activations=true"]) == 0
