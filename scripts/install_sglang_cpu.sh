@@ -72,6 +72,11 @@ if standin != ("$WANT" == "standin"):
     sys.exit(1)
 if standin and open(sgl_kernel.__file__, "rb").read() != open("$SITE_SRC/sgl_kernel/__init__.py", "rb").read():
     sys.exit(1)
+import pathlib, sysconfig
+site = pathlib.Path(sysconfig.get_paths()["purelib"])
+for ours in pathlib.Path("$SITE_SRC").glob("_megatron_dapo_*"):  # the start-up fixes, as in the repository
+    if not (site / ours.name).is_file() or (site / ours.name).read_bytes() != ours.read_bytes():
+        sys.exit(1)
 PY
 }
 report() {
@@ -160,8 +165,9 @@ if [ "$WANT" = real ]; then
 else
   cp -r "$SITE_SRC/sgl_kernel" "$site/sgl_kernel"
 fi
-# torchvision's op schemas (the module's docstring says why), loaded by a .pth at start.
-cp "$SITE_SRC/_megatron_dapo_torchvision_ops.py" "$SITE_SRC/_megatron_dapo_torchvision_ops.pth" "$site/"
+# Start-up fixes, each a module loaded by its .pth (their docstrings say why): torchvision's op
+# schemas; the routed-experts host buffer allocated unpinned where no accelerator can pin it.
+cp "$SITE_SRC"/_megatron_dapo_*.py "$SITE_SRC"/_megatron_dapo_*.pth "$site/"
 
 if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION+cpu')"; then
   echo "error: the SGLang venv ended up with torch $("$VPY" -c 'import torch; print(torch.__version__)'), not $TORCH_VERSION+cpu" >&2

@@ -67,17 +67,15 @@ class Config:
         if moe is not None:
             check_moe_layout(self.parallel, moe)
         if a.routing_replay != "off":
-            _check(not self.model.recompute_activations, "algorithm.routing_replay",
-                   "cannot run with model.recompute_activations=true (megatron-core 0.16.1 routes the "
-                   "recomputed forward afresh); set one of them off")
             _check(self.model.hf_checkpoint is not None or self.model.scratch.family == "qwen3_moe",
                    "algorithm.routing_replay", f"needs a mixture-of-experts model "
                    f"(model.scratch.family={self.model.scratch.family}); set algorithm.routing_replay=off")
         if a.routing_replay == "rollout":
             # Which engines report routes at the pinned versions: DESIGN.md, "Rollout routing replay".
-            _check(r.engine == "local", "algorithm.routing_replay",
-                   f"needs the engine's routed experts, which rollout.engine={r.engine} does not "
-                   "report here; use rollout.engine=local, or algorithm.routing_replay=old_policy")
+            _check(r.engine != "vllm", "algorithm.routing_replay",
+                   "needs the engine's routed experts, which rollout.engine=vllm does not report here "
+                   "(vLLM 0.32 returns them only from its Model Runner V2); use rollout.engine=sglang or local, "
+                   "or algorithm.routing_replay=old_policy")
         ob = self.reward.overlong_buffer
         if ob.enable:
             _check(ob.len < d.max_response_length, "reward.overlong_buffer.len",

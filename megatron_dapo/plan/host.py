@@ -21,6 +21,9 @@ and the formulas below are what those measurements follow (docs/benchmarks.md ha
   rank keeps the last sync's full weights in host buffers reused by every sync (pinned beside a
   GPU; rollout/sglang/colocated.py), so a restarted server reloads them: N x 2 B per leader, one
   copy (before issue 39 a fresh copy was made at each sync while the last one was kept: two).
+- **Routed experts** (algorithm.routing_replay on, SGLang): a server started with
+  --enable-return-routed-experts keeps every KV slot's expert ids in a host buffer of int32
+  [KV tokens + a page, num_hidden_layers, k] (sglang 0.5.18, state_capturer/base.py), per engine.
 """
 
 from __future__ import annotations
@@ -102,3 +105,8 @@ def export_transient_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2, *
 def restart_copy_bytes(dims: ModelDims, bytes_per_param: int = 2) -> int:
     """Host bytes an engine leader keeps for restarts: one copy of the whole model (all experts)."""
     return dims.num_params() * bytes_per_param
+
+
+def routes_buffer_bytes(dims: ModelDims, kv_tokens: int) -> int:
+    """Host bytes of one SGLang engine's routed-experts buffer: (KV tokens) x layers x k x 4 B."""
+    return kv_tokens * dims.num_layers * dims.num_experts_per_tok * 4 if dims.is_moe else 0

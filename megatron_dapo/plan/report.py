@@ -178,12 +178,18 @@ def _host_rows(plan: Plan) -> list[str]:
     export, export_formula = host.export_transient_bytes(plan.model, plan.tp, pp=plan.pp, ep=plan.ep)
     restart = host.restart_copy_bytes(plan.model)
     leaders = max(1, plan.gpus_per_node // plan.rollout_tp)
-    return [
+    rows = [
         f"  convert (1 proc.) {_gib(convert)}  peak RSS of `megatron-dapo convert` either way: {convert_formula}",
         f"  weight export     {_gib(export)}  per actor rank, on its device, on top of its weights: {export_formula}",
         f"  engine restarts   {_gib(restart)}  host memory per engine leader while rollout.max_engine_restarts > 0: "
         f"N x 2 B, one reused copy; x {leaders} leader(s) per node = {restart * leaders / GIB:.2f} GiB",
     ]
+    routes = host.routes_buffer_bytes(plan.model, plan.kv_tokens)
+    if routes:
+        rows.append(f"  routed experts    {_gib(routes)}  host memory per SGLang engine with algorithm.routing_replay on: "
+                    f"{plan.kv_tokens} KV tokens x {plan.model.num_layers} layers x top-{plan.model.num_experts_per_tok} "
+                    f"x 4 B; x {leaders} engine(s) per node = {routes * leaders / GIB:.2f} GiB")
+    return rows
 
 
 def format_plan(plan: Plan) -> str:

@@ -97,13 +97,19 @@ def _local_eval(args: EvalEngineArgs) -> RolloutEngine:
 def _sglang_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                      output_dir: Path) -> list[RolloutEngine]:
     if cfg.rollout.placement == "disaggregated":
-        return [_sglang_disaggregated(cfg.rollout, hf_dir, device, output_dir)]
+        return [_sglang_disaggregated(cfg.rollout, hf_dir, device, output_dir, return_routes=_wants_routes(cfg))]
     assert shared is not None and shared.clients, "launch_rank_engines runs before the controller's engines"
     return shared.clients
 
 
+def _wants_routes(cfg: Config) -> bool:
+    """Whether a server engine must report routed experts: routing replay replays (rollout) or
+    compares with (old_policy) the engine's routes. The local engine reports them always."""
+    return cfg.algorithm.routing_replay != "off"
+
+
 def _sglang_disaggregated(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
-                          output_dir: Path) -> RolloutEngine:
+                          output_dir: Path, *, return_routes: bool = False) -> RolloutEngine:
     """One server the controller starts and feeds while the actor trains (never released): weights
     arrive mid-stream, paused in place (SGLangEngine live_updates). The server settings are the
     colocated CPU path's (float32, the CPU KV pool)."""
@@ -117,7 +123,7 @@ def _sglang_disaggregated(rollout: RolloutConfig, hf_dir: Path, device: torch.de
     config = SGLangServerConfig(model_path=str(hf_dir), device="cpu", dtype="float32",
                                 max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,
                                 host=rollout.host or "127.0.0.1", python=rollout.sglang.python or "",
-                                log_path=str(output_dir / "engine_logs" / "sglang0.log"))
+                                log_path=str(output_dir / "engine_logs" / "sglang0.log"), return_routes=return_routes)
     return SGLangEngine.launch(config, name="sglang0", request_timeout_s=rollout.request_timeout_s,
                                live_updates=True)
 
@@ -127,7 +133,8 @@ def _sglang_launch(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, loc
     from megatron_dapo.rollout.sglang.launch import launch_colocated_engines
 
     return launch_colocated_engines(cfg.rollout, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank,
-                                    log_dir=log_dir, device=device.type, dtype=str(dtype).removeprefix("torch."))
+                                    log_dir=log_dir, device=device.type, dtype=str(dtype).removeprefix("torch."),
+                                    return_routes=_wants_routes(cfg))
 
 
 def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:

@@ -18,15 +18,19 @@ weights; the routes of those positions are then the new prefill's (the routes th
 tokens' KV cache was computed with), and a response finished before the carry keeps its own.
 
 The local engine reports them always (`HFRouteRecorder` on transformers' Qwen3-MoE routers);
-the server engines: DESIGN.md, "Rollout routing replay".
+SGLang when asked (`RouteShape`, rollout/sglang/protocol.py); vLLM 0.32 not on a CPU: DESIGN.md,
+"Rollout routing replay".
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import numpy as np
 import torch
 
-__all__ = ["NO_ROUTE", "HFRouteRecorder", "perturb_router_choice", "route_dtype", "routes_from_bytes",
+__all__ = ["NO_ROUTE", "HFRouteRecorder", "RouteShape", "perturb_router_choice", "route_dtype", "routes_from_bytes",
            "routes_to_bytes"]
 
 NO_ROUTE = -1
@@ -38,6 +42,52 @@ def route_dtype(num_experts: int) -> np.dtype:
     if num_experts < 1 or num_experts > 2**15:
         raise ValueError(f"num_experts={num_experts} must be in [1, 32768] to be stored as routes")
     return np.dtype(np.uint8) if num_experts <= 256 else np.dtype(np.int16)
+
+
+@dataclass(frozen=True, slots=True)
+class RouteShape:
+    """What a server engine's routes look like for one model, and how to turn them into ours."""
+
+    num_layers: int
+    """Decoder layers: the engines' layer axis has one column per layer, MoE or not."""
+    moe_layers: tuple[int, ...]
+    """The MoE layers' 0-based indices: the columns kept (the L axis of our routes)."""
+    top_k: int
+    """Experts per token."""
+    num_experts: int
+    """Routed experts per MoE layer (ids are checked against it; fixes the compact dtype)."""
+
+    @classmethod
+    def of_checkpoint(cls, model_dir: str | Path) -> RouteShape | None:
+        """The shape for an HF checkpoint directory; None for a dense model (no routes)."""
+        from megatron_dapo.models import adapter_for
+
+        hf = adapter_for(model_dir).hf
+        if not hf.is_moe:
+            return None
+        return cls(num_layers=hf.num_layers, moe_layers=tuple(hf.moe_layers), top_k=hf.num_experts_per_tok,
+                   num_experts=hf.num_experts)
+
+    def ours(self, engine_routes: np.ndarray, rows: int, where: str) -> np.ndarray:
+        """An engine's ids as ours: [rows, L_moe, k] in the compact dtype.
+
+        Args:
+            engine_routes: the engine's flat or [rows, num_layers, k] integer ids.
+            rows: the tokens it forwarded (prompt + response - 1).
+            where: names the engine and row in messages.
+
+        Raises:
+            ValueError: another size, or an id outside [0, num_experts).
+        """
+        expected = rows * self.num_layers * self.top_k
+        if engine_routes.size != expected:
+            raise ValueError(f"{where}: {engine_routes.size} routed-expert ids, expected {rows} tokens x "
+                             f"{self.num_layers} layers x top-{self.top_k} = {expected}")
+        full = engine_routes.reshape(rows, self.num_layers, self.top_k)[:, list(self.moe_layers)]
+        if full.size and (full.min() < 0 or full.max() >= self.num_experts):
+            raise ValueError(f"{where}: routed-expert ids outside [0, {self.num_experts}) "
+                             f"(min {full.min()}, max {full.max()})")
+        return np.ascontiguousarray(full.astype(route_dtype(self.num_experts)))
 
 
 def routes_to_bytes(routes: np.ndarray) -> dict[str, object]:

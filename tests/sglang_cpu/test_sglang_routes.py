@@ -1,36 +1,108 @@
-"""Why the SGLang engine reports no routed experts on a CPU (issue 26), pinned in sglang 0.5.18's source.
+"""Rollout routing replay (R3) from SGLang's own CPU server (sglang 0.5.18), issue 39.
 
-SGLang 0.5.18 can return them: ``--enable-return-routed-experts`` and a request's
-``return_routed_experts`` put base64 int32 bytes [tokens, num_hidden_layers, k] in
-``meta_info["routed_experts"]``. Its capturer's host buffer is allocated with
-``pin_memory=True`` (state_capturer/base.py, BaseHostCache), which a machine without an
-accelerator refuses: the CPU server launched with the flag died at start with
-"pin_memory=True requires a CUDA or other accelerator backend" (2026-11-25). The pin fails
-when a release drops that; then the client can parse the routes and config/experiment.py can
-allow routing_replay=rollout with SGLang.
+SGLang returns the routed experts of a request (``return_routed_experts``) when the server runs
+with ``--enable-return-routed-experts``: base64 int32 [prompt + output - 1, num_hidden_layers, k]
+in ``meta_info["routed_experts"]``. Its capturer's host buffer is allocated with
+``pin_memory=True`` (state_capturer/base.py, BaseHostCache), which CPU torch refuses; the venv's
+start-up fix (scripts/sglang_cpu/site/_megatron_dapo_routes_host_cache.py) allocates it unpinned
+there. Held here: the server starts with the flag, every finished row carries the experts
+transformers' own routers choose for the same tokens, and the trainer replays them step after
+step (``moe/replay_route_mismatch`` 0), also under full activation recompute.
 """
 
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+from model_utils import make_server_moe
 
-from megatron_dapo.rollout.sglang.server import sglang_python
+from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.rollout.routes import HFRouteRecorder
+from megatron_dapo.rollout.sglang.engine import SGLangEngine
+from megatron_dapo.rollout.sglang.server import SGLangServerConfig, sglang_python
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from trainer_utils import read_rows, run_trainer, write_config
 
 pytestmark = [
     pytest.mark.sglang_cpu,
     pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
 ]
 
+PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]
 
-def test_the_routed_experts_capturer_pins_host_memory():
+
+def _sglang_source(relative: str) -> str:
     origin = subprocess.run([sglang_python(), "-c", "import importlib.util; print(importlib.util.find_spec('sglang').origin)"],
                             capture_output=True, text=True, check=True).stdout.strip()
-    root = Path(origin).parent / "srt"
-    base = (root / "state_capturer" / "base.py").read_text()
+    return (Path(origin).parent / "srt" / relative).read_text()
+
+
+def test_the_capturer_pins_its_host_buffer_which_the_venv_allocates_unpinned_on_a_cpu():
+    base = _sglang_source("state_capturer/base.py")
     host_cache = base[base.index("class BaseHostCache"):]
-    assert "pin_memory=True" in host_cache.split("def ", 2)[1]  # its __init__
-    assert "enable_return_routed_experts" in (root / "server_args.py").read_text()
-    assert 'meta_info["routed_experts"]' in (root / "managers" / "tokenizer_manager.py").read_text()
+    assert "pin_memory=True" in host_cache.split("def ", 2)[1]  # its __init__: why the fix exists
+    probe = ("import torch; from sglang.srt.state_capturer.base import BaseHostCache; "
+             "c = BaseHostCache(8, 3, 2, name='routed_experts'); "
+             "print(tuple(c.buffer.shape), c.buffer.dtype, c.buffer.is_pinned(), torch.cuda.is_available())")
+    out = subprocess.run([sglang_python(), "-W", "ignore", "-c", probe], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "(8, 3, 2) torch.int32 False False"
+
+
+def test_every_finished_row_carries_the_experts_the_model_routes_its_tokens_to(tmp_path):
+    checkpoint = make_server_moe(tmp_path / "moe", seed=0, mlp_only_layers=[])
+    config = SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32", max_total_tokens=32768,
+                                host="127.0.0.1", log_path=str(tmp_path / "sglang0.log"), return_routes=True)
+    engine = SGLangEngine.launch(config, name="sglang0", vocab_size=100, startup_timeout_s=600)
+    try:
+        results = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=3))
+    finally:
+        engine.shutdown()
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32,
+                                                 experts_implementation="eager").eval()
+    recorder = HFRouteRecorder(model)
+    compared = 0
+    for r in results:
+        prompt = PROMPTS[r.prompt_index]
+        fed = [*prompt, *r.output_ids][:-1]  # the last sampled token is never forwarded
+        assert r.routed_experts is not None and r.routed_experts.dtype == np.uint8
+        assert r.routed_experts.shape == (len(fed), 3, 2)
+        with torch.no_grad():
+            model(torch.tensor([fed]))
+        own = recorder.take(1, len(fed))[0].numpy()
+        assert np.array_equal(np.sort(r.routed_experts, -1), np.sort(own, -1)), r.sample_index
+        compared += len(fed)
+    assert compared > 60
+
+
+MOE_SCRATCH = {"family": "qwen3_moe", "hidden_size": 128, "num_layers": 2, "num_attention_heads": 4,
+               "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 88,
+               "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
+def test_the_trainer_replays_sglangs_routes_at_every_step(tmp_path, recompute):
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "moe.yaml", model={"scratch": MOE_SCRATCH, "sft_warm_start": {"enable": False},
+                                                        "recompute_activations": recompute})
+    proc = run_trainer(config, f"trainer.output_dir={out}", "trainer.total_training_steps=2", "trainer.test_freq=0",
+                       "trainer.val_before_train=false", "rollout.engine=sglang", "algorithm.routing_replay=rollout",
+                       cache_dir=tmp_path / "cache", timeout_s=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        # Every token of every layer was forwarded (and recomputed) on SGLang's experts.
+        assert row["moe/replay_route_mismatch"] == 0.0
+        assert 0.0 <= row["moe/router_disagreement"] <= 1.0
+        # The engine's weights are the actor's: replaying its routes keeps the gap at float32 level.
+        assert row["rollout/train_logprob_abs_diff"] < 1e-4

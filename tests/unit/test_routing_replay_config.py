@@ -8,9 +8,10 @@ from megatron_dapo import cli
 
 MOE = "model: {scratch: {family: qwen3_moe}}\n"
 BAD = [
-    (MOE + "algorithm: {routing_replay: rollout}\nrollout: {engine: sglang}",
-     "{f}: algorithm.routing_replay='rollout': needs the engine's routed experts, which "
-     "rollout.engine=sglang does not report here; use rollout.engine=local, or algorithm.routing_replay=old_policy"),
+    (MOE + "algorithm: {routing_replay: rollout}\nrollout: {engine: vllm}",
+     "{f}: algorithm.routing_replay='rollout': needs the engine's routed experts, which rollout.engine=vllm does "
+     "not report here (vLLM 0.32 returns them only from its Model Runner V2); use rollout.engine=sglang or local, "
+     "or algorithm.routing_replay=old_policy"),
     ("algorithm: {routing_replay: old_policy}",
      "{f}: algorithm.routing_replay='old_policy': needs a mixture-of-experts model "
      "(model.scratch.family=qwen2); set algorithm.routing_replay=off"),

@@ -88,6 +88,7 @@ from megatron_dapo.rollout.placement import (
 )
 from megatron_dapo.rollout.sglang.protocol import sglang_serialize
 from megatron_dapo.rollout.sglang.restarts import RestartChannel, RestartServer, job_store
+from megatron_dapo.rollout.sglang.weights import with_lm_head_copy
 from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketMeter, WeightSyncStats, iter_buckets
 
 if TYPE_CHECKING:
@@ -221,8 +222,10 @@ class ColocatedEngines:
         serializer: Serializer,
         weight_format: WeightFormat | None = None,
         restarts: RestartChannel | None = None,
+        lm_head_copy: bool = False,
     ) -> None:
         """Use :meth:`create` (or launch.launch_colocated_engines); this only stores the parts."""
+        self.lm_head_copy = lm_head_copy  # every sync also sends the embedding as lm_head.weight
         self.placement = placement
         self.rank = rank
         self.slot = placement.slot(placement.engine_of(rank))
@@ -266,6 +269,7 @@ class ColocatedEngines:
         weight_format: WeightFormat | None = None,
         max_restarts: int = 0,
         restart_timeout_s: float = 1800.0,
+        lm_head_copy: bool = False,
     ) -> ColocatedEngines:
         """Collective: check the node layout, build the per-engine groups, start and announce engines.
 
@@ -283,6 +287,8 @@ class ColocatedEngines:
             max_restarts: rollout.max_engine_restarts for the whole job; 0 = a dead server
                 stops the run. Leaders then keep a host copy of the last sync's weights.
             restart_timeout_s: how long the controller waits for a leader's restart.
+            lm_head_copy: the served model needs the tied embedding as lm_head.weight too
+                (server.copies_lm_head).
 
         Returns:
             On leaders ``engine`` is set; on the controller ``clients`` holds every engine.
@@ -325,7 +331,8 @@ class ColocatedEngines:
                     placement.num_engines, placement.num_nodes, placement.engine_tp, slot.name,
                     placement.tp_rank_of(rank), " (leader)" if engine is not None else "")
         return cls(placement=placement, rank=rank, group=group, engine=engine, infos=infos, clients=clients,
-                   serializer=serializer or serialize_cuda_ipc, weight_format=weight_format, restarts=restarts)
+                   serializer=serializer or serialize_cuda_ipc, weight_format=weight_format, restarts=restarts,
+                   lm_head_copy=lm_head_copy)
 
     # ------------------------------------------------------------------ weight sync
 
@@ -348,6 +355,8 @@ class ColocatedEngines:
             EngineError: on every rank, when any engine failed (names every such engine).
         """
         with self._lock:
+            if self.lm_head_copy:
+                named_tensors = with_lm_head_copy(named_tensors)
             return self._sync_weights(named_tensors, bucket_bytes, version)
 
     def _sync_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,

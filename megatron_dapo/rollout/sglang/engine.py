@@ -49,6 +49,7 @@ from megatron_dapo.rollout.flat_bucket import (
     WeightFormat,
     WeightPayload,
 )
+from megatron_dapo.rollout.routes import RouteShape
 from megatron_dapo.rollout.server_process import (
     ServerProcess,
     call_while_healthy,
@@ -65,6 +66,7 @@ from megatron_dapo.rollout.sglang.server import (
     SGLangServerConfig,
     build_launch_command,
     check_servable,
+    copies_lm_head,
     resolve_server_config,
     server_env,
     write_secret_config,
@@ -110,6 +112,7 @@ class SGLangEngine(WeightUpdates):
         health_check_failures: int = 5,
         expected_shapes: dict[str, tuple[int, ...]] | None = None,
         live_updates: bool = False,
+        routes: RouteShape | None = None,
     ) -> None:
         """Attach to a server (launched by :meth:`start`/:meth:`launch`, or already running).
 
@@ -145,6 +148,8 @@ class SGLangEngine(WeightUpdates):
                 first bucket to finish_weight_update, so no forward pass sees half-loaded weights
                 and rows in flight keep their KV cache; the server must run without the radix
                 cache (a prompt cached under old weights would be reused under new ones).
+            routes: ask for every row's routed experts, of this shape (a server launched with
+                return_routes); finished results then carry them (routing replay).
         """
         if health_check_interval_s <= 0 or health_check_failures < 1:
             raise ValueError(f"SGLang engine {name}: health_check_interval_s={health_check_interval_s} must be > 0 "
@@ -176,6 +181,9 @@ class SGLangEngine(WeightUpdates):
         self._live_updates = live_updates
         self._paused = False  # generation is paused in place for a weight update
         self._expected_shapes = expected_shapes
+        self.routes = routes
+        self.lm_head_copy = False
+        """Every update also sends the embedding as lm_head.weight (server.copies_lm_head)."""
 
     @classmethod
     def start(
@@ -221,7 +229,9 @@ class SGLangEngine(WeightUpdates):
             deterministic=resolved.deterministic,
             expected_shapes=served_shapes(resolved.model_path),
             live_updates=live_updates,
+            routes=RouteShape.of_checkpoint(resolved.model_path) if resolved.return_routes else None,
         )
+        engine.lm_head_copy = copies_lm_head(resolved.model_path)
         # What restart() launches again: the resolved config, so the same port, key and log (appended).
         engine._relaunch = dict(config=resolved, name=name, vocab_size=vocab_size, request_timeout_s=request_timeout_s,
                                 live_updates=live_updates)
@@ -381,7 +391,7 @@ class SGLangEngine(WeightUpdates):
         check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
         payload = build_generate_payload(
             prompts, params, index_offset=index_offset, rid_prefix=f"{self.name}-{uuid.uuid4().hex[:12]}",
-            send_seed=self._deterministic,
+            send_seed=self._deterministic, return_routes=self.routes is not None,
         )
         with self._state_lock:
             self._refuse_if_released("/generate")
@@ -407,7 +417,8 @@ class SGLangEngine(WeightUpdates):
                 self._inflight.pop(call, None)
                 versions = self._call_versions.pop(call)
         results = parse_generate_response(
-            response, num_prompts=len(prompts), n=params.n, index_offset=index_offset, engine=self.name
+            response, num_prompts=len(prompts), n=params.n, index_offset=index_offset, engine=self.name,
+            prompt_lens=[len(p) for p in prompts], routes=self.routes,
         )
         return self._spans(results, versions)
 

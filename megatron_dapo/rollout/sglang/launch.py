@@ -16,10 +16,16 @@ import torch
 from megatron_dapo.rollout.engine import RolloutEngine
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
 from megatron_dapo.rollout.placement import EngineSlot, plan_placement, ranks_per_node_from_env
+from megatron_dapo.rollout.routes import RouteShape
 from megatron_dapo.rollout.server_process import node_address
 from megatron_dapo.rollout.sglang.colocated import ColocatedEngines, EngineInfo, LeaderEngine, Serializer
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
-from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, resolve_server_config
+from megatron_dapo.rollout.sglang.server import (
+    CPU_KV_TOKENS,
+    SGLangServerConfig,
+    copies_lm_head,
+    resolve_server_config,
+)
 from megatron_dapo.rollout.sglang.weights import serializer_for
 
 if TYPE_CHECKING:
@@ -41,6 +47,7 @@ def launch_colocated_engines(
     device: str = "cuda",
     dtype: str = "bfloat16",
     max_restarts: int | None = None,
+    return_routes: bool = False,
 ) -> ColocatedEngines:
     """Collective: start SGLang engines on the GPUs of every node and connect the controller to all.
 
@@ -58,6 +65,7 @@ def launch_colocated_engines(
         dtype: the servers' weight dtype, the actor's ("float32", "bfloat16").
         max_restarts: None = rollout.max_engine_restarts. A one-process job on a CPU has
             none here: its controller feeds its server and restarts it (run.py).
+        return_routes: the servers report every row's routed experts (routing replay).
 
     Returns:
         This rank's ColocatedEngines; on the controller ``clients`` holds every engine.
@@ -74,7 +82,7 @@ def launch_colocated_engines(
         server = resolve_server_config(SGLangServerConfig(
             model_path=str(model_path), tp_size=slot.tp_size, base_gpu_id=slot.base_gpu_id,
             mem_fraction_static=config.gpu_memory_utilization, host=host, dtype=dtype, device=device,
-            max_total_tokens=kv_tokens, python=config.sglang.python or "",
+            max_total_tokens=kv_tokens, python=config.sglang.python or "", return_routes=return_routes,
             log_path=str(Path(log_dir) / f"{slot.name}.log") if log_dir is not None else "",
         ), slot.name)  # fmt: skip
         engine = SGLangEngine.launch(server, name=slot.name, startup_timeout_s=startup_timeout_s,
@@ -89,8 +97,10 @@ def launch_colocated_engines(
                           host=socket.gethostname(), log_path=server.log_path, deterministic=server.deterministic)
         return engine, info
 
+    routes = RouteShape.of_checkpoint(model_path) if return_routes else None
+
     def client(info: EngineInfo) -> RolloutEngine:
-        return SGLangEngine(info.url, name=info.name, api_key=info.api_key, tp_size=info.tp_size,
+        return SGLangEngine(info.url, name=info.name, api_key=info.api_key, tp_size=info.tp_size, routes=routes,
                             request_timeout_s=config.request_timeout_s, deterministic=info.deterministic,
                             log_location=f"{info.host}:{info.log_path} (owned by rank {info.leader_rank})")
 
@@ -99,7 +109,8 @@ def launch_colocated_engines(
     return ColocatedEngines.create(placement, rank=rank, local_rank=local_rank, start_engine=start,
                                    make_client=client, serializer=serializer or serializer_for(device),
                                    weight_format=FLATTENED_BUCKET if device == "cpu" else None,
-                                   max_restarts=max_restarts, restart_timeout_s=startup_timeout_s + 900.0)
+                                   max_restarts=max_restarts, restart_timeout_s=startup_timeout_s + 900.0,
+                                   lm_head_copy=copies_lm_head(model_path))
 
 
 def launch_node_engines(

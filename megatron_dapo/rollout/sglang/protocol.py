@@ -14,6 +14,11 @@ Endpoints used (SGLang 0.5.x):
   "rid": [...]}``; answers a list of ``{"output_ids", "meta_info": {"finish_reason": {"type"},
   "output_token_logprobs": [[logprob, token_id, null], ...]}}``. Each of the n responses of
   a prompt is its own row (own rid, own seed); the radix cache shares the prompt's prefill.
+- Routed experts (``return_routed_experts: true`` on a server started with
+  ``--enable-return-routed-experts``, sglang 0.5.18: state_capturer/routed_experts.py,
+  scheduler_components/batch_result_processor.py): a finished row's ``meta_info["routed_experts"]``
+  is base64 of int32 [prompt + output - 1, num_hidden_layers, k], the logical expert ids of every
+  token it forwarded (the last sampled token has none); an aborted row has none.
 - POST /update_weights_from_tensor (colocated): ``serialized_named_tensors`` holds, per TP rank
   of the engine, MultiprocessingSerializer (ForkingPickler + base64) of one flat buffer per
   dtype with ``load_format: "flattened_bucket"`` (flat_bucket.py; sglang >= 0.5.1), else of
@@ -50,6 +55,7 @@ from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
@@ -62,6 +68,7 @@ from megatron_dapo.rollout.engine import (
     response_seed,
 )
 from megatron_dapo.rollout.flat_bucket import FlatBucket, WeightPayload, to_sglang_wire
+from megatron_dapo.rollout.routes import RouteShape
 
 __all__ = [
     "SGLANG_VERSION_READ",
@@ -79,7 +86,7 @@ SGLANG_VERSION_READ = "0.5.x (0.5.3-0.5.5)"
 
 def build_generate_payload(
     prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int, rid_prefix: str,
-    send_seed: bool = False,
+    send_seed: bool = False, return_routes: bool = False,
 ) -> dict[str, Any]:
     """The /generate body: one row per response, each with its own rid and sampling params.
 
@@ -91,6 +98,7 @@ def build_generate_payload(
         send_seed: add a per-response ``sampling_seed`` when params.seed is set. Only servers
             started with --enable-deterministic-inference use it (SGLang >= 0.5.3), so it is
             sent only to those; seeded SGLang rollouts are otherwise not reproducible.
+        return_routes: ask for each row's routed experts (a server with --enable-return-routed-experts).
 
     Returns:
         JSON-serialisable dict for POST /generate.
@@ -115,11 +123,15 @@ def build_generate_payload(
             if send_seed and params.seed is not None:
                 row["sampling_seed"] = response_seed(params.seed, (index_offset + i) * params.n + j)
             per_row.append(row)
-    return {"input_ids": input_ids, "sampling_params": per_row, "return_logprob": True, "rid": rids}
+    payload = {"input_ids": input_ids, "sampling_params": per_row, "return_logprob": True, "rid": rids}
+    if return_routes:
+        payload["return_routed_experts"] = True  # one flag for the batch (GenerateReqInput)
+    return payload
 
 
 def parse_generate_response(
-    response: list[dict[str, Any]], *, num_prompts: int, n: int, index_offset: int, engine: str
+    response: list[dict[str, Any]], *, num_prompts: int, n: int, index_offset: int, engine: str,
+    prompt_lens: Sequence[int] | None = None, routes: RouteShape | None = None,
 ) -> list[GenerationResult]:
     """Turn /generate's answer into GenerationResults (prompt-major, global indices).
 
@@ -132,6 +144,9 @@ def parse_generate_response(
         n: responses per prompt.
         index_offset: global index of the first prompt.
         engine: engine name for messages.
+        prompt_lens: tokens of each prompt (needed with routes).
+        routes: the routes were asked for: every finished row must carry them (as ours,
+            GenerationResult.routed_experts); an aborted row has none.
 
     Returns:
         ``num_prompts * n`` results.
@@ -152,6 +167,10 @@ def parse_generate_response(
                 f"SGLang engine {engine}: row {row} output_ids disagree with output_token_logprobs; "
                 "the server must run with --skip-tokenizer-init and no_stop_trim"
             )
+        routed = None
+        if routes is not None and reason != "abort":
+            assert prompt_lens is not None, "routes need the prompts' lengths"
+            routed = _routed_experts(meta, routes, prompt_lens[row // n] + len(output_ids) - 1, engine, row)
         results.append(
             GenerationResult(
                 prompt_index=index_offset + row // n,
@@ -160,9 +179,26 @@ def parse_generate_response(
                 logprobs=[float(lp) for lp, *_ in pairs],
                 finish_reason=reason,
                 weight_versions=_weight_versions(meta, engine, row),
+                routed_experts=routed,
             )
         )
     return results
+
+
+def _routed_experts(meta: dict[str, Any], routes: RouteShape, rows: int, engine: str, row: int) -> np.ndarray:
+    """A finished row's ``meta_info["routed_experts"]`` (base64 int32) as ours [rows, L_moe, k]."""
+    text = meta.get("routed_experts")
+    if not isinstance(text, str):
+        raise EngineError(f"SGLang engine {engine}: row {row} has no routed_experts; the server must run with "
+                          "--enable-return-routed-experts (SGLangServerConfig.return_routes)")
+    try:
+        ids = np.frombuffer(base64.b64decode(text, validate=True), dtype=np.int32)
+    except (binascii.Error, ValueError) as err:
+        raise EngineError(f"SGLang engine {engine}: row {row} routed_experts is not base64 int32: {err}") from None
+    try:
+        return routes.ours(ids, rows, f"SGLang engine {engine}: row {row}")
+    except ValueError as err:
+        raise EngineError(str(err)) from None
 
 
 def _weight_versions(meta: dict[str, Any], engine: str, row: int) -> tuple[int, ...]:

@@ -41,6 +41,7 @@ from megatron_dapo.rollout.sglang.interpreter import INSTALL_HINT, default_cpu_v
 __all__ = [
     "SGLangServerConfig",
     "build_launch_command",
+    "copies_lm_head",
     "default_cpu_venv",
     "resolve_server_config",
     "secret_config_path",
@@ -89,6 +90,9 @@ class SGLangServerConfig:
     (GPUs). A CPU server needs it: its pool would otherwise be a share of host memory."""
     python: str = ""
     """Interpreter that runs the server; empty = :func:`sglang_python`."""
+    return_routes: bool = False
+    """--enable-return-routed-experts: the server keeps every token's routed experts (a host buffer of
+    KV tokens x layers x k int32) so requests can ask for them (routing replay, rollout/routes.py)."""
     extra_args: tuple[str, ...] = ()
     """Further launch_server flags, passed through verbatim."""
     env: dict[str, str] = field(default_factory=dict)
@@ -148,6 +152,7 @@ def build_launch_command(config: SGLangServerConfig) -> list[str]:
         "--skip-tokenizer-init",
         *device_args,
         *(["--enable-deterministic-inference"] if config.deterministic else []),
+        *(["--enable-return-routed-experts"] if config.return_routes else []),
         *config.extra_args,
     ]  # fmt: skip
 
@@ -216,6 +221,7 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         device=config.device,
         max_total_tokens=config.max_total_tokens,
         python=python,
+        return_routes=config.return_routes,
         extra_args=config.extra_args,
         env=dict(config.env),
     )
@@ -253,3 +259,22 @@ def check_servable(model_path: str | Path) -> None:
             "layer sparse and drops the dense weights): use rollout.engine=local or vllm, or a model without "
             "dense layers"
         )
+
+
+def copies_lm_head(model_path: str | Path) -> bool:
+    """Whether the trainer must send SGLang the tied output matrix as ``lm_head.weight`` too.
+
+    sglang 0.5.18's Qwen3MoeForCausalLM builds its own ``lm_head`` (a ParallelLMHead) and never
+    ties it to the embedding, whatever tie_word_embeddings says (models/qwen3_moe.py; its qwen2
+    and qwen3 models do tie). A tied checkpoint has no ``lm_head.weight``, and the trainer's
+    export sends the shared matrix once, as ``model.embed_tokens.weight``: the server would
+    sample from an output layer nobody loaded (log-probs 0.18 off on the tiny MoE run,
+    2026-11-27). So for a tied Qwen3-MoE the matrix also goes as ``lm_head.weight``
+    (weights.with_lm_head_copy), before the first generation and at every sync.
+    """
+    path = Path(model_path) / "config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return config.get("model_type") == "qwen3_moe" and bool(config.get("tie_word_embeddings"))

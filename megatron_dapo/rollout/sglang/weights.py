@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -68,6 +68,8 @@ class WeightUpdates:
             bucket: (hf_name, full tensor); they must stay alive until this returns,
                 which they do because the server has copied them by then.
         """
+        if getattr(self, "lm_head_copy", False):
+            bucket = list(with_lm_head_copy(bucket))
         self.check_payload(bucket)
         devices = {t.device.type for _, t in bucket}
         if len(devices) > 1:
@@ -335,3 +337,21 @@ def serializer_for(device: str) -> Callable[[WeightPayload], str]:
     files written without sglang (its CPU server lives in an environment of its own).
     """
     return sglang_serialize if device == "cuda" else cpu_serialize
+
+
+LM_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def with_lm_head_copy(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, with the embedding also as ``lm_head.weight`` (server.copies_lm_head says when).
+
+    Args:
+        named: (HF name, tensor) of a tied model's export (no lm_head.weight of its own); a list
+            that already holds lm_head.weight passes unchanged.
+    """
+    named = list(named) if isinstance(named, list | tuple) else named
+    has_head = isinstance(named, list) and any(name == LM_HEAD for name, _ in named)
+    for name, tensor in named:
+        yield name, tensor
+        if name == EMBEDDING and not has_head:
+            yield LM_HEAD, tensor
