@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -36,7 +37,8 @@ from megatron_dapo.rollout.engine import EpisodeRecord, GenerationResult, Sampli
 from megatron_dapo.tools.formats import CallFormat, ParsedCall
 from megatron_dapo.tools.sandbox import ToolResult
 
-__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "Tool", "ToolPoolBroken", "episode_metrics"]
+__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "Tool", "ToolPoolBroken", "episode_metrics", "episode_row",
+           "episode_rows_metrics"]
 
 Generate = Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]]
 """An engine's (or the controller's) generate: prompts, params -> prompt-major results."""
@@ -107,6 +109,33 @@ class _Episode:
             logprobs=self.logprobs, finish_reason=self.finish, weight_versions=self.versions, routed_experts=routes,
             episode=EpisodeRecord(policy_mask=tuple(self.mask), turns=self.turns, calls=tuple(self.calls),
                                   turn_capped=self.capped))
+
+
+def episode_row(r: GenerationResult, tokenizer: Tokenizer) -> dict[str, Any]:
+    """An episode's turns for a JSONL row (`megatron-dapo eval`): segments [{"by": "policy"|"tool", "text"}], calls, counts."""
+    segments: list[dict[str, str]] = []
+    mask, ids = r.episode.policy_mask, r.output_ids
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or mask[end] != mask[start]:
+            segments.append({"by": "policy" if mask[start] else "tool", "text": tokenizer.decode(ids[start:end])})
+            start = end
+    return {"turns": r.episode.turns, "turn_capped": r.episode.turn_capped, "tool_tokens": r.episode.tool_tokens,
+            "segments": segments, "calls": [dataclasses.asdict(c) for c in r.episode.calls]}
+
+
+def episode_rows_metrics(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """tools/* of `megatron-dapo eval`'s summary, from its rows' episodes (episode_row); {} without any."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {"tools/turns_mean": sum(e["turns"] for e in episodes) / n,
+            "tools/turns_max": float(max(e["turns"] for e in episodes)),
+            "tools/calls_per_episode": sum(len(e["calls"]) for e in episodes) / n,
+            "tools/errors_per_episode": sum(sum(c["status"] != "ok" for c in e["calls"]) for e in episodes) / n,
+            "tools/seconds": sum(c["seconds"] for e in episodes for c in e["calls"]),
+            "tools/turn_capped": sum(bool(e["turn_capped"]) for e in episodes) / n,
+            "tools/tokens_per_episode": sum(e["tool_tokens"] for e in episodes) / n}
 
 
 class ToolPoolBroken(UserError):
