@@ -69,6 +69,8 @@ def sft_cache_key(cfg: Config, init_dir: Path, sources: dict[str, Any], dims: pa
         key["check"] = {"val": cfg.data.val_files or [sources["val"]], "val_kwargs": asdict(cfg.rollout.val_kwargs),
                         "max_prompt_length": cfg.data.max_prompt_length,
                         "max_response_length": cfg.data.max_response_length, "reward_fn": cfg.reward.reward_fn}
+        if cfg.tools.enable:  # the checks run episodes with the tools: another band's stopping point
+            key["check"]["tools"] = asdict(cfg.tools)
     return key
 
 
