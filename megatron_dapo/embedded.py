@@ -74,24 +74,30 @@ def check_task(embedded: EmbeddedTaskConfig) -> None:
 
 def _mix(embedded: EmbeddedTaskConfig) -> ArithmeticMix:
     return ArithmeticMix(add=embedded.add, sub=embedded.sub, mul=embedded.mul, two_step=embedded.two_step,
-                         max_digits=embedded.max_digits, solution_style=embedded.solution_style)
+                         big_mul=embedded.big_mul, max_digits=embedded.max_digits,
+                         solution_style=embedded.solution_style)
 
 
 def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
     """Write (or reuse) the arithmetic task's train/val/SFT files and tokenizer."""
     check_task(embedded)
     mix = _mix(embedded)
-    parts = {"mix": asdict(mix), "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
+    mix_parts = asdict(mix)
+    if not mix.big_mul:  # the tool task's fields enter the key only when on: older caches stay valid
+        del mix_parts["big_mul"]
+    parts = {"mix": mix_parts, "n": [embedded.num_train, embedded.num_val, embedded.num_sft],
              "seed": embedded.seed, "vocab": embedded.tokenizer_vocab_size, "sentencepiece": _version("sentencepiece")}
     if embedded.sft_balance_columns >= 2:
         # Only when on, so the cache keys of runs that set it to 0 stay what they were.
         parts["sft_balance_columns"] = {"candidates": embedded.sft_balance_columns, "keys": "fact-in-column"}
     if embedded.train_balance_columns >= 2:
         parts["train_balance_columns"] = {"candidates": embedded.train_balance_columns, "keys": "fact-in-column"}
+    if embedded.sft_tool_share > 0:
+        parts["sft_tool_share"] = embedded.sft_tool_share
     return prepare_arithmetic_task(
         cache_dir / f"arithmetic-{digest(parts)}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
         num_sft=embedded.num_sft, seed=embedded.seed, sft_balance_columns=embedded.sft_balance_columns,
-        train_balance_columns=embedded.train_balance_columns,
+        train_balance_columns=embedded.train_balance_columns, sft_tool_share=embedded.sft_tool_share,
         tokenizer_settings=SentencePieceSettings(vocab_size=embedded.tokenizer_vocab_size),
     )
 

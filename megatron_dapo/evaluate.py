@@ -24,6 +24,7 @@ truncation rate, overall and per data source.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -67,6 +68,9 @@ class EvalSettings:
     """Base sampling seed; the trainer's validation uses trainer.seed + 1."""
     reward_fn: str
     """Reward function (reward.reward_fn)."""
+    tools: dict[str, Any] | None = None
+    """The tools section (asdict of ToolsConfig) when responses are episodes with tool calls, as in
+    training; None = one turn."""
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -129,6 +133,8 @@ def summarize(rows: Sequence[dict[str, Any]], n: int, ks: Sequence[int]) -> dict
         {"all": metrics, <data_source>: metrics, ...}; metrics keys: num_prompts, avg@n,
         pass@k..., score/mean, response_length/mean, truncation_rate.
     """
+    from megatron_dapo.tools.episode import episode_rows_metrics
+
     by_source: dict[str, dict[int, list[dict[str, Any]]]] = defaultdict(lambda: defaultdict(list))
     for row in rows:
         by_source["all"][row["index"]].append(row)
@@ -144,6 +150,7 @@ def summarize(rows: Sequence[dict[str, Any]], n: int, ks: Sequence[int]) -> dict
         metrics["score/mean"] = sum(float(r["score"]) for r in responses) / len(responses)
         metrics["response_length/mean"] = sum(r["response_length"] for r in responses) / len(responses)
         metrics["truncation_rate"] = sum(r["finish_reason"] == "length" for r in responses) / len(responses)
+        metrics.update(episode_rows_metrics([r["episode"] for r in responses if r.get("episode")]))
         out[source] = metrics
     return out
 
@@ -372,6 +379,15 @@ def _generate(records: Sequence[Any], todo: Sequence[range], done: set[int], set
     gen = eval_engine(engine, EvalEngineArgs(hf_dir=hf_dir, vocab_size=tokenizer.vocab_size,
                                              max_batch_size=ENGINE_ROWS_PER_CHUNK, tensor_parallel_size=engine_tp,
                                              gpu_memory_utilization=gpu_memory_utilization, log_dir=log_dir))
+    from megatron_dapo.tools.episode import episode_row
+
+    runner = None
+    if settings.tools is not None:
+        from megatron_dapo.config.tools import PythonToolConfig, ToolsConfig
+        from megatron_dapo.tools.registry import episode_runner
+
+        tools = ToolsConfig(**{**settings.tools, "python": PythonToolConfig(**settings.tools["python"])})
+        runner = episode_runner(tools, tokenizer, settings.max_new_tokens)
     total = sum(i not in done for b in todo for i in b)
     num_done, start = 0, time.perf_counter()
     try:
@@ -379,7 +395,12 @@ def _generate(records: Sequence[Any], todo: Sequence[range], done: set[int], set
             for batch in todo:
                 # Done prompts of a partly written batch are generated again but not rewritten:
                 # the engine's chunk, and so every row's numerics, stay those of the trainer.
-                results = gen.generate([records[i].prompt_ids for i in batch], params, index_offset=batch.start)
+                prompts = [records[i].prompt_ids for i in batch]
+                if runner is None:
+                    results = gen.generate(prompts, params, index_offset=batch.start)
+                else:
+                    results = [dataclasses.replace(r, prompt_index=r.prompt_index + batch.start)
+                               for r in runner.generate(_relative(gen, batch.start), prompts, params)]
                 texts = [tokenizer.decode(r.output_ids) for r in results]
                 scored, _ = pool.score_batch([(t, records[r.prompt_index].ground_truth,
                                                records[r.prompt_index].extra_info or None)
@@ -393,6 +414,8 @@ def _generate(records: Sequence[Any], todo: Sequence[range], done: set[int], set
                            "ground_truth": rec.ground_truth, "score": float(s["score"]), "acc": bool(s["acc"]),
                            "response_length": len(r.output_ids), "finish_reason": r.finish_reason,
                            "settings": fingerprint}
+                    if r.episode is not None:  # every turn: the segments as text, and each call
+                        row["episode"] = episode_row(r, tokenizer)
                     sink.write(json.dumps(row) + "\n")
                     rows.append(row)
                 sink.flush()
@@ -406,9 +429,21 @@ def _generate(records: Sequence[Any], todo: Sequence[range], done: set[int], set
                           file=sys.stderr, flush=True)
     finally:
         gen.shutdown()
+        if runner is not None:
+            runner.close()
         if progress:
             print(file=sys.stderr)
     return total
+
+
+def _relative(gen: Any, offset: int) -> Any:
+    """The engine's generate with the batch's global indices (seeds) and results indexed from 0."""
+    def generate(prompts: Sequence[Sequence[int]], params: Any) -> list[Any]:
+        return [dataclasses.replace(r, prompt_index=r.prompt_index - offset)
+                for r in gen.generate(prompts, params, index_offset=offset)]
+
+    return generate
+
 
 
 # ---------------------------------------------------------------------------- command line
@@ -474,7 +509,8 @@ def run_eval(args: Any) -> int:
         top_p=pick(args.top_p, v.top_p), top_k=pick(args.top_k, v.top_k),
         max_new_tokens=pick(args.max_new_tokens, base.data.max_response_length),
         max_prompt_length=pick(args.max_prompt_length, base.data.max_prompt_length),
-        seed=pick(args.seed, base.trainer.seed + 1), reward_fn=base.reward.reward_fn)
+        seed=pick(args.seed, base.trainer.seed + 1), reward_fn=base.reward.reward_fn,
+        tools=asdict(base.tools) if base.tools.enable else None)
     out = args.out or Path("eval") / f"{(training or ckpt).name}_{Path(args.data[0]).stem}_n{settings.n}.jsonl"
     _check_out(out)
     check_installed(args.engine or base.rollout.engine, base.rollout, where="--engine" if args.engine else "rollout.engine")

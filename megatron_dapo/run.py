@@ -49,6 +49,7 @@ from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.factory import launch_rank_engines, training_engines
 from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
+from megatron_dapo.tools.registry import episode_runner
 from megatron_dapo.warm_start import sft_cache_dir, warm_start
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,9 @@ class Run:
             self.metrics.close()
         if self.rewards is not None:
             self.rewards.close()
+        episodes = self.collect_settings.episodes if self.collect_settings is not None else None
+        if episodes is not None:
+            episodes.close()
         if self.rollout is not None:
             self.rollout.shutdown()
         if self.colocated is not None:
@@ -430,7 +434,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         partial_max_versions=r.partial_rollout_max_versions,
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
-        norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
+        norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
+        episodes=episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length))
     run.rollout = RolloutController(training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir),
                                     max_restarts=cfg.rollout.max_engine_restarts)
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
@@ -479,7 +484,7 @@ def _launcher_source() -> str:
 
 
 def _split_batch(groups: list[Group], mini_batch_groups: int, dp: int, overlong_filtering: bool) -> list[list[list[tuple]]]:
-    """[dp_rank][mini_batch] -> rows (prompt_ids, response_ids, advantage, rollout_lps, keep, routes)."""
+    """[dp_rank][mini_batch] -> rows (prompt_ids, response_ids, advantage, rollout_lps, keep, routes, loss mask)."""
     per_dp: list[list[list[tuple]]] = [[] for _ in range(dp)]
     for start in range(0, len(groups), mini_batch_groups):
         samples = [s for g in groups[start:start + mini_batch_groups] for s in g.samples]
@@ -488,7 +493,7 @@ def _split_batch(groups: list[Group], mini_batch_groups: int, dp: int, overlong_
             per_dp[rank].append([
                 (samples[i].prompt_ids, samples[i].response_ids, samples[i].advantage,
                  samples[i].rollout_log_probs, not (overlong_filtering and samples[i].truncated),
-                 samples[i].routed_experts)
+                 samples[i].routed_experts, samples[i].loss_mask)
                 for i in indices])
     return per_dp
 
@@ -505,11 +510,13 @@ def _to_shard(rows: list[tuple]) -> Shard:
     mask = torch.zeros((num, width), dtype=torch.bool)
     advantages = torch.zeros((num, width), dtype=torch.float32)
     rollout_lp = torch.zeros((num, width), dtype=torch.float32)
-    for i, (prompt, response, adv, lps, keep, _) in enumerate(rows):
+    for i, (prompt, response, adv, lps, keep, _, loss_mask) in enumerate(rows):
         lp, lr = len(prompt), len(response)
         input_ids[i, :lp] = torch.tensor(prompt)
         input_ids[i, lp:lp + lr] = torch.tensor(response)
         mask[i, lp:lp + lr] = keep
+        if loss_mask is not None:  # an episode: a tool's tokens never carry loss
+            mask[i, lp:lp + lr] &= torch.tensor(loss_mask, dtype=torch.bool)
         advantages[i, lp:lp + lr] = adv
         rollout_lp[i, lp:lp + lr] = torch.tensor(lps)
     batch = RolloutBatch(input_ids=input_ids, seq_lens=torch.tensor(lengths[:num], dtype=torch.long),

@@ -339,7 +339,7 @@ def validate(run: Run) -> dict[str, float]:
     if not run.dims.is_controller or not run.val_prompts:
         return {}
     return score_heldout(run.val_prompts, rollout=run.rollout, rewards=run.rewards, tokenizer=run.tokenizer,
-                    params=run.val_sampling)
+                         params=run.val_sampling, episodes=run.collect_settings.episodes)
 
 
 def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -43,6 +43,7 @@ from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint.files import chmod_as_created
 from megatron_dapo.config import Config
+from megatron_dapo.data.arithmetic import CALC_MARKERS
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.embedded import atomic_dir, digest, environment_key
 from megatron_dapo.models import DecoderAdapter
@@ -68,6 +69,8 @@ def sft_cache_key(cfg: Config, init_dir: Path, sources: dict[str, Any], dims: pa
         key["check"] = {"val": cfg.data.val_files or [sources["val"]], "val_kwargs": asdict(cfg.rollout.val_kwargs),
                         "max_prompt_length": cfg.data.max_prompt_length,
                         "max_response_length": cfg.data.max_response_length, "reward_fn": cfg.reward.reward_fn}
+        if cfg.tools.enable:  # the checks run episodes with the tools: another band's stopping point
+            key["check"]["tools"] = asdict(cfg.tools)
     return key
 
 
@@ -163,6 +166,7 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
     from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
     from megatron_dapo.rollout.controller import RolloutController
     from megatron_dapo.rollout.factory import check_engine
+    from megatron_dapo.tools.registry import episode_runner
 
     tokenizer = load_tokenizer(sources["tokenizer"])
     val_files = cfg.data.val_files or [sources["val"]]
@@ -177,11 +181,15 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
     closers.append(rewards.close)
     params = val_sampling_params(cfg.rollout.val_kwargs, max_new_tokens=cfg.data.max_response_length,
                                  eos_id=tokenizer.eos_id, seed=cfg.trainer.seed)
+    episodes = episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length)  # the trainer's val/acc: with tools
+    if episodes is not None:
+        closers.append(episodes.close)
 
     def held_out_accuracy(tensors: list[tuple[str, torch.Tensor]]) -> float:
         engine.update_weights(tensors)
         engine.finish_weight_update()
-        return float(score_heldout(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params)["val/acc"])
+        return float(score_heldout(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params,
+                                   episodes=episodes)["val/acc"])
 
     return held_out_accuracy
 
@@ -216,7 +224,7 @@ def run_sft(actor: MegatronActor, control: parallel.ControlGroups, sft_path: str
         per_dp = None
         if dims.is_controller:
             chosen = [rows[rng.randrange(len(rows))] for _ in range(batch_size)]
-            per_dp = [[chosen[i] for i in shard] for shard in balance_across_dp([len(p) + len(r) for p, r in chosen],
+            per_dp = [[chosen[i] for i in shard] for shard in balance_across_dp([len(p) + len(r) for p, r, _ in chosen],
                                                                                   dims.dp)]
         batch = _sft_batch(parallel.scatter_to_replicas(per_dp, control))
         # The update's own forward is the old policy (ratio exactly 1); it fills old_log_probs.
@@ -266,26 +274,41 @@ def write_hf_checkpoint(tensors: dict[str, torch.Tensor], config_dir: Path, out:
             (tmp / WARM_START_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def _load_sft_rows(sft_path: str, tokenizer_path: str) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, response ids + eos) of every worked solution."""
+def _load_sft_rows(sft_path: str, tokenizer_path: str) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, response ids + eos, loss mask) of every worked solution.
+
+    A solution that calls the calculator (data/arithmetic.CALC_MARKERS) learns the call and what
+    follows the answer, never the answer itself: the ``<result>...</result>`` span is the tool's
+    (mask 0), as in RL.
+    """
     tokenizer = load_tokenizer(tokenizer_path)
+    _, _, result_open, result_close = CALC_MARKERS
     rows = []
     with open(sft_path, encoding="utf-8") as f:
         for line in f:
             row = json.loads(line)
             prompt = tokenizer.encode(tokenizer.render_chat([{"role": "user", "content": row["prompt"]}]))
-            rows.append((prompt, [*tokenizer.encode(row["response"]), tokenizer.eos_id]))
+            text = row["response"]
+            start, end = text.find(result_open), text.find(result_close)
+            parts = [(text, 1)] if start < 0 or end < start else \
+                [(text[:start], 1), (text[start:end + len(result_close)], 0), (text[end + len(result_close):], 1)]
+            ids, mask = [], []
+            for part, keep in parts:
+                piece = tokenizer.encode(part) if part else []
+                ids += piece
+                mask += [keep] * len(piece)
+            rows.append((prompt, [*ids, tokenizer.eos_id], [*mask, 1]))
     return rows
 
 
-def _sft_batch(rows: list[tuple[list[int], list[int]]]) -> RolloutBatch:
-    lengths = [len(p) + len(r) for p, r in rows] or [1]
+def _sft_batch(rows: list[tuple[list[int], list[int], list[int]]]) -> RolloutBatch:
+    lengths = [len(p) + len(r) for p, r, _ in rows] or [1]
     width = max(lengths)
     input_ids = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, (p, r) in enumerate(rows):
+    for i, (p, r, m) in enumerate(rows):
         input_ids[i, : len(p) + len(r)] = torch.tensor(p + r)
-        mask[i, len(p): len(p) + len(r)] = True
+        mask[i, len(p): len(p) + len(r)] = torch.tensor(m, dtype=torch.bool)
     return RolloutBatch(input_ids=input_ids, seq_lens=torch.tensor(lengths[: len(rows)], dtype=torch.long),
                         response_mask=mask, advantages=mask.float())
 

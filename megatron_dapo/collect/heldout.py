@@ -18,6 +18,7 @@ from megatron_dapo.data.tokenizer import Tokenizer
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.tools.episode import EpisodeRunner, episode_metrics
 
 
 def val_sampling_params(val_kwargs: ValKwargsConfig, *, max_new_tokens: int, eos_id: int, seed: int) -> SamplingParams:
@@ -38,15 +39,20 @@ def score_heldout(
     rewards: RewardPool,
     tokenizer: Tokenizer,
     params: SamplingParams,
+    episodes: EpisodeRunner | None = None,
 ) -> dict[str, Any]:
-    """avg@n accuracy and score on held-out prompts (no filtering, no shaping).
+    """avg@n accuracy and score on held-out prompts (no filtering, no shaping), as episodes with
+    the run's tools when it has them.
 
     Returns:
-        val/acc (avg@n, the paper's metric), val/score/mean, val/pass@n, val/response_length/mean.
+        val/acc (avg@n, the paper's metric), val/score/mean, val/pass@n, val/response_length/mean,
+        and with tools val/tools/* (tools/episode.episode_metrics).
     """
-    groups, _ = generate_and_score(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params)
+    groups, _ = generate_and_score(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params,
+                                   episodes=episodes)
     samples = [s for g in groups for s in g.samples]
     return {
+        **{f"val/{k}": v for k, v in episode_metrics([s.episode for s in samples]).items()},
         "val/acc": sum(s.acc for s in samples) / len(samples),
         "val/score/mean": sum(s.score for s in samples) / len(samples),
         f"val/pass@{params.n}": sum(any(s.acc for s in g.samples) for g in groups) / len(groups),

@@ -44,7 +44,8 @@ def collect_rounds(
         num_prompts = settings.gen_batch_size if settings.filter_enable else settings.train_batch_size
         params = replace(settings.sampling, seed=round_seed(settings.sampling.seed, step, num_rounds))
         groups, round_counts = generate_and_score(sampler.next_batch(num_prompts), rollout=rollout,
-                                                  rewards=rewards, tokenizer=tokenizer, params=params)
+                                                  rewards=rewards, tokenizer=tokenizer, params=params,
+                                                  episodes=settings.episodes)
         num_rounds += 1
         for k, v in round_counts.items():
             counts[k] += v

@@ -23,6 +23,7 @@ from megatron_dapo.data.tokenizer import Tokenizer
 from megatron_dapo.rewards.pool import RewardPool, RewardStats
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
+from megatron_dapo.tools.episode import EpisodeRunner
 
 
 def generate_and_score(
@@ -32,15 +33,18 @@ def generate_and_score(
     rewards: RewardPool,
     tokenizer: Tokenizer,
     params: SamplingParams,
+    episodes: EpisodeRunner | None = None,
 ) -> tuple[list[Group], dict[str, float]]:
-    """Generate params.n responses per prompt and score them with the verifier.
+    """Generate params.n responses per prompt (episodes with tool calls when given) and score them.
 
     Returns:
         One Group per prompt (samples in sample order), the round's reward-pool counts and
         its generation and scoring seconds (timing_s/gen, timing_s/reward).
     """
     start = time.perf_counter()
-    results: list[GenerationResult] = rollout.generate([p.prompt_ids for p in prompts], params)
+    prompt_ids = [p.prompt_ids for p in prompts]
+    results: list[GenerationResult] = (rollout.generate(prompt_ids, params) if episodes is None
+                                       else episodes.generate(rollout.generate, prompt_ids, params))
     generated_at = time.perf_counter()
     groups = [Group(prompt=p) for p in prompts]
     for r in results:
@@ -52,7 +56,8 @@ def generate_and_score(
 
 def make_sample(prompt: PromptRecord, r: GenerationResult) -> Sample:
     return Sample(prompt_ids=prompt.prompt_ids, response_ids=r.output_ids, rollout_log_probs=r.logprobs,
-                  finish_reason=r.finish_reason, weight_versions=r.weight_versions, routed_experts=r.routed_experts)
+                  finish_reason=r.finish_reason, weight_versions=r.weight_versions, routed_experts=r.routed_experts,
+                  episode=r.episode)
 
 
 def score_groups(groups: Sequence[Group], *, rewards: RewardPool, tokenizer: Tokenizer) -> RewardStats:

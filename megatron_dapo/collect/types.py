@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_dapo.data.datasets import PromptRecord
-from megatron_dapo.rollout.engine import SamplingParams
+from megatron_dapo.rollout.engine import EpisodeRecord, SamplingParams
+from megatron_dapo.tools.episode import EpisodeRunner
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,6 +45,14 @@ class Sample:
     routed_experts: np.ndarray | None = None
     """[len(prompt) + len(response) - 1, L, k] the engine's expert ids per token and MoE layer
     (rollout/routes.py), for routing replay; None = not reported."""
+    episode: EpisodeRecord | None = None
+    """A multi-turn episode's segments and calls (tools/episode.py): its policy_mask keeps tool
+    tokens out of the loss; None = one turn, every token the policy's."""
+
+    @property
+    def loss_mask(self) -> list[int] | None:
+        """1 per response token the policy sampled, 0 per tool token; None = all the policy's."""
+        return list(self.episode.policy_mask) if self.episode is not None else None
 
     @property
     def reward(self) -> float:
@@ -109,3 +118,5 @@ class CollectSettings:
     """Penalty at L_max (reward.overlong_buffer.penalty_factor)."""
     norm_adv_by_std: bool
     """GRPO/DAPO std normalisation (algorithm.norm_adv_by_std_in_grpo)."""
+    episodes: EpisodeRunner | None = None
+    """Multi-turn episodes with tool calls (tools.enable); None = one turn per response."""

@@ -34,6 +34,7 @@ from megatron_dapo.config.rollout import (
     SGLangConfig,
     ValKwargsConfig,
 )
+from megatron_dapo.config.tools import PythonToolConfig, ToolsConfig
 from megatron_dapo.config.training import LoggingConfig, OptimConfig, TrainerConfig
 
 __all__ = [
@@ -52,12 +53,14 @@ __all__ = [
     "OptimConfig",
     "OverlongBufferConfig",
     "ParallelConfig",
+    "PythonToolConfig",
     "RewardConfig",
     "RolloutConfig",
     "RolloutCorrectionConfig",
     "SFTWarmStartConfig",
     "SGLangConfig",
     "ScratchModelConfig",
+    "ToolsConfig",
     "TrainerConfig",
     "ValKwargsConfig",
     "_FieldError",

@@ -41,6 +41,10 @@ class EmbeddedTaskConfig:
     """Weight of a*b problems."""
     two_step: float = 0.2
     """Weight of two-operation problems with parentheses."""
+    big_mul: float = 0.0
+    """Weight of 3-digit x 2-digit products, the tool task's (data.arithmetic.ArithmeticMix.big_mul)."""
+    sft_tool_share: float = 0.0
+    """Share of the big_mul worked solutions that call the calculator (<calc>a*b</calc><result>..)."""
     max_digits: int = 2
     """Digits of +/- operands (1..6)."""
     solution_style: Literal["columns", "direct"] = "columns"
@@ -56,9 +60,10 @@ class EmbeddedTaskConfig:
                "must be 0 (off) or k >= 2 (candidates per problem)")
         _check(self.train_balance_columns == 0 or self.train_balance_columns >= 2, "train_balance_columns",
                "must be 0 (off) or k >= 2 (candidates per problem)")
-        for name in ("add", "sub", "mul", "two_step"):
+        for name in ("add", "sub", "mul", "two_step", "big_mul"):
             _check(getattr(self, name) >= 0, name, "must be >= 0")
-        _check(self.add + self.sub + self.mul + self.two_step > 0, "add", "the weights must not all be 0")
+        _check(self.add + self.sub + self.mul + self.two_step + self.big_mul > 0, "add", "the weights must not all be 0")
+        _check(0 <= self.sft_tool_share <= 1, "sft_tool_share", "must be in [0, 1]")
         _check(1 <= self.max_digits <= 6, "max_digits", "must be in 1..6")
         _check(self.tokenizer_vocab_size >= 276, "tokenizer_vocab_size",
                "must be >= 276 (4 special ids + 256 byte-fallback pieces + 16 characters)")

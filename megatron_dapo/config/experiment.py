@@ -18,6 +18,7 @@ from megatron_dapo.config.fields import ConfigError, _check, _FieldError
 from megatron_dapo.config.model import ModelConfig, ParallelConfig
 from megatron_dapo.config.reward import RewardConfig
 from megatron_dapo.config.rollout import RolloutConfig
+from megatron_dapo.config.tools import ToolsConfig
 from megatron_dapo.config.training import LoggingConfig, OptimConfig, TrainerConfig
 
 
@@ -34,6 +35,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def __post_init__(self) -> None:
         self._cross_checks()
@@ -76,6 +78,17 @@ class Config:
                    "needs the engine's routed experts, which rollout.engine=vllm does not report here "
                    "(vLLM 0.32 returns them only from its Model Runner V2); use rollout.engine=sglang or local, "
                    "or algorithm.routing_replay=old_policy")
+        if self.tools.enable:
+            # What episodes run through today (tools/episode.py): rounds on colocated engines.
+            _check(not a.filter_groups.enable or a.filter_groups.mode == "rounds", "tools.enable",
+                   "runs episodes in rounds collection only: set algorithm.filter_groups.mode=rounds "
+                   "(episodes in streaming collection are not built yet)")
+            _check(r.placement == "colocated" and t.max_staleness == 0, "tools.enable",
+                   "runs with rollout.placement=colocated and trainer.max_staleness=0 only (episodes in the "
+                   "asynchronous loop are not built yet)")
+            _check(a.routing_replay != "rollout", "tools.enable",
+                   "cannot replay the engine's routes yet (an episode ending on a tool answer has no route for it); "
+                   "use algorithm.routing_replay=old_policy or off")
         ob = self.reward.overlong_buffer
         if ob.enable:
             _check(ob.len < d.max_response_length, "reward.overlong_buffer.len",

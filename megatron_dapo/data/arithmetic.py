@@ -22,6 +22,7 @@ byte-identical files on any machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -37,7 +38,10 @@ DATA_SOURCE = "arithmetic"
 # Paraphrase of the DAPO-Math-17K instruction, kept short for a small context window.
 INSTRUCTION = 'Give the final answer on its own last line as "Answer: <number>".'
 
-PROBLEM_KINDS = ("add", "sub", "mul", "two_step")
+PROBLEM_KINDS = ("add", "sub", "mul", "two_step", "big_mul")
+
+CALC_MARKERS = ("<calc>", "</calc>", "<result>", "</result>")
+"""The `tags` tool format's markers (tools/formats.py), single pieces of a tool task's tokenizer."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -53,6 +57,9 @@ class ArithmeticMix:
     two_step: float = 0.2
     """Weight of two operations with parentheses, e.g. (12+7)*3 or 45-(3+4); their
     operands have at most min(max_digits, 2) digits, a multiplier is one digit."""
+    big_mul: float = 0.0
+    """Weight of a*b with a 3-digit and a 2-digit factor (100..999 x 11..99): beyond a tiny
+    model's head, within a calculator's (the tool task, examples/tiny_tools_cpu.yaml)."""
     max_digits: int = 2
     """Operands of +/- have 1..max_digits digits, the count drawn uniformly."""
     max_factor: int = 12
@@ -69,7 +76,7 @@ class ArithmeticMix:
         if bad or sum(weights.values()) <= 0:
             raise ValueError(
                 f"ArithmeticMix weights {weights} must be >= 0 with a positive sum; "
-                "set at least one of add/sub/mul/two_step above 0"
+                "set at least one of add/sub/mul/two_step/big_mul above 0"
             )
         if self.solution_style not in ("columns", "direct"):
             raise ValueError(f"ArithmeticMix.solution_style={self.solution_style!r} must be 'columns' or 'direct'")
@@ -93,6 +100,8 @@ class ArithmeticProblem:
     """One of PROBLEM_KINDS."""
     lines: list[str] | None = None
     """Column-by-column working (`column_lines`), replacing `steps` in the solution."""
+    calc: bool = False
+    """The worked solution calls the calculator (tags format) instead of writing the value."""
 
     def prompt(self) -> str:
         """The prompt text: the question, then the answer-format instruction."""
@@ -100,6 +109,9 @@ class ArithmeticProblem:
 
     def solution(self) -> str:
         """A short worked solution ending with the DAPO answer line."""
+        if self.calc:
+            open_, close, result_open, result_close = CALC_MARKERS
+            return f"{open_}{self.expression}{close}{result_open}{self.answer}{result_close}\nAnswer: {self.answer}"
         if self.lines:
             return "\n".join(self.lines) + f"\nAnswer: {self.answer}"
         return "=".join([self.expression, *self.steps]) + f"\nAnswer: {self.answer}"
@@ -203,6 +215,9 @@ def draw_problem_of_kind(rng: random.Random, mix: ArithmeticMix, kind: str) -> A
                 return problem
     if kind == "mul":
         a, b = rng.randint(2, mix.max_factor), rng.randint(2, mix.max_factor)
+    elif kind == "big_mul":
+        a, b = rng.randint(100, 999), rng.randint(11, 99)
+        return ArithmeticProblem(expression=f"{a}*{b}", steps=[str(a * b)], answer=a * b, kind=kind)
     else:
         a, b = _operand(rng, mix.max_digits), _operand(rng, mix.max_digits)
         if kind == "sub" and not mix.allow_negative and a < b:
@@ -352,6 +367,7 @@ def prepare_arithmetic_task(
     tokenizer_settings: SentencePieceSettings,
     sft_balance_columns: int = 0,
     train_balance_columns: int = 0,
+    sft_tool_share: float = 0.0,
 ) -> ArithmeticTask:
     """Writes the train/val/SFT files of the arithmetic task and builds its tokenizer.
 
@@ -365,6 +381,9 @@ def prepare_arithmetic_task(
         tokenizer_settings: how the tokenizer is trained; it is cached by settings and corpus.
         sft_balance_columns: `generate_problems`' balance_columns for the SFT split only.
         train_balance_columns: the same for the RL train split (the held-out split keeps the mix).
+        sft_tool_share: the share of big_mul worked solutions that call the calculator (the warm
+            start teaches the call format; RL then teaches when to call). The tokenizer of a task
+            with big_mul problems or calls has the format's markers as single pieces.
 
     Returns:
         The paths written.
@@ -386,6 +405,12 @@ def prepare_arithmetic_task(
 
     train, drawn_train = split("train", num_train, train_balance_columns)
     sft, drawn_sft = split("sft", num_sft, sft_balance_columns)
+    if sft_tool_share > 0:
+        calls = random.Random(f"{seed}:sft-calls")
+        for p in sft:
+            p.calc = p.kind == "big_mul" and calls.random() < sft_tool_share
+    if mix.big_mul > 0 or sft_tool_share > 0:
+        tokenizer_settings = dataclasses.replace(tokenizer_settings, user_defined_symbols=CALC_MARKERS)
     # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus or the RL
     # prompts leaves it (and every checkpoint trained with it) as it was, so older runs resume and
     # evaluate unchanged.

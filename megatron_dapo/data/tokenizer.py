@@ -116,6 +116,8 @@ class SentencePieceSettings:
     """One token per digit, so the model computes digit by digit."""
     byte_fallback: bool = True
     """Characters never seen in training are encoded as bytes instead of <unk>."""
+    user_defined_symbols: tuple[str, ...] = ()
+    """Strings that are always one piece (a tool format's markers: tools/formats.py)."""
 
     def __post_init__(self) -> None:
         if self.model_type not in ("bpe", "unigram"):
@@ -191,6 +193,8 @@ class SentencePieceTokenizer:
 def _cache_key(texts: Sequence[str], settings: SentencePieceSettings) -> str:
     digest = hashlib.sha256()
     header = {"version": _SPM_CACHE_VERSION, **dataclasses.asdict(settings)}
+    if not settings.user_defined_symbols:  # the key of every tokenizer trained before the field existed
+        del header["user_defined_symbols"]
     digest.update(json.dumps(header, sort_keys=True).encode())
     for text in texts:
         encoded = text.encode("utf-8")
@@ -209,6 +213,7 @@ def _train_model_bytes(texts: Sequence[str], settings: SentencePieceSettings) ->
         model_type=settings.model_type,
         split_digits=settings.split_digits,
         byte_fallback=settings.byte_fallback,
+        **({"user_defined_symbols": list(settings.user_defined_symbols)} if settings.user_defined_symbols else {}),
         character_coverage=1.0,
         pad_id=SPM_PAD_ID,
         unk_id=SPM_UNK_ID,

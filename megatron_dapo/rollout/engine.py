@@ -109,10 +109,54 @@ class GenerationResult:
     """[len(prompt) + len(output_ids) - 1, L, k] uint8/int16 expert ids of every token the engine
     forwarded, per MoE layer (rollout/routes.py); None = not reported (dense model, or an
     engine without routes)."""
+    episode: EpisodeRecord | None = None
+    """A multi-turn episode's record (tools/episode.py): which output tokens a tool inserted;
+    None = every output token was sampled by the policy (one turn)."""
 
     def __post_init__(self) -> None:
         assert len(self.output_ids) == len(self.logprobs), (len(self.output_ids), len(self.logprobs))
         assert self.finish_reason in FINISH_REASONS, self.finish_reason
+        assert self.episode is None or len(self.episode.policy_mask) == len(self.output_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCallRecord:
+    """One tool call of an episode, as the policy wrote it and as the tool answered."""
+
+    tool: str
+    argument: str
+    status: str
+    """ok | error | timeout | output_limit | killed | failed | malformed."""
+    answer: str
+    """The text inserted after the call (before tokenization and truncation)."""
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeRecord:
+    """What a multi-turn episode adds to its response: the segments and the tool calls."""
+
+    policy_mask: tuple[int, ...]
+    """Per output token: 1 = sampled by the policy (its log-prob is the engine's), 0 = inserted
+    by a tool (log-prob 0.0; never in the loss, the entropy or the clip fraction)."""
+    turns: int
+    """Policy turns (generation calls) of the episode."""
+    calls: tuple[ToolCallRecord, ...] = ()
+    """Every tool call in order."""
+    turn_capped: bool = False
+    """Stopped by tools.max_turns with a call still asked for."""
+
+    @property
+    def tool_tokens(self) -> int:
+        return len(self.policy_mask) - sum(self.policy_mask)
+
+    @property
+    def tool_errors(self) -> int:
+        return sum(c.status != "ok" for c in self.calls)
+
+    @property
+    def tool_seconds(self) -> float:
+        return sum(c.seconds for c in self.calls)
 
 
 @runtime_checkable

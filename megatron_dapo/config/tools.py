@@ -1,0 +1,72 @@
+"""The `tools` section: multi-turn episodes in which the policy calls tools (tools/, issue 40)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_dapo.config.fields import _check
+
+BUILTIN_TOOLS = ("calculator", "python")
+"""calculator: exact arithmetic in-process (tools/calculator.py); python: the policy's program in
+the sandbox (tools/sandbox.py)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PythonToolConfig:
+    """Bounds of one call of the python tool (tools/sandbox.py says what each guards)."""
+
+    timeout_s: float = 5.0
+    """Wall-clock deadline; the call's whole session is killed then."""
+    cpu_seconds: int = 5
+    """CPU seconds of the code and everything it starts."""
+    memory_mb: int = 512
+    """Address space per process."""
+    file_mb: int = 16
+    """Largest file it may write."""
+    processes: int = 16
+    """Processes of the sandbox user."""
+    max_output_bytes: int = 65536
+    """Output kept; more ends the call and is cut in the middle."""
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "cpu_seconds", "memory_mb", "file_mb", "processes", "max_output_bytes"):
+            _check(getattr(self, name) > 0, name, "must be > 0")
+        _check(self.memory_mb >= 64, "memory_mb", "must be >= 64 (the interpreter alone needs ~50 MB)")
+
+
+@dataclass(kw_only=True, slots=True)
+class ToolsConfig:
+    """Tool calls inside a response (verl's multi_turn names where it has one)."""
+
+    enable: bool = False
+    """Responses are episodes: the policy may stop on a call, the tool answers, it continues."""
+    format: str = "tags"
+    """Call format (tools/formats.py): tags (<calc>...</calc>, the embedded task's tokenizer) or
+    hermes (<tool_call>{json}</tool_call>, Qwen's chat templates)."""
+    tools: list[str] = field(default_factory=lambda: ["calculator"])
+    """Tools the policy may call, by name: calculator, python."""
+    max_turns: int = 4
+    """Policy turns per episode (verl: max_assistant_turns); a call at the last turn is not answered."""
+    max_tool_output_tokens: int = 64
+    """Tokens of one answer, markers included; longer answers are cut in the middle."""
+    calls_in_flight: int = 8
+    """Tool calls run at once."""
+    max_failure_fraction: float = 0.5
+    """Stop the run (one line, exit 2) once more than this share of a step's calls failed to run
+    (the tool crashed or could not start; counted from 16 calls on). Errors the code itself
+    raises are answers, not failures."""
+    python: PythonToolConfig = field(default_factory=PythonToolConfig)
+    """The python tool's sandbox."""
+
+    def __post_init__(self) -> None:
+        from megatron_dapo.tools.formats import FORMATS
+
+        _check(self.format in FORMATS, "format", f"must be one of {sorted(FORMATS)}")
+        unknown = [t for t in self.tools if t not in BUILTIN_TOOLS]
+        _check(not unknown, "tools", f"has {unknown}; built-in tools are {list(BUILTIN_TOOLS)} (custom "
+               "'package.module:function' tools are not built yet)")
+        _check(not self.enable or bool(self.tools), "tools", "is empty while tools.enable=true")
+        _check(self.max_turns >= 1, "max_turns", "must be >= 1")
+        _check(self.max_tool_output_tokens >= 4, "max_tool_output_tokens", "must be >= 4 (the markers alone take 2)")
+        _check(self.calls_in_flight >= 1, "calls_in_flight", "must be >= 1")
+        _check(0 < self.max_failure_fraction <= 1, "max_failure_fraction", "must be in (0, 1] (1.0 = never stop)")

@@ -1,0 +1,274 @@
+"""Where an episode is driven: turns of generation with tool calls in between, token ids only.
+
+One call of :meth:`EpisodeRunner.generate` stands for one call of an engine's ``generate``
+(``params.n`` responses per prompt, prompt-major), so collection code calls either the same way.
+Each response is an episode:
+
+1. The engine generates with the format's call-close token as an extra stop token.
+2. A turn that stopped on it holds a call: the turn's text (decoded for reading only) is
+   parsed (tools/formats.py), the tool runs (tools in flight at once: ``calls_in_flight``), and
+   its answer is tokenized, cut in the middle to ``max_tool_output_tokens`` and appended as
+   tool tokens.
+3. Generation continues from the concatenated ids (prompt + every segment so far, never
+   re-tokenized), with the episode's remaining budget, until a turn ends without a call, the
+   budget (``max_response_tokens``, policy and tool tokens together: data.max_response_length)
+   is spent (reason "length") or ``max_turns`` policy turns ran (reason "length", turn_capped).
+
+The result's ``output_ids`` are every segment in order; ``logprobs`` the engine's for policy
+tokens and 0.0 for tool tokens; ``episode.policy_mask`` tells them apart. A tool that fails,
+times out or is not known answers with an error text: the trainer never sees an exception.
+Routes (R3) are the last turn's, which cover the whole sequence but its last token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_dapo.data.tokenizer import Tokenizer
+from megatron_dapo.errors import UserError
+from megatron_dapo.rollout.engine import EpisodeRecord, GenerationResult, SamplingParams, ToolCallRecord
+from megatron_dapo.tools.formats import CallFormat, ParsedCall
+from megatron_dapo.tools.sandbox import ToolResult
+
+__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "Tool", "ToolPoolBroken", "episode_metrics", "episode_row",
+           "episode_rows_metrics"]
+
+Generate = Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]]
+"""An engine's (or the controller's) generate: prompts, params -> prompt-major results."""
+Tool = Callable[[str], ToolResult]
+"""A tool: its argument -> what it answered."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EpisodeSettings:
+    """The tools section, resolved."""
+
+    fmt: CallFormat
+    tools: Mapping[str, Tool]
+    max_turns: int = 4
+    """Policy turns per episode (so at most max_turns - 1 tool calls are answered)."""
+    max_tool_output_tokens: int = 64
+    """Tokens of one answer (markers included); longer answers are cut in the middle."""
+    max_response_tokens: int = 512
+    """The whole episode's budget after the prompt (data.max_response_length)."""
+    calls_in_flight: int = 8
+    """Tool calls run at once."""
+    max_failure_fraction: float = 1.0
+    """A generate call whose calls failed to run (status failed) more than this share, from 16
+    calls on, stops the run (ToolPoolBroken)."""
+
+    def __post_init__(self) -> None:
+        if self.max_turns < 1 or self.max_tool_output_tokens < 4 or self.calls_in_flight < 1:
+            raise ValueError("tools: max_turns >= 1, max_tool_output_tokens >= 4 and calls_in_flight >= 1")
+
+
+@dataclass
+class _Episode:
+    prompt: list[int]
+    prompt_index: int
+    sample_index: int
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    calls: list[ToolCallRecord] = field(default_factory=list)
+    turns: int = 0
+    last_turn: list[int] = field(default_factory=list)
+    finish: str = "stop"
+    versions: tuple[int, ...] = ()
+    routes: np.ndarray | None = None
+    capped: bool = False
+
+    def add_turn(self, r: GenerationResult, room: int) -> None:
+        ids, lps = r.output_ids[:room], r.logprobs[:room]
+        self.out += ids
+        self.logprobs += lps
+        self.mask += [1] * len(ids)
+        self.last_turn = list(ids)
+        self.turns += 1
+        self.finish = "length" if len(r.output_ids) > room else r.finish_reason
+        self.versions = tuple(dict.fromkeys((*self.versions, *r.weight_versions)))
+        self.routes = r.routed_experts
+
+    def add_tool(self, ids: list[int]) -> None:
+        self.out += ids
+        self.logprobs += [0.0] * len(ids)
+        self.mask += [0] * len(ids)
+
+    def result(self) -> GenerationResult:
+        rows = len(self.prompt) + len(self.out) - 1
+        routes = self.routes if self.routes is not None and len(self.routes) == rows else None
+        return GenerationResult(
+            prompt_index=self.prompt_index, sample_index=self.sample_index, output_ids=self.out,
+            logprobs=self.logprobs, finish_reason=self.finish, weight_versions=self.versions, routed_experts=routes,
+            episode=EpisodeRecord(policy_mask=tuple(self.mask), turns=self.turns, calls=tuple(self.calls),
+                                  turn_capped=self.capped))
+
+
+def episode_row(r: GenerationResult, tokenizer: Tokenizer) -> dict[str, Any]:
+    """An episode's turns for a JSONL row (`megatron-dapo eval`): segments [{"by": "policy"|"tool", "text"}], calls, counts."""
+    segments: list[dict[str, str]] = []
+    mask, ids = r.episode.policy_mask, r.output_ids
+    start = 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or mask[end] != mask[start]:
+            segments.append({"by": "policy" if mask[start] else "tool", "text": tokenizer.decode(ids[start:end])})
+            start = end
+    return {"turns": r.episode.turns, "turn_capped": r.episode.turn_capped, "tool_tokens": r.episode.tool_tokens,
+            "segments": segments, "calls": [dataclasses.asdict(c) for c in r.episode.calls]}
+
+
+def episode_rows_metrics(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """tools/* of `megatron-dapo eval`'s summary, from its rows' episodes (episode_row); {} without any."""
+    if not episodes:
+        return {}
+    n = len(episodes)
+    return {"tools/turns_mean": sum(e["turns"] for e in episodes) / n,
+            "tools/turns_max": float(max(e["turns"] for e in episodes)),
+            "tools/calls_per_episode": sum(len(e["calls"]) for e in episodes) / n,
+            "tools/errors_per_episode": sum(sum(c["status"] != "ok" for c in e["calls"]) for e in episodes) / n,
+            "tools/seconds": sum(c["seconds"] for e in episodes for c in e["calls"]),
+            "tools/turn_capped": sum(bool(e["turn_capped"]) for e in episodes) / n,
+            "tools/tokens_per_episode": sum(e["tool_tokens"] for e in episodes) / n}
+
+
+class ToolPoolBroken(UserError):
+    """Too many tool calls failed to run: the run stops with one line (exit 2), checkpoints kept."""
+
+
+def episode_metrics(episodes: Sequence[EpisodeRecord | None]) -> dict[str, float]:
+    """tools/* metrics of a step's episodes (all generated, dropped groups included); {} without any."""
+    records = [e for e in episodes if e is not None]
+    if not records:
+        return {}
+    n = len(records)
+    calls = sum(len(e.calls) for e in records)
+    errors = sum(e.tool_errors for e in records)
+    return {
+        "tools/turns_mean": sum(e.turns for e in records) / n,
+        "tools/turns_max": float(max(e.turns for e in records)),
+        "tools/calls_per_episode": calls / n,
+        "tools/call_rate": sum(bool(e.calls) for e in records) / n,
+        "tools/errors_per_episode": errors / n,
+        "tools/error_rate": errors / calls if calls else 0.0,
+        "tools/seconds": sum(e.tool_seconds for e in records),
+        "tools/turn_capped": sum(e.turn_capped for e in records) / n,
+        "tools/tokens_per_episode": sum(e.tool_tokens for e in records) / n,
+    }
+
+
+class EpisodeRunner:
+    """Runs multi-turn episodes over any generate function (module docstring)."""
+
+    def __init__(self, settings: EpisodeSettings, tokenizer: Tokenizer) -> None:
+        self.settings = settings
+        self.tokenizer = tokenizer
+        fmt = settings.fmt
+        close = tokenizer.encode(fmt.call_close)
+        if len(close) != 1:
+            raise UserError(f"tools.format={fmt.name}: the call's end {fmt.call_close!r} is {len(close)} tokens of this "
+                            "tokenizer, and generation can only stop on one; use a format whose markers are tokens "
+                            "of the model's tokenizer (tags: the embedded task's; hermes: Qwen's)")
+        self.close_id = close[0]
+        self._pool = ThreadPoolExecutor(max_workers=settings.calls_in_flight, thread_name_prefix="tool")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def generate(self, generate: Generate, prompts: Sequence[Sequence[int]], params: SamplingParams,
+                 ) -> list[GenerationResult]:
+        """``params.n`` episodes per prompt, prompt-major, as ``generate`` would answer one turn."""
+        s = self.settings
+        params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, self.close_id),
+                                     max_new_tokens=min(params.max_new_tokens, s.max_response_tokens))
+        first = generate(prompts, params)
+        episodes = [_Episode(list(prompts[r.prompt_index]), r.prompt_index, r.sample_index) for r in first]
+        for e, r in zip(episodes, first, strict=True):
+            e.add_turn(r, s.max_response_tokens)
+        pending = [e for e in episodes if self._asks(e)]
+        turn = 1
+        while pending:
+            for e in pending:
+                if e.turns >= s.max_turns:
+                    e.capped, e.finish = True, "length"
+            pending = [e for e in pending if not e.capped]
+            answers = list(self._pool.map(self._call, [self.tokenizer.decode(e.last_turn) for e in pending]))
+            ongoing = []
+            for e, (record, ids) in zip(pending, answers, strict=True):
+                e.calls.append(record)
+                room = s.max_response_tokens - len(e.out)
+                e.add_tool(ids[:room])
+                if len(ids) >= room:
+                    e.finish = "length"
+                else:
+                    ongoing.append(e)
+            if not ongoing:
+                break
+            budget = max(s.max_response_tokens - len(e.out) for e in ongoing)
+            seed = None if params.seed is None else (params.seed * 1_000_003 + 7919 * turn) % (2**31 - 1)
+            more = generate([e.prompt + e.out for e in ongoing],
+                            dataclasses.replace(params, n=1, max_new_tokens=budget, seed=seed))
+            for r in more:
+                e = ongoing[r.prompt_index]
+                e.add_turn(r, s.max_response_tokens - len(e.out))
+            pending = [e for e in ongoing if self._asks(e)]
+            turn += 1
+        results = [e.result() for e in episodes]
+        self._check_failures(results)
+        return results
+
+    def _check_failures(self, results: list[GenerationResult]) -> None:
+        calls = [c for r in results for c in r.episode.calls]  # type: ignore[union-attr]
+        failed = [c for c in calls if c.status == "failed"]
+        if len(calls) >= 16 and len(failed) > self.settings.max_failure_fraction * len(calls):
+            raise ToolPoolBroken(
+                f"tools: {len(failed)} of {len(calls)} tool calls failed to run (e.g. {failed[0].tool}: "
+                f"{failed[0].answer[:200]}); fix the tool or raise tools.max_failure_fraction")
+
+    def _asks(self, e: _Episode) -> bool:
+        """Whether the episode's last turn stopped on a call (and has room left for an answer)."""
+        return e.finish == "stop" and bool(e.last_turn) and e.last_turn[-1] == self.close_id \
+            and len(e.out) < self.settings.max_response_tokens
+
+    def _call(self, turn_text: str) -> tuple[ToolCallRecord, list[int]]:
+        """Run the call at the end of a turn; its record and the answer's token ids (cut to the cap)."""
+        s = self.settings
+        call = s.fmt.parse(turn_text)
+        result = self._run(call)
+        status = "malformed" if call.error else result.status
+        record = ToolCallRecord(tool=call.tool, argument=call.argument, status=status, answer=result.text,
+                                seconds=result.seconds)
+        return record, self._answer_ids(result.text)
+
+    def _run(self, call: ParsedCall) -> ToolResult:
+        if call.error:
+            return ToolResult(f"error: {call.error}", "error", 0.0)
+        tool = self.settings.tools.get(call.tool)
+        if tool is None:
+            return ToolResult(f"error: no tool named {call.tool!r} (tools: {', '.join(sorted(self.settings.tools))})",
+                              "error", 0.0)
+        start = time.monotonic()
+        try:
+            return tool(call.argument)
+        except Exception as err:  # a tool's own bug is the policy's error text, never the trainer's crash
+            return ToolResult(f"error: the tool failed ({type(err).__name__}: {err})", "failed",
+                              time.monotonic() - start)
+
+    def _answer_ids(self, text: str) -> list[int]:
+        """``result_open + text + result_close`` as ids, the text cut in the middle to fit the cap."""
+        fmt, cap = self.settings.fmt, self.settings.max_tool_output_tokens
+        head, tail = self.tokenizer.encode(fmt.result_open), self.tokenizer.encode(fmt.result_close)
+        body = self.tokenizer.encode(text)
+        room = cap - len(head) - len(tail)
+        if len(body) > room:
+            marker = self.tokenizer.encode(" ... ")
+            keep = max(0, room - len(marker))
+            body = body[: (keep + 1) // 2] + marker + (body[len(body) - keep // 2:] if keep // 2 else [])
+            body = body[:room]
+        return head + body + tail

@@ -1,0 +1,15 @@
+"""Multi-turn episodes on the local engine: policy log-probs are transformers', tool tokens masked (issue 40)."""
+
+from __future__ import annotations
+
+from episode_utils import check_episode_exactness
+from model_utils import TINY_SHAPE, make_tiny_checkpoint
+
+from megatron_dapo.rollout.local.engine import LocalEngine
+
+
+def test_episodes_on_the_local_engine_are_token_exact(tmp_path):
+    checkpoint = make_tiny_checkpoint(tmp_path / "m", "qwen2", seed=3)
+    engine = LocalEngine(checkpoint, name="local0")
+    out = check_episode_exactness(engine.generate, checkpoint, vocab_size=TINY_SHAPE["vocab_size"])
+    assert out["policy_gap"] < 1e-4 and out["tool_tokens"] > 0 and out["turns_max"] >= 2, out
