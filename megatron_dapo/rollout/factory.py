@@ -141,7 +141,13 @@ def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:
     import torch
 
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
-    from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig
+    from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, copies_lm_head
+
+    if copies_lm_head(args.hf_dir):
+        # Training sends the tied matrix as lm_head.weight with every sync; eval has no sync.
+        raise UserError(f"--engine sglang: {args.hf_dir} is a Qwen3-MoE with tied embeddings, whose lm_head "
+                        "sglang 0.5.18 never ties (it would sample from an output layer nobody loaded); evaluate "
+                        "it with --engine local or --engine vllm")
 
     on_cpu = not torch.cuda.is_available()
     config = SGLangServerConfig(model_path=str(args.hf_dir), tp_size=args.tensor_parallel_size,

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from megatron_dapo.data.arithmetic import (
     DATA_SOURCE,
     INSTRUCTION,
+    PROBLEM_KINDS,
     ArithmeticMix,
     column_lines,
     generate_problems,
@@ -117,9 +118,41 @@ def test_bad_mix_names_the_values() -> None:
     with pytest.raises(ValueError) as err:
         ArithmeticMix(add=0, sub=0, mul=0, two_step=0)
     assert str(err.value) == (
-        "ArithmeticMix weights {'add': 0, 'sub': 0, 'mul': 0, 'two_step': 0} must be >= 0 with a "
-        "positive sum; set at least one of add/sub/mul/two_step above 0"
+        "ArithmeticMix weights {'add': 0, 'sub': 0, 'mul': 0, 'two_step': 0, 'big_mul': 0.0} must be >= 0 with a "
+        "positive sum; set at least one of add/sub/mul/two_step/big_mul above 0"
     )
+
+
+def test_the_tool_task_draws_big_products_and_shows_the_call_format(tmp_path: Path) -> None:
+    """big_mul problems (3-digit x 2-digit) and the warm start's calculator solutions (issue 40)."""
+    import json
+
+    mix = ArithmeticMix(add=0.5, sub=0.0, mul=0.0, two_step=0.0, big_mul=0.5)
+    problems = generate_problems(200, mix, seed=3)
+    big = [p for p in problems if p.kind == "big_mul"]
+    assert big and all(100 <= int(p.expression.split("*")[0]) <= 999 and 11 <= int(p.expression.split("*")[1]) <= 99
+                       for p in big)
+    assert problems == generate_problems(200, mix, seed=3)
+    # A mix without big_mul draws what it drew before the kind existed: its zero weight comes last,
+    # which leaves random.choices' cumulative weights, and so every draw, as they were.
+    import random
+
+    weights = [0.3, 0.3, 0.2, 0.2]
+    before, after = random.Random(9), random.Random(9)
+    assert [before.choices(PROBLEM_KINDS[:4], weights=weights)[0] for _ in range(500)] == \
+        [after.choices(PROBLEM_KINDS, weights=[*weights, 0.0])[0] for _ in range(500)]
+    assert PROBLEM_KINDS[-1] == "big_mul"
+    task = prepare_arithmetic_task(tmp_path, mix, num_train=50, num_val=20, num_sft=200, seed=1,
+                                   tokenizer_settings=SentencePieceSettings(), sft_tool_share=1.0)
+    rows = [json.loads(line) for line in task.sft_path.read_text().splitlines()]
+    calls = [r for r in rows if "<calc>" in r["response"]]
+    assert calls and all("*" in r["prompt"] for r in calls)
+    a, b = calls[0]["prompt"].split("Compute ")[1].split(".")[0].split("*")
+    assert calls[0]["response"] == f"<calc>{a}*{b}</calc><result>{int(a) * int(b)}</result>\nAnswer: {int(a) * int(b)}"
+    from megatron_dapo.data.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(task.tokenizer_path)
+    assert all(len(tok.encode(m)) == 1 for m in ("<calc>", "</calc>", "<result>", "</result>"))
 
 
 def test_prepare_task_files_and_tokenizer(tmp_path: Path) -> None:

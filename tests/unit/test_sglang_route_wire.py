@@ -70,3 +70,13 @@ def test_a_tied_qwen3_moe_gets_its_embedding_as_lm_head_and_nothing_else_does(tm
     assert sent[1][1] is emb
     # A bucket that already holds the copy (a restart replaying the kept sync) is sent as it is.
     assert len(list(with_lm_head_copy(sent))) == 3
+
+
+def test_eval_refuses_a_tied_qwen3_moe_on_sglang_in_one_line(tmp_path):
+    from megatron_dapo.errors import UserError
+    from megatron_dapo.rollout.factory import EvalEngineArgs, eval_engine
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "tie_word_embeddings": True}))
+    with pytest.raises(UserError, match=r"whose lm_head sglang 0\.5\.18 never ties"):
+        eval_engine("sglang", EvalEngineArgs(hf_dir=tmp_path, vocab_size=100, max_batch_size=8, tensor_parallel_size=1,
+                                             gpu_memory_utilization=0.5, log_dir=tmp_path))
