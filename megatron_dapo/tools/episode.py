@@ -126,16 +126,29 @@ def episode_row(r: GenerationResult, tokenizer: Tokenizer) -> dict[str, Any]:
 
 def episode_rows_metrics(episodes: Sequence[dict[str, Any]]) -> dict[str, float]:
     """tools/* of `megatron-dapo eval`'s summary, from its rows' episodes (episode_row); {} without any."""
+    stats = _tool_stats([(e["turns"], [c["status"] for c in e["calls"]], sum(c["seconds"] for c in e["calls"]),
+                          bool(e["turn_capped"]), e["tool_tokens"]) for e in episodes])
+    return {k: v for k, v in stats.items() if k not in ("tools/call_rate", "tools/error_rate")}
+
+
+def _tool_stats(episodes: Sequence[tuple[int, list[str], float, bool, int]]) -> dict[str, float]:
+    """tools/* of (turns, call statuses, tool seconds, turn capped, tool tokens) per episode; {} without any."""
     if not episodes:
         return {}
     n = len(episodes)
-    return {"tools/turns_mean": sum(e["turns"] for e in episodes) / n,
-            "tools/turns_max": float(max(e["turns"] for e in episodes)),
-            "tools/calls_per_episode": sum(len(e["calls"]) for e in episodes) / n,
-            "tools/errors_per_episode": sum(sum(c["status"] != "ok" for c in e["calls"]) for e in episodes) / n,
-            "tools/seconds": sum(c["seconds"] for e in episodes for c in e["calls"]),
-            "tools/turn_capped": sum(bool(e["turn_capped"]) for e in episodes) / n,
-            "tools/tokens_per_episode": sum(e["tool_tokens"] for e in episodes) / n}
+    calls = sum(len(statuses) for _, statuses, *_ in episodes)
+    errors = sum(s != "ok" for _, statuses, *_ in episodes for s in statuses)
+    return {
+        "tools/turns_mean": sum(e[0] for e in episodes) / n,
+        "tools/turns_max": float(max(e[0] for e in episodes)),
+        "tools/calls_per_episode": calls / n,
+        "tools/call_rate": sum(bool(e[1]) for e in episodes) / n,
+        "tools/errors_per_episode": errors / n,
+        "tools/error_rate": errors / calls if calls else 0.0,
+        "tools/seconds": sum(e[2] for e in episodes),
+        "tools/turn_capped": sum(e[3] for e in episodes) / n,
+        "tools/tokens_per_episode": sum(e[4] for e in episodes) / n,
+    }
 
 
 class ToolPoolBroken(UserError):
@@ -144,23 +157,8 @@ class ToolPoolBroken(UserError):
 
 def episode_metrics(episodes: Sequence[EpisodeRecord | None]) -> dict[str, float]:
     """tools/* metrics of a step's episodes (all generated, dropped groups included); {} without any."""
-    records = [e for e in episodes if e is not None]
-    if not records:
-        return {}
-    n = len(records)
-    calls = sum(len(e.calls) for e in records)
-    errors = sum(e.tool_errors for e in records)
-    return {
-        "tools/turns_mean": sum(e.turns for e in records) / n,
-        "tools/turns_max": float(max(e.turns for e in records)),
-        "tools/calls_per_episode": calls / n,
-        "tools/call_rate": sum(bool(e.calls) for e in records) / n,
-        "tools/errors_per_episode": errors / n,
-        "tools/error_rate": errors / calls if calls else 0.0,
-        "tools/seconds": sum(e.tool_seconds for e in records),
-        "tools/turn_capped": sum(e.turn_capped for e in records) / n,
-        "tools/tokens_per_episode": sum(e.tool_tokens for e in records) / n,
-    }
+    return _tool_stats([(e.turns, [c.status for c in e.calls], e.tool_seconds, e.turn_capped, e.tool_tokens)
+                        for e in episodes if e is not None])
 
 
 class EpisodeRunner:

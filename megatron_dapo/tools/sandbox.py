@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import selectors
@@ -136,6 +137,7 @@ def run_python(code: str, limits: SandboxLimits | None = None) -> ToolResult:
     return ToolResult(text, status, time.monotonic() - start, isolation)
 
 
+@functools.cache
 def code_interpreter() -> tuple[str, bool]:
     """The Python that runs the code, and whether it can run as nobody (when this process is root).
 
