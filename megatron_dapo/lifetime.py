@@ -36,6 +36,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -121,6 +122,10 @@ class GroupReaper:
         finally:
             os.close(read)
         self._write: int | None = write
+        # Every request thread of an engine whose server died calls check_alive -> release at
+        # once; the pipe's fd number must be closed exactly once (a second close is EBADF, or
+        # worse, closes whatever object reused the number in between).
+        self._lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -129,13 +134,14 @@ class GroupReaper:
 
     def release(self) -> None:
         """The group ended (or is being ended) under our control: the reaper leaves without a signal."""
-        if self._write is None:
-            return
-        with contextlib.suppress(OSError):
-            os.write(self._write, b"q")
-        os.close(self._write)
-        self._write = None
-        if self._process is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self._process.wait(timeout=5.0)
-            self._process = None
+        with self._lock:
+            write, self._write = self._write, None
+            if write is None:
+                return
+            with contextlib.suppress(OSError):
+                os.write(write, b"q")
+            os.close(write)
+            if self._process is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._process.wait(timeout=5.0)
+                self._process = None

@@ -183,6 +183,7 @@ class ServerProcess:
         self.kind = kind
         self._shm_prefixes = shm_prefixes
         self._shm_files: set[str] = set()
+        self._shm_lock = threading.Lock()  # request threads that find the server dead clean up at once
         self._private_files = tuple(Path(p) for p in private_files)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -236,8 +237,9 @@ class ServerProcess:
                 paths = [f.path for f in proc.open_files()] + [m.path for m in proc.memory_maps(grouped=True)]
             except psutil.Error:
                 continue
-            self._shm_files.update(p for p in paths if p.startswith("/dev/shm/")
-                                   and Path(p).name.startswith(self._shm_prefixes))
+            with self._shm_lock:
+                self._shm_files.update(p for p in paths if p.startswith("/dev/shm/")
+                                       and Path(p).name.startswith(self._shm_prefixes))
 
     @property
     def shared_memory_files(self) -> frozenset[str]:
@@ -248,10 +250,11 @@ class ServerProcess:
         """Unlink the noted /dev/shm files and the private files; only once the process has exited."""
         if self._popen.poll() is None:
             return
-        for path in [*sorted(self._shm_files), *self._private_files]:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-        self._shm_files.clear()
+        with self._shm_lock:
+            for path in [*sorted(self._shm_files), *self._private_files]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            self._shm_files.clear()
 
     def wait_for_exit(self, timeout_s: float) -> int | None:
         """Wait up to timeout_s for the process to end; its exit code, or None while it runs."""

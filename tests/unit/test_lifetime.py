@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from proc_utils import alive
 
+from megatron_dapo.lifetime import GroupReaper
+
 REPO = Path(__file__).resolve().parents[2]
 
 # The parent imports megatron_dapo as the trainer does; the helper processes are the ones a
@@ -110,3 +112,35 @@ def test_engine_servers_die_within_10s_of_a_kill_9_of_their_trainer(tmp_path: Pa
         for pgid in servers if "servers" in locals() else []:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
+
+
+def test_a_reaper_released_from_many_threads_at_once_closes_its_pipe_once() -> None:
+    """Every request thread of an engine whose server died calls check_alive -> release at
+    the same moment (CI 2026-11-27: EBADF from the second close, a trainer crash instead of
+    an engine restart). Closing an fd number twice can also close another object's fd."""
+    import threading
+
+    for _ in range(30):
+        sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
+        try:
+            reaper = GroupReaper(sleeper.pid)
+            start = threading.Barrier(8)
+            errors: list[BaseException] = []
+
+            def release() -> None:
+                start.wait()
+                try:
+                    reaper.release()
+                except BaseException as error:  # noqa: BLE001 - the test reports it
+                    errors.append(error)
+
+            threads = [threading.Thread(target=release) for _ in range(8)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not errors, errors
+            assert reaper.pid is None
+        finally:
+            sleeper.kill()
+            sleeper.wait()
