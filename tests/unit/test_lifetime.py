@@ -120,21 +120,20 @@ def test_a_reaper_released_from_many_threads_at_once_closes_its_pipe_once() -> N
     an engine restart). Closing an fd number twice can also close another object's fd."""
     import threading
 
+    def release(reaper: GroupReaper, start: threading.Barrier, errors: list[BaseException]) -> None:
+        start.wait()
+        try:
+            reaper.release()
+        except BaseException as error:
+            errors.append(error)
+
     for _ in range(30):
         sleeper = subprocess.Popen(["sleep", "30"], start_new_session=True)
         try:
             reaper = GroupReaper(sleeper.pid)
             start = threading.Barrier(8)
             errors: list[BaseException] = []
-
-            def release() -> None:
-                start.wait()
-                try:
-                    reaper.release()
-                except BaseException as error:  # noqa: BLE001 - the test reports it
-                    errors.append(error)
-
-            threads = [threading.Thread(target=release) for _ in range(8)]
+            threads = [threading.Thread(target=release, args=(reaper, start, errors)) for _ in range(8)]
             for thread in threads:
                 thread.start()
             for thread in threads:
