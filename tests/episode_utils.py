@@ -9,6 +9,7 @@ tool's tokens, as ids), and every tool token has mask 0 and log-prob 0.0.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
@@ -41,33 +42,57 @@ class IdTokenizer:
         raise NotImplementedError
 
 
-def check_episode_exactness(generate: Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]],
-                            checkpoint, *, vocab_size: int) -> dict[str, float]:
-    """Run episodes through `generate` and hold them to transformers; returns counts for the caller."""
+def exactness_runner(generate: Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]], *,
+                     vocab_size: int, tool_seconds: float = 0.0) -> tuple[EpisodeRunner, int]:
+    """An episode runner whose calls end on the token `generate` samples most often (and its id).
+
+    tool_seconds: how long each call takes (a streaming abort can then catch calls in flight).
+    """
     plain = generate(PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=5))
     counts = Counter(t for r in plain for t in r.output_ids if t not in ANSWER_IDS and t > 3)
     close = counts.most_common(1)[0][0]
     markers = {"<c>": 2, "</c>": close, "<r>": 3, "</r>": 4}
     tok = IdTokenizer(markers, vocab_size)
     fmt = CallFormat("ids", "", "</c>", "<r> ", " </r>", default_tool="answer")  # any turn ending on </c> calls
-    tool = lambda _arg: ToolResult(" ".join(map(str, ANSWER_IDS)), "ok", 0.0)  # noqa: E731
-    runner = EpisodeRunner(EpisodeSettings(fmt=fmt, tools={"answer": tool}, max_turns=3, max_tool_output_tokens=8,
-                                           max_response_tokens=40), tok)
+
+    def tool(_arg: str) -> ToolResult:
+        time.sleep(tool_seconds)
+        return ToolResult(" ".join(map(str, ANSWER_IDS)), "ok", tool_seconds)
+
+    return EpisodeRunner(EpisodeSettings(fmt=fmt, tools={"answer": tool}, max_turns=3, max_tool_output_tokens=8,
+                                         max_response_tokens=40), tok), close
+
+
+EPISODE_PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, seed=7, stop_token_ids=(1,))
+
+
+def check_episode_exactness(generate: Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]],
+                            checkpoint, *, vocab_size: int) -> dict[str, float]:
+    """Run episodes through `generate` and hold them to transformers; returns counts for the caller."""
+    runner, close = exactness_runner(generate, vocab_size=vocab_size)
     try:
-        results = runner.generate(generate, PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=40, seed=7,
-                                                                    stop_token_ids=(1,)))
+        results = runner.generate(generate, PROMPTS, EPISODE_PARAMS)
     finally:
         runner.close()
+    return check_results(results, checkpoint, close, [PROMPTS[r.prompt_index] for r in results])
+
+
+def check_results(results: Sequence[GenerationResult], checkpoint, close: int,
+                  prompts: Sequence[Sequence[int]]) -> dict[str, float]:
+    """Every policy token's log-prob is transformers' given everything before it; tool tokens mask 0, log-prob 0.0;
+    an episode's turns are its runs of policy tokens (a turn cut by an abort and resumed stays one turn)."""
     answered = [r for r in results if r.episode.calls]
     assert answered, "no episode called the tool; the check needs some"
     policy_gap, tool_tokens = 0.0, 0
-    for r in results:
+    for r, prompt in zip(results, prompts, strict=True):
         mask = torch.tensor(r.episode.policy_mask, dtype=torch.bool)
-        ref = reference_log_probs(checkpoint, PROMPTS[r.prompt_index], r.output_ids, 1.0)
+        ref = reference_log_probs(checkpoint, prompt, r.output_ids, 1.0)
         engine = torch.tensor(r.logprobs)
         policy_gap = max(policy_gap, float((engine - ref).abs()[mask].max()) if mask.any() else 0.0)
         assert (engine[~mask] == 0).all()
         tool_tokens += int((~mask).sum())
+        runs = sum(1 for k, m in enumerate(r.episode.policy_mask) if m and (k == 0 or not r.episode.policy_mask[k - 1]))
+        assert r.episode.turns == runs, (r.episode.turns, r.episode.policy_mask)
         # Each answer sits right after a call's end, as the answer's ids (never a re-tokenization).
         ids = r.output_ids
         for k, t in enumerate(ids[:-1]):
@@ -75,3 +100,47 @@ def check_episode_exactness(generate: Callable[[Sequence[Sequence[int]], Samplin
                 assert ids[k + 1: k + 1 + 1] == [3]
     return {"episodes_with_calls": len(answered), "policy_gap": policy_gap, "tool_tokens": tool_tokens,
             "turns_max": max(r.episode.turns for r in results)}
+
+
+def check_streamed_episodes(rollout, checkpoint, *, vocab_size: int) -> dict[str, float]:
+    """Episodes through the controller's streaming path (collect/streaming.py's driver): the first
+    finished group aborts the session (a full batch) while other episodes are mid-turn or mid-call;
+    the incomplete ones are then resumed as a partial rollout. Every episode, finished or resumed,
+    must be token-exact."""
+    from megatron_dapo.collect.streaming import _episodes_driver
+    from megatron_dapo.rollout.streaming import CarriedPrompt, PromptFeed
+
+    runner, close = exactness_runner(rollout.engines[0].generate, vocab_size=vocab_size, tool_seconds=0.3)
+    drive = _episodes_driver(runner)
+    try:
+        groups: list[list[GenerationResult]] = []
+
+        def first_fills(group: list[GenerationResult]) -> None:
+            groups.append(group)
+            feed.close()
+            rollout.abort()
+
+        feed = PromptFeed(iter(PROMPTS * 2))
+        incomplete = rollout.stream(feed, EPISODE_PARAMS, first_fills, max_inflight=4, drive=drive)
+        assert len(groups) >= 1 and incomplete, "the abort left nothing to resume; the check needs some"
+        assert all(r.episode is not None for r in incomplete)
+        cut = [r for r in incomplete if r.finish_reason == "abort"]
+        assert cut, "no episode was cut by the abort"
+        by_index: dict[int, list[GenerationResult]] = {}
+        for r in incomplete:
+            by_index.setdefault(r.prompt_index, []).append(r)
+        order = sorted(by_index)
+        carried = iter([CarriedPrompt(prompt=(PROMPTS * 2)[i], results=tuple(sorted(by_index[i], key=lambda r: r.sample_index)))
+                        for i in order])
+        resumed: list[list[GenerationResult]] = []
+        rollout.stream(PromptFeed(carried), EPISODE_PARAMS, resumed.append, max_inflight=4, drive=drive)
+    finally:
+        runner.close()
+    finished = [r for g in groups for r in g]
+    prompts = [(PROMPTS * 2)[r.prompt_index] for r in finished]
+    prompts += [(PROMPTS * 2)[order[r.prompt_index]] for g in resumed for r in g]
+    out = check_results([*finished, *(r for g in resumed for r in g)], checkpoint, close, prompts)
+    assert all(r.finish_reason != "abort" for g in resumed for r in g)
+    return {**out, "cut": len(cut), "cut_mid_call": sum(1 for r in cut if r.output_ids and r.output_ids[-1] == close
+                                                          and r.episode.policy_mask[-1]),
+            "cut_with_tokens": sum(1 for r in cut if r.output_ids)}

@@ -3,9 +3,9 @@
 With `rollout.partial_rollout` the groups a full batch's abort left incomplete (responses
 cut short with their tokens and per-token engine log-probs, their finished mates, prompts
 never started) are kept as `CarriedGroup`s and continued first in the next step under the
-new weights. `CollectState` holds them and the last step's keep rate (the streaming gate's
-prior), and round-trips through the checkpoint's trainer state, prompts as sampler
-positions. A response may span at most `rollout.partial_rollout_max_versions` versions.
+new weights (multi-turn episodes with their segments and calls). `CollectState` holds them
+and the last step's keep rate (the streaming gate's prior), and round-trips through the
+checkpoint's trainer state, prompts as sampler positions. A response may span at most `rollout.partial_rollout_max_versions` versions.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
-from megatron_dapo.rollout.engine import GenerationResult
+from megatron_dapo.rollout.engine import EpisodeRecord, GenerationResult, ToolCallRecord
 from megatron_dapo.rollout.routes import routes_from_bytes, routes_to_bytes
 
 
@@ -47,7 +47,8 @@ class CollectState:
             assert sampler is not None, "carried groups come from the controller's sampler"
             carried.append({"position": sampler.position_of(c.record), "versions": list(c.versions),
                             "results": [[r.sample_index, r.output_ids, r.logprobs, r.finish_reason,
-                                         None if r.routed_experts is None else routes_to_bytes(r.routed_experts)]
+                                         None if r.routed_experts is None else routes_to_bytes(r.routed_experts),
+                                         _episode_state(r.episode)]
                                         for r in c.results]})
         return {"keep_rate": self.keep_rate, "carried": carried}
 
@@ -59,11 +60,29 @@ class CollectState:
             assert sampler is not None, "carried groups need the controller's sampler"
             results = [GenerationResult(prompt_index=0, sample_index=int(j), output_ids=list(ids),
                                         logprobs=[float(x) for x in lps], finish_reason=why,
-                                        routed_experts=None if not routes or routes[0] is None
-                                        else routes_from_bytes(routes[0]))
-                       for j, ids, lps, why, *routes in c["results"]]
+                                        routed_experts=None if not more or more[0] is None
+                                        else routes_from_bytes(more[0]),
+                                        episode=_episode_from_state(more[1] if len(more) > 1 else None))
+                       for j, ids, lps, why, *more in c["results"]]
             self.carried.append(CarriedGroup(record=sampler.record_at(int(c["position"])), results=results,
                                              versions=[int(v) for v in c["versions"]]))
+
+
+def _episode_state(e: EpisodeRecord | None) -> dict[str, Any] | None:
+    """A carried episode's record for the checkpoint (its tokens are saved beside it)."""
+    if e is None:
+        return None
+    return {"policy_mask": list(e.policy_mask), "turns": e.turns, "turn_capped": e.turn_capped,
+            "calls": [[c.tool, c.argument, c.status, c.answer, c.seconds] for c in e.calls]}
+
+
+def _episode_from_state(state: dict[str, Any] | None) -> EpisodeRecord | None:
+    if state is None:
+        return None
+    return EpisodeRecord(policy_mask=tuple(int(m) for m in state["policy_mask"]), turns=int(state["turns"]),
+                         turn_capped=bool(state["turn_capped"]),
+                         calls=tuple(ToolCallRecord(tool=t, argument=a, status=st, answer=ans, seconds=float(sec))
+                                     for t, a, st, ans, sec in state["calls"]))
 
 
 def new_tokens(carried: CarriedGroup | None, result: GenerationResult) -> int:

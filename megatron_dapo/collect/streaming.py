@@ -4,13 +4,18 @@ The engines take prompts from a gated `PromptFeed`; each group is scored, shaped
 filtered the moment its n responses are done, and when `train_batch_size` groups are kept
 the feed closes and every engine is aborted. The batch is the first `train_batch_size`
 kept groups in completion order. Partial rollouts (carry.py) are fed first.
+
+With tools, each prompt's group is n multi-turn episodes driven request by request
+(`_episodes_driver`, tools/episode.py); the abort ends them mid-turn or while a tool call
+runs, and a partial rollout resumes each from its tokens (the pending call runs again).
+Which prompts finish first then depends on tool and request timing, on every engine.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 
 import torch
@@ -41,8 +46,9 @@ from megatron_dapo.data.datasets import PromptRecord, PromptSampler
 from megatron_dapo.data.tokenizer import Tokenizer
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController
-from megatron_dapo.rollout.engine import GenerationResult
-from megatron_dapo.rollout.streaming import CarriedPrompt, PromptFeed
+from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
+from megatron_dapo.rollout.streaming import CarriedPrompt, FeedItem, ItemDriver, PromptFeed, Turns
+from megatron_dapo.tools.episode import EpisodeRunner
 
 _PRIOR_GROUPS = 4.0
 """Weight of the last step's keep rate, in groups, in the in-flight gate's estimate."""
@@ -122,7 +128,8 @@ def collect_streaming(
 
     params = replace(settings.sampling, seed=round_seed(settings.sampling.seed, step, 0))
     per_engine = -(-settings.gen_batch_size // len(rollout.engines))
-    incomplete = rollout.stream(feed, params, on_group, max_inflight=per_engine)
+    incomplete = rollout.stream(feed, params, on_group, max_inflight=per_engine,
+                                drive=None if settings.episodes is None else _episodes_driver(settings.episodes))
     counts["timing_s/gen"] = time.perf_counter() - start
     if len(kept) < settings.train_batch_size:
         raise DynamicSamplingError(
@@ -149,3 +156,14 @@ def collect_streaming(
     counts["train/num_gen_batches"] = feed.num_taken / settings.gen_batch_size
     counts["train/num_prompts_taken"] = float(feed.num_taken)
     return kept, generated, counts
+
+
+def _episodes_driver(runner: EpisodeRunner) -> ItemDriver:
+    """A feed item's group as multi-turn episodes (tools/episode.py): new, or a carried group resumed."""
+
+    def drive(turns: Turns, item: FeedItem, params: SamplingParams, aborted: Callable[[], bool]
+              ) -> list[GenerationResult]:
+        results = runner.generate(turns, [item.prompt], params, carried=item.carried, aborted=aborted)
+        return [replace(r, prompt_index=item.index) for r in results]
+
+    return drive

@@ -78,17 +78,6 @@ class Config:
                    "needs the engine's routed experts, which rollout.engine=vllm does not report here "
                    "(vLLM 0.32 returns them only from its Model Runner V2); use rollout.engine=sglang or local, "
                    "or algorithm.routing_replay=old_policy")
-        if self.tools.enable:
-            # What episodes run through today (tools/episode.py): rounds on colocated engines.
-            _check(not a.filter_groups.enable or a.filter_groups.mode == "rounds", "tools.enable",
-                   "runs episodes in rounds collection only: set algorithm.filter_groups.mode=rounds "
-                   "(episodes in streaming collection are not built yet)")
-            _check(r.placement == "colocated" and t.max_staleness == 0, "tools.enable",
-                   "runs with rollout.placement=colocated and trainer.max_staleness=0 only (episodes in the "
-                   "asynchronous loop are not built yet)")
-            _check(a.routing_replay != "rollout", "tools.enable",
-                   "cannot replay the engine's routes yet (an episode ending on a tool answer has no route for it); "
-                   "use algorithm.routing_replay=old_policy or off")
         ob = self.reward.overlong_buffer
         if ob.enable:
             _check(ob.len < d.max_response_length, "reward.overlong_buffer.len",

@@ -12,12 +12,13 @@ every engine takes prompts from one shared feed and hands back groups as they fi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,8 +34,10 @@ from megatron_dapo.rollout.engine import (
 from megatron_dapo.rollout.streaming import (
     FeedItem,
     GroupCallback,
+    ItemDriver,
     PromptFeed,
     StreamingEngine,
+    Turns,
     stream_per_prompt,
 )
 
@@ -94,6 +97,11 @@ class RolloutController:
         self._weights_lock = threading.RLock()
         self._restart_lock = threading.Lock()
         self._failed: set[int] = set()  # engines whose update failed: restarted before their next use
+        # The session's abort (abort() until the next session starts): a driven item's next request
+        # sees it even on an engine whose generate() starts unaborted (the local engines).
+        self._session_aborted = threading.Event()
+        self._turn_locks: dict[int, threading.Lock] = {}
+        self._turn_locks_guard = threading.Lock()
 
     # ------------------------------------------------------------------ weights (RolloutEngine for sync_weights)
 
@@ -218,7 +226,8 @@ class RolloutController:
                 self._restart(index, err)
 
     def stream(
-        self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
+        self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int,
+        drive: ItemDriver | None = None,
     ) -> list[GenerationResult]:
         """Stream generation on all engines at once from one shared feed (rollout/streaming.py).
 
@@ -228,6 +237,11 @@ class RolloutController:
                 not depend on which engine took its prompt).
             on_group: receives each finished group, from the engine's thread; calls are serialised.
             max_inflight: prompts in flight per engine.
+            drive: each prompt's group over several requests (multi-turn episodes): every engine
+                then streams request by request (`stream_per_prompt`), `max_inflight` items at
+                once; an engine that is not safe to call from several threads (one with its own
+                streaming loop: the local engines) runs one request at a time while the other
+                items wait for it or for their tools.
 
         Returns:
             The responses cut short by abort(), from every engine.
@@ -240,6 +254,10 @@ class RolloutController:
 
         def run_once(engine: RolloutEngine, engine_feed: Any, done: Callable[[list[GenerationResult]], None]
                      ) -> list[GenerationResult]:
+            if drive is not None:
+                return stream_per_prompt(engine, engine_feed, params, done, max_inflight=max_inflight,
+                                         generate_item=lambda e, item, p: drive(self._turns(e, item.index), item, p,
+                                                                                self._session_aborted.is_set))
             if isinstance(engine, StreamingEngine):
                 return engine.stream(engine_feed, params, done, max_inflight=max_inflight)
             return stream_per_prompt(engine, engine_feed, params, done, max_inflight=max_inflight)
@@ -275,14 +293,34 @@ class RolloutController:
         return [r for f in futures for r in f.result()]
 
     def abort(self) -> None:
-        """Abort in-flight generation on every engine (and, on servers, what is sent after it in this session)."""
+        """Abort in-flight generation on every engine, and every request sent after it in this session."""
+        self._session_aborted.set()
         for engine in self.engines:
             engine.abort()
 
     def _clear_aborts(self) -> None:
         """A generate or stream session starts: an abort of the last one no longer stops requests."""
+        self._session_aborted.clear()
         for engine in self.engines:
             engine.clear_abort()
+
+    def _turns(self, engine: RolloutEngine, offset: int) -> Turns:
+        """`engine`'s generate for one driven feed item (ItemDriver): results indexed from 0,
+        seeds at the item's global index; after the session's abort, requests end at once with
+        reason abort and no tokens. Engines with their own streaming loop take one request at a time."""
+        with self._turn_locks_guard:
+            lock = self._turn_locks.setdefault(id(engine), threading.Lock()) if isinstance(engine, StreamingEngine) \
+                else None
+
+        def turns(prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[GenerationResult]:
+            with lock or contextlib.nullcontext():
+                if self._session_aborted.is_set():
+                    return [GenerationResult(prompt_index=i, sample_index=j, output_ids=[], logprobs=[],
+                                             finish_reason="abort") for i in range(len(prompts)) for j in range(params.n)]
+                results = engine.generate(prompts, params, index_offset=offset)
+            return [replace(r, prompt_index=r.prompt_index - offset) for r in results]
+
+        return turns
 
     def _abort_all_quietly(self, skip: RolloutEngine | None = None) -> None:
         """Abort every engine but `skip`, logging (not raising) failures: a dead engine cannot abort."""

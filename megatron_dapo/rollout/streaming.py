@@ -23,10 +23,16 @@ from typing import Protocol, runtime_checkable
 
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, RolloutEngine, SamplingParams
 
-__all__ = ["CarriedPrompt", "FeedItem", "GroupCallback", "PromptFeed", "StreamingEngine", "continuation", "stream_per_prompt"]
+__all__ = ["CarriedPrompt", "FeedItem", "GroupCallback", "ItemDriver", "PromptFeed", "StreamingEngine", "Turns",
+           "continuation", "stream_per_prompt"]
 
 GroupCallback = Callable[[list[GenerationResult]], None]
 """Receives one prompt's n finished responses (sample order); may close the feed and abort."""
+Turns = Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]]
+"""One engine's generate for one feed item's requests: results indexed from 0, seeded at the item's index."""
+ItemDriver = Callable[[Turns, "FeedItem", SamplingParams, Callable[[], bool]], list[GenerationResult]]
+"""Drives one feed item to its n results over several requests (multi-turn episodes: tools/episode.py):
+(turns, item, params, aborted) -> results in sample order, prompt_index = item.index."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +178,13 @@ class StreamingEngine(Protocol):
 
 
 def stream_per_prompt(
-    engine: RolloutEngine, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int
+    engine: RolloutEngine, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int,
+    generate_item: Callable[[RolloutEngine, FeedItem, SamplingParams], list[GenerationResult]] | None = None,
 ) -> list[GenerationResult]:
     """Stream through an engine's generate(): one request per prompt, `max_inflight` at a time.
+
+    `generate_item` replaces the one request per prompt (multi-turn episodes: the controller's
+    drive), called from `max_inflight` threads at once.
 
     A prompt whose responses come back with an abort is not a group (its results are
     returned instead); every worker then takes the next prompt until the feed is exhausted.
@@ -184,10 +194,11 @@ def stream_per_prompt(
     """
     aborted: list[GenerationResult] = []
     lock = threading.Lock()
+    generate_item = generate_item or _generate_item
 
     def worker() -> None:
         while (item := feed.take()) is not None:
-            results = _generate_item(engine, item, params)
+            results = generate_item(engine, item, params)
             if any(r.finish_reason == "abort" for r in results):
                 with lock:
                     aborted.extend(results)

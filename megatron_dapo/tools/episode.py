@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,8 @@ Generate = Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationRe
 """An engine's (or the controller's) generate: prompts, params -> prompt-major results."""
 Tool = Callable[[str], ToolResult]
 """A tool: its argument -> what it answered."""
+_ABORT_POLL_S = 0.05
+"""How often a wait for tool answers looks at the collector's abort."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -71,39 +73,87 @@ class EpisodeSettings:
 
 @dataclass
 class _Episode:
+    """One episode's state while it runs: everything is in its tokens (so an aborted one resumes
+    from its GenerationResult alone, see resume) plus ``next``, what it waits for."""
+
     prompt: list[int]
     prompt_index: int
     sample_index: int
+    close_id: int
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     calls: list[ToolCallRecord] = field(default_factory=list)
     turns: int = 0
-    last_turn: list[int] = field(default_factory=list)
     finish: str = "stop"
     versions: tuple[int, ...] = ()
     routes: np.ndarray | None = None
     capped: bool = False
+    next: str | None = "turn"
+    """turn: a new policy turn; continue: the last turn was cut short and goes on; call: the last
+    turn asked for a call; None: finished (``finish`` says how)."""
 
-    def add_turn(self, r: GenerationResult, room: int) -> None:
+    @classmethod
+    def resume(cls, prompt: list[int], r: GenerationResult, close_id: int) -> _Episode:
+        """The episode an earlier call returned; one with reason abort goes on where it stopped."""
+        record = r.episode
+        mask = list(record.policy_mask) if record is not None else [1] * len(r.output_ids)
+        e = cls(prompt, r.prompt_index, r.sample_index, close_id, out=list(r.output_ids), logprobs=list(r.logprobs),
+                mask=mask, calls=list(record.calls) if record is not None else [],
+                turns=record.turns if record is not None else int(bool(r.output_ids)),
+                finish=r.finish_reason, versions=r.weight_versions, routes=r.routed_experts,
+                capped=record.turn_capped if record is not None else False, next=None)
+        if r.finish_reason == "abort":
+            if not e.out:
+                e.next = "turn"
+            elif not e.mask[-1]:
+                e.next = "turn"  # the answer is in: the next turn had not started
+            elif e.out[-1] == close_id:
+                e.next = "call"  # the call's answer never came: it runs again
+            else:
+                e.next = "continue"
+        return e
+
+    @property
+    def last_turn(self) -> list[int]:
+        """The policy tokens after the last tool answer (the last turn, all of it when resumed)."""
+        start = len(self.mask)
+        while start and self.mask[start - 1]:
+            start -= 1
+        return self.out[start:]
+
+    def add_turn(self, r: GenerationResult, room: int, budget: int) -> None:
+        """Append a turn's tokens (at most ``room``); ``next`` says whether it asked for a call."""
         ids, lps = r.output_ids[:room], r.logprobs[:room]
+        if self.next != "continue" and ids:  # a turn the abort stopped before its first token is not one
+            self.turns += 1
         self.out += ids
         self.logprobs += lps
         self.mask += [1] * len(ids)
-        self.last_turn = list(ids)
-        self.turns += 1
         self.finish = "length" if len(r.output_ids) > room else r.finish_reason
         self.versions = tuple(dict.fromkeys((*self.versions, *r.weight_versions)))
         self.routes = r.routed_experts
+        asks = self.finish == "stop" and bool(ids) and ids[-1] == self.close_id and len(self.out) < budget
+        self.next = "call" if asks else None
 
-    def add_tool(self, ids: list[int]) -> None:
-        self.out += ids
-        self.logprobs += [0.0] * len(ids)
-        self.mask += [0] * len(ids)
+    def add_answer(self, record: ToolCallRecord, ids: list[int], budget: int) -> None:
+        """Append a call's answer as tool tokens; a turn follows unless the budget is spent."""
+        room = budget - len(self.out)
+        self.calls.append(record)
+        self.out += ids[:room]
+        self.logprobs += [0.0] * len(ids[:room])
+        self.mask += [0] * len(ids[:room])
+        self.finish, self.next = ("length", None) if len(ids) >= room else ("stop", "turn")
+
+    def stop(self, finish: str, *, capped: bool = False) -> None:
+        self.finish, self.next, self.capped = finish, None, self.capped or capped
 
     def result(self) -> GenerationResult:
+        # The last turn's routes cover the prompt and every segment before its last token; an
+        # episode that ended on a tool answer has none for those trailing tool positions, which
+        # predict no policy token (causal attention): routing replay leaves them free.
         rows = len(self.prompt) + len(self.out) - 1
-        routes = self.routes if self.routes is not None and len(self.routes) == rows else None
+        routes = self.routes if self.routes is not None and len(self.routes) <= rows else None
         return GenerationResult(
             prompt_index=self.prompt_index, sample_index=self.sample_index, output_ids=self.out,
             logprobs=self.logprobs, finish_reason=self.finish, weight_versions=self.versions, routed_experts=routes,
@@ -179,47 +229,82 @@ class EpisodeRunner:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def generate(self, generate: Generate, prompts: Sequence[Sequence[int]], params: SamplingParams,
+    def generate(self, generate: Generate, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 carried: Sequence[GenerationResult] | None = None, aborted: Callable[[], bool] | None = None,
                  ) -> list[GenerationResult]:
-        """``params.n`` episodes per prompt, prompt-major, as ``generate`` would answer one turn."""
+        """``params.n`` episodes per prompt, prompt-major, as ``generate`` would answer one turn.
+
+        Args:
+            generate: one turn for many contexts (an engine's or the controller's generate).
+            prompts: the prompts' ids.
+            params: sampling settings of the first turn (later turns: n=1, their own seed).
+            carried: a partial rollout's group to go on with (one prompt, n results in sample
+                order, from an earlier call that was aborted): results with reason abort resume
+                where they stopped (mid-turn: the turn goes on; after a call whose answer never
+                came: the call runs again), the others are final as they are.
+            aborted: the collector's abort (streaming's full batch): once true, no further turn
+                starts and no tool answer is awaited; unfinished episodes end with reason abort,
+                their tokens so far kept (their state is in the tokens: a partial rollout
+                resumes them with ``carried``).
+        """
         s = self.settings
+        aborted = aborted or (lambda: False)
         params = dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, self.close_id),
                                      max_new_tokens=min(params.max_new_tokens, s.max_response_tokens))
-        first = generate(prompts, params)
-        episodes = [_Episode(list(prompts[r.prompt_index]), r.prompt_index, r.sample_index) for r in first]
-        for e, r in zip(episodes, first, strict=True):
-            e.add_turn(r, s.max_response_tokens)
-        pending = [e for e in episodes if self._asks(e)]
+        budget = s.max_response_tokens
+        if carried is None:
+            first = generate(prompts, params)
+            episodes = [_Episode(list(prompts[r.prompt_index]), r.prompt_index, r.sample_index, self.close_id)
+                        for r in first]
+            for e, r in zip(episodes, first, strict=True):
+                e.add_turn(r, budget, budget)
+        else:
+            assert len(prompts) == 1, "a carried group is one prompt's"
+            episodes = [_Episode.resume(list(prompts[0]), r, self.close_id) for r in carried]
         turn = 1
-        while pending:
-            for e in pending:
-                if e.turns >= s.max_turns:
-                    e.capped, e.finish = True, "length"
-            pending = [e for e in pending if not e.capped]
-            answers = list(self._pool.map(self._call, [self.tokenizer.decode(e.last_turn) for e in pending]))
-            ongoing = []
-            for e, (record, ids) in zip(pending, answers, strict=True):
-                e.calls.append(record)
-                room = s.max_response_tokens - len(e.out)
-                e.add_tool(ids[:room])
-                if len(ids) >= room:
-                    e.finish = "length"
-                else:
-                    ongoing.append(e)
+        while True:
+            for e in episodes:
+                if e.next == "call" and e.turns >= s.max_turns:
+                    e.stop("length", capped=True)
+            self._answer([e for e in episodes if e.next == "call"], aborted)
+            ongoing = [e for e in episodes if e.next in ("turn", "continue")]
             if not ongoing:
                 break
-            budget = max(s.max_response_tokens - len(e.out) for e in ongoing)
+            if aborted():
+                for e in ongoing:
+                    e.stop("abort")
+                break
+            room = max(budget - len(e.out) for e in ongoing)
             seed = None if params.seed is None else (params.seed * 1_000_003 + 7919 * turn) % (2**31 - 1)
             more = generate([e.prompt + e.out for e in ongoing],
-                            dataclasses.replace(params, n=1, max_new_tokens=budget, seed=seed))
+                            dataclasses.replace(params, n=1, max_new_tokens=room, seed=seed))
             for r in more:
                 e = ongoing[r.prompt_index]
-                e.add_turn(r, s.max_response_tokens - len(e.out))
-            pending = [e for e in ongoing if self._asks(e)]
+                e.add_turn(r, budget - len(e.out), budget)
             turn += 1
         results = [e.result() for e in episodes]
         self._check_failures(results)
         return results
+
+    def _answer(self, episodes: list[_Episode], aborted: Callable[[], bool]) -> None:
+        """Run the calls the episodes' last turns ended on, ``calls_in_flight`` at once, and
+        append each answer. An abort stops the wait: an episode whose answer had not come ends
+        with reason abort, and its call runs again when it resumes (the call still running
+        finishes by its own deadline, its answer unused)."""
+        if not episodes:
+            return
+        futures = [self._pool.submit(self._call, self.tokenizer.decode(e.last_turn)) for e in episodes]
+        waiting = set(futures)
+        while waiting:
+            _, waiting = wait(waiting, timeout=_ABORT_POLL_S)
+            if waiting and aborted():
+                break
+        for future, e in zip(futures, episodes):  # in episode order: never dependent on timing
+            if future in waiting:
+                future.cancel()
+                e.stop("abort")
+            else:
+                e.add_answer(*future.result(), self.settings.max_response_tokens)
 
     def _check_failures(self, results: list[GenerationResult]) -> None:
         calls = [c for r in results for c in r.episode.calls]  # type: ignore[union-attr]
@@ -228,11 +313,6 @@ class EpisodeRunner:
             raise ToolPoolBroken(
                 f"tools: {len(failed)} of {len(calls)} tool calls failed to run (e.g. {failed[0].tool}: "
                 f"{failed[0].answer[:200]}); fix the tool or raise tools.max_failure_fraction")
-
-    def _asks(self, e: _Episode) -> bool:
-        """Whether the episode's last turn stopped on a call (and has room left for an answer)."""
-        return e.finish == "stop" and bool(e.last_turn) and e.last_turn[-1] == self.close_id \
-            and len(e.out) < self.settings.max_response_tokens
 
     def _call(self, turn_text: str) -> tuple[ToolCallRecord, list[int]]:
         """Run the call at the end of a turn; its record and the answer's token ids (cut to the cap)."""

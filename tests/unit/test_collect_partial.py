@@ -122,3 +122,42 @@ def test_without_partial_rollouts_cut_short_tokens_are_counted_as_aborted(pieces
     out, state, _ = run_steps(pieces, range(1, 3), partial_rollout=False)
     assert state.carried == []
     assert any(m["rollout/aborted_tokens"] > 0 for _, m, _ in out)
+
+
+def test_episodes_are_carried_with_their_segments_and_resumed_through_the_checkpoint_state(pieces):
+    """Issue 40 item 3: streaming collection with tools; the full batch's abort leaves episodes cut
+    short, carried with their policy mask and calls (through the JSON trainer state), and the
+    next step continues them: each continued sample starts with the carried ids, log-probs and mask."""
+    from episode_utils import IdTokenizer
+
+    from megatron_dapo.tools.episode import EpisodeRunner, EpisodeSettings
+    from megatron_dapo.tools.formats import CallFormat
+    from megatron_dapo.tools.sandbox import ToolResult
+
+    close = 16  # one of the stop tokens: a turn ending on it is a call
+    tok = IdTokenizer({"<c>": 2, "</c>": close, "<r>": 3, "</r>": 4}, 128)
+    fmt = CallFormat("ids", "", "</c>", "<r> ", " </r>", default_tool="answer")
+    runner = EpisodeRunner(EpisodeSettings(fmt=fmt, tools={"answer": lambda _a: ToolResult("21 22", "ok", 0.0)},
+                                           max_turns=3, max_tool_output_tokens=6, max_response_tokens=24), tok)
+    try:
+        out, state, sampler = run_steps(pieces, range(1, 4), episodes=runner)
+        saved = json.loads(json.dumps(state.state_dict(sampler)))
+        restored = CollectState()
+        restored.load_state_dict(saved, PromptSampler(pieces[1], seed=0))
+        assert restored.state_dict(PromptSampler(pieces[1], seed=0)) == saved
+        assert [[r.episode for r in c.results] for c in restored.carried] == \
+            [[r.episode for r in c.results] for c in state.carried]
+    finally:
+        runner.close()
+    samples = [s for batch, _, _ in out for g in batch for s in g.samples]
+    assert all(s.episode is not None for s in samples)
+    assert any(s.episode.calls for s in samples) and any(0 in s.loss_mask for s in samples)
+    cut = [r for _, _, carried in out for results in carried for r in results
+           if r.finish_reason == "abort" and r.output_ids]
+    assert cut, "a carried episode was cut short with tokens"
+    continued = [(s, r) for s in samples for r in cut if s.num_versions == 2
+                 and s.response_ids[: len(r.output_ids)] == r.output_ids]
+    assert continued, "a carried episode made it into a later batch"
+    for s, r in continued:
+        assert s.rollout_log_probs[: len(r.logprobs)] == r.logprobs
+        assert list(s.episode.policy_mask[: len(r.output_ids)]) == list(r.episode.policy_mask)

@@ -132,3 +132,79 @@ def test_a_close_marker_of_several_tokens_is_refused(tok):
     fmt = FORMATS["hermes"]  # </tool_call> is not one piece of this tokenizer
     with pytest.raises(UserError, match=r"tools\.format=hermes: the call's end '</tool_call>' is"):
         EpisodeRunner(EpisodeSettings(fmt=fmt, tools={}), tok)
+
+
+def _turn(tok, text: str, reason: str = "stop", prompt_index: int = 0) -> GenerationResult:
+    ids = tok.encode(text)
+    return GenerationResult(prompt_index=prompt_index, sample_index=0, output_ids=ids, logprobs=[-0.1] * len(ids),
+                            finish_reason=reason)
+
+
+def test_an_episode_cut_mid_turn_resumes_the_same_turn_from_its_ids(tok):
+    """Streaming's abort cuts a turn; the partial rollout continues that turn (one turn, not two),
+    parses the call over the whole turn, and sends exactly prompt + ids so far."""
+    prompt = tok.encode("what is 12*34?")
+    runner = _runner(tok)
+    params = SamplingParams(n=1, max_new_tokens=64)
+    cut = runner.generate(lambda p, q: [_turn(tok, "<calc>12*", "abort")], [prompt], params, aborted=lambda: True)
+    (r,) = cut
+    assert r.finish_reason == "abort" and r.episode.turns == 1 and r.episode.calls == ()
+    sent = []
+
+    def engine(prompts, q):
+        sent.append([list(p) for p in prompts])
+        return [_turn(tok, "34</calc>" if len(sent) == 1 else " so 408")]
+
+    (done,) = runner.generate(engine, [prompt], params, carried=[r])
+    assert sent[0] == [prompt + tok.encode("<calc>12*")]
+    assert [c.argument for c in done.episode.calls] == ["12*34"] and done.episode.calls[0].answer == "408"
+    assert done.episode.turns == 2 and done.finish_reason == "stop"
+    assert done.output_ids == tok.encode("<calc>12*") + tok.encode("34</calc>") + tok.encode("<result>408</result>") \
+        + tok.encode(" so 408")
+
+
+def test_an_abort_during_a_tool_call_stops_the_wait_and_the_resumed_episode_runs_the_call_again(tok):
+    """The collector's abort does not wait for a slow tool: the episode ends (abort) with its call
+    unanswered, and the partial rollout runs that call again before the next turn."""
+    import threading
+    import time as _time
+
+    runs: list[str] = []
+
+    def slow(arg: str) -> ToolResult:
+        runs.append(arg)
+        _time.sleep(3.0 if len(runs) == 1 else 0.0)
+        return run_calculator(arg)
+
+    runner = _runner(tok, tools={"calculator": slow})
+    prompt = tok.encode("what is 12*34?")
+    params = SamplingParams(n=1, max_new_tokens=64)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    start = _time.monotonic()
+    (r,) = runner.generate(lambda p, q: [_turn(tok, "<calc>12*34</calc>")], [prompt], params, aborted=stop.is_set)
+    assert _time.monotonic() - start < 2.0, "the abort waited for the tool"
+    assert r.finish_reason == "abort" and r.episode.calls == () and r.episode.turns == 1
+    assert r.output_ids == tok.encode("<calc>12*34</calc>") and all(r.episode.policy_mask)
+    (done,) = runner.generate(lambda p, q: [_turn(tok, " so 408")], [prompt], params, carried=[r])
+    assert runs == ["12*34", "12*34"] and done.episode.calls[0].answer == "408" and done.episode.turns == 2
+    runner.close()
+
+
+def test_an_abort_after_the_answer_resumes_with_a_new_turn_and_finished_mates_stay_as_they_are(tok):
+    runner = _runner(tok)
+    prompt = tok.encode("what is 12*34?")
+    params = SamplingParams(n=2, max_new_tokens=64)
+    mate = _turn(tok, "408")
+    first = [_turn(tok, "<calc>12*34</calc>"), GenerationResult(prompt_index=0, sample_index=1,
+                                                                 output_ids=mate.output_ids, logprobs=mate.logprobs,
+                                                                 finish_reason="stop")]
+    calls = []
+    out = runner.generate(lambda p, q: calls.append(p) or first, [prompt], params, aborted=lambda: len(calls) >= 1)
+    a, b = out
+    assert a.finish_reason == "abort" and not a.episode.policy_mask[-1] and a.episode.calls[0].answer == "408"
+    assert b.finish_reason == "stop"
+    sent = []
+    resumed = runner.generate(lambda p, q: sent.append(p) or [_turn(tok, " so 408")], [prompt], params, carried=out)
+    assert len(sent) == 1 and sent[0] == [prompt + a.output_ids]
+    assert resumed[1] == b and resumed[0].episode.turns == 2 and resumed[0].finish_reason == "stop"

@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 from model_utils import TINY_SHAPE, make_tiny_checkpoint
 
+from megatron_dapo.rollout.controller import RolloutController
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from episode_utils import check_episode_exactness
+from episode_utils import check_episode_exactness, check_streamed_episodes
 
 pytestmark = [
     pytest.mark.vllm,
@@ -26,6 +28,10 @@ def test_episodes_on_vllm_are_token_exact(tmp_path):
                                device="cpu", vocab_size=TINY_SHAPE["vocab_size"], startup_timeout_s=900)
     try:
         out = check_episode_exactness(engine.generate, checkpoint, vocab_size=TINY_SHAPE["vocab_size"])
+        # Streaming collection's driver on the same server: the abort cuts episodes mid-turn or
+        # mid-call, the partial rollout resumes them (issue 40 item 3).
+        streamed = check_streamed_episodes(RolloutController([engine]), checkpoint, vocab_size=TINY_SHAPE["vocab_size"])
     finally:
         engine.shutdown()
     assert out["policy_gap"] < 1e-4 and out["tool_tokens"] > 0 and out["turns_max"] >= 2, out
+    assert streamed["policy_gap"] < 1e-4 and streamed["cut"] > 0, streamed
