@@ -120,9 +120,9 @@ class CustomToolPool:
             stopped = self._stopped
             if stopped is None:
                 self._queued.append((name, argument, future))
+                self._wake()
         if stopped is not None:
             return ToolResult(f"error: {stopped}", "failed", 0.0, "worker process")
-        self._wake()
         outcome = future.result()
         seconds = time.monotonic() - start
         if outcome.error is None:
@@ -136,14 +136,18 @@ class CustomToolPool:
             if self._closing:
                 return
             self._closing = True
-        self._wake()
+            self._wake()
         self._thread.join()
+        with self._lock:  # no caller writes to the descriptor's number once it is closed (and reused)
+            wake_w, self._wake_w = self._wake_w, -1
+        os.close(wake_w)
         os.close(self._wake_r)
-        os.close(self._wake_w)
 
     def _wake(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):  # a full pipe already holds a wake-up
-            os.write(self._wake_w, b"x")
+        """Wake the dispatcher; called with the lock held."""
+        if self._wake_w >= 0:
+            with contextlib.suppress(BlockingIOError):  # a full pipe already holds a wake-up
+                os.write(self._wake_w, b"x")
 
     def _dispatch(self) -> None:
         """The dispatcher thread: queued calls to idle workers, ended calls to their futures."""
