@@ -376,18 +376,24 @@ def _generate(records: Sequence[Any], todo: Sequence[range], done: set[int], set
     params = SamplingParams(n=settings.n, temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k,
                             max_new_tokens=settings.max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
                             seed=settings.seed)
-    gen = eval_engine(engine, EvalEngineArgs(hf_dir=hf_dir, vocab_size=tokenizer.vocab_size,
-                                             max_batch_size=ENGINE_ROWS_PER_CHUNK, tensor_parallel_size=engine_tp,
-                                             gpu_memory_utilization=gpu_memory_utilization, log_dir=log_dir))
     from megatron_dapo.tools.episode import episode_row
 
+    # Before the engine: a custom tool that does not load fails in seconds, with no server to stop.
     runner = None
     if settings.tools is not None:
         from megatron_dapo.config.tools import PythonToolConfig, ToolsConfig
         from megatron_dapo.tools.registry import episode_runner
 
         tools = ToolsConfig(**{**settings.tools, "python": PythonToolConfig(**settings.tools["python"])})
-        runner = episode_runner(tools, tokenizer, settings.max_new_tokens)
+        runner = episode_runner(tools, tokenizer, settings.max_new_tokens, log_dir=log_dir)
+    try:
+        gen = eval_engine(engine, EvalEngineArgs(hf_dir=hf_dir, vocab_size=tokenizer.vocab_size,
+                                                 max_batch_size=ENGINE_ROWS_PER_CHUNK, tensor_parallel_size=engine_tp,
+                                                 gpu_memory_utilization=gpu_memory_utilization, log_dir=log_dir))
+    except BaseException:
+        if runner is not None:
+            runner.close()
+        raise
     total = sum(i not in done for b in todo for i in b)
     num_done, start = 0, time.perf_counter()
     try:

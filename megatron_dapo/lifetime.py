@@ -14,8 +14,8 @@ dies. It must be set by the child itself (it is cleared in a forked child), so:
   which imports this package; `megatron_dapo/__init__.py` calls `die_with_parent()`
   there when the interpreter was started by multiprocessing (`--multiprocessing-fork`).
   That covers megatron-core's Manager and spawn-started reward workers;
-- reward workers call it first thing (their parent is the forkserver, which itself exits
-  when the trainer's end of its pipe closes);
+- reward and custom tool workers (rewards/workers.py) call it first thing (their parent is
+  the forkserver, which itself exits when the trainer's end of its pipe closes);
 - the resource tracker exits by itself once every process holding its pipe is gone.
 
 Inference servers (SGLang, vLLM) are started with subprocess in a session of their own, so

@@ -435,7 +435,7 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
-        episodes=episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length))
+        episodes=episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length, log_dir=run.output_dir))
     run.rollout = RolloutController(training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir),
                                     max_restarts=cfg.rollout.max_engine_restarts)
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,

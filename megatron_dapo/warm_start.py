@@ -181,7 +181,8 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
     closers.append(rewards.close)
     params = val_sampling_params(cfg.rollout.val_kwargs, max_new_tokens=cfg.data.max_response_length,
                                  eos_id=tokenizer.eos_id, seed=cfg.trainer.seed)
-    episodes = episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length)  # the trainer's val/acc: with tools
+    # The trainer's val/acc: with tools.
+    episodes = episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length, log_dir=cfg.trainer.output_dir)
     if episodes is not None:
         closers.append(episodes.close)
 

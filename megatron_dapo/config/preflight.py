@@ -17,6 +17,7 @@ and a job that does not validate fails on them in its first seconds. In order:
 - every prompt file (or the embedded task's problem space), and that there are at least
   `data.train_batch_size` prompts (fewer would repeat prompts inside every batch);
 - a custom reward function answers one probe call within reward.timeout_s;
+- custom tools (tools.enable) import in a worker as the run's tool workers will import them;
 - the checkpoint the run would resume from (explicit, or `latest` of output_dir with
   resume=auto): its manifest, its architecture against the configured model and the
   parallel layout (Megatron's vocabulary padding depends on TP), and, unless the caller
@@ -136,6 +137,10 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
         from megatron_dapo.rewards.pool import probe_reward_fn
 
         probe_reward_fn(cfg.reward.reward_fn, cfg.reward.timeout_s, first_answer)
+    if cfg.tools.enable and cfg.tools.custom_tools():
+        from megatron_dapo.tools.custom import check_custom_tools
+
+        check_custom_tools(cfg.tools.custom_tools(), cfg.tools.custom_timeout_s)
     resume = resume_checkpoint(cfg)
     if resume is not None:
         check_resume(cfg, resume, verify_checksums=verify_resume_checksums)

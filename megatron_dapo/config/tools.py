@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from megatron_dapo.config.fields import _check
@@ -9,6 +10,23 @@ from megatron_dapo.config.fields import _check
 BUILTIN_TOOLS = ("calculator", "python")
 """calculator: exact arithmetic in-process (tools/calculator.py); python: the policy's program in
 the sandbox (tools/sandbox.py)."""
+
+_SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_NAME = re.compile(r"[A-Za-z_][\w.-]*")
+
+
+def tool_entry(entry: str) -> tuple[str, str]:
+    """(the name calls use, what runs it) of one `tools.tools` entry.
+
+    A built-in is its own name twice; "package.module:function" is named by its function;
+    "name=package.module:function" by the given name. The entry's form is checked by ToolsConfig.
+    """
+    if ":" not in entry:
+        return entry, entry
+    name, sep, spec = entry.partition("=")
+    if not sep:
+        name, spec = entry.rpartition(":")[2], entry
+    return name.strip(), spec.strip()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -44,7 +62,11 @@ class ToolsConfig:
     """Call format (tools/formats.py): tags (<calc>...</calc>, the embedded task's tokenizer) or
     hermes (<tool_call>{json}</tool_call>, Qwen's chat templates)."""
     tools: list[str] = field(default_factory=lambda: ["calculator"])
-    """Tools the policy may call, by name: calculator, python."""
+    """Tools the policy may call: the built-ins calculator and python, and custom tools
+    "package.module:function" (tools/custom.py): f(argument: str) -> str, the answer the policy
+    sees, run in worker processes. A custom tool's name in calls is its function's name, or
+    the name written before it ("search=pkg.web:lookup"); names must differ. The tags format
+    calls only "calculator", so a custom tool there takes that name ("calculator=pkg.mod:f")."""
     max_turns: int = 4
     """Policy turns per episode (verl: max_assistant_turns); a call at the last turn is not answered."""
     max_tool_output_tokens: int = 64
@@ -53,8 +75,14 @@ class ToolsConfig:
     """Tool calls run at once."""
     max_failure_fraction: float = 0.5
     """Stop the run (one line, exit 2) once more than this share of a step's calls failed to run
-    (the tool crashed or could not start; counted from 16 calls on). Errors the code itself
-    raises are answers, not failures."""
+    (the tool crashed or could not start; a custom tool raised, timed out or lost its worker;
+    counted from 16 calls on). Errors the python tool's code raises are answers, not failures."""
+    custom_workers: int = 2
+    """Worker processes of the custom tools, each running one call at a time (all custom tools
+    share them)."""
+    custom_timeout_s: float = 10.0
+    """Seconds one custom tool call may take; its worker is then killed and replaced, and the
+    call fails with an error text the policy sees."""
     python: PythonToolConfig = field(default_factory=PythonToolConfig)
     """The python tool's sandbox."""
 
@@ -62,11 +90,27 @@ class ToolsConfig:
         from megatron_dapo.tools.formats import FORMATS
 
         _check(self.format in FORMATS, "format", f"must be one of {sorted(FORMATS)}")
-        unknown = [t for t in self.tools if t not in BUILTIN_TOOLS]
-        _check(not unknown, "tools", f"has {unknown}; built-in tools are {list(BUILTIN_TOOLS)} (custom "
-               "'package.module:function' tools are not built yet)")
+        unknown = [t for t in self.tools if not isinstance(t, str) or (":" not in t and t not in BUILTIN_TOOLS)]
+        _check(not unknown, "tools", f"has {unknown}; expected built-in tools {list(BUILTIN_TOOLS)} or custom tools "
+               "'package.module:function' (or 'name=package.module:function')")
+        names: dict[str, str] = {}
+        for entry in self.tools:
+            name, spec = tool_entry(entry)
+            _check(spec in BUILTIN_TOOLS or bool(_SPEC.fullmatch(spec)), "tools", f"has {entry!r}: a custom tool is "
+                   "'package.module:function' (or 'name=package.module:function') with Python names")
+            _check(bool(_NAME.fullmatch(name)), "tools", f"has {entry!r}: the tool name {name!r} must be a letter or _ "
+                   "then letters, digits, _ . or -")
+            _check(name not in names, "tools", f"has two tools named {name!r} ({names.get(name)!r} and {entry!r}); "
+                   "name one of them with 'name=package.module:function'")
+            names[name] = entry
         _check(not self.enable or bool(self.tools), "tools", "is empty while tools.enable=true")
         _check(self.max_turns >= 1, "max_turns", "must be >= 1")
         _check(self.max_tool_output_tokens >= 4, "max_tool_output_tokens", "must be >= 4 (the markers alone take 2)")
         _check(self.calls_in_flight >= 1, "calls_in_flight", "must be >= 1")
         _check(0 < self.max_failure_fraction <= 1, "max_failure_fraction", "must be in (0, 1] (1.0 = never stop)")
+        _check(self.custom_workers >= 1, "custom_workers", "must be >= 1")
+        _check(self.custom_timeout_s > 0, "custom_timeout_s", "must be > 0")
+
+    def custom_tools(self) -> dict[str, str]:
+        """Name -> "package.module:function" of the custom tools listed."""
+        return {name: spec for name, spec in map(tool_entry, self.tools) if spec not in BUILTIN_TOOLS}

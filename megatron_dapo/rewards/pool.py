@@ -6,34 +6,23 @@ call must cost one sample, not the run: every call gets `timeout_s`, a call that
 times out or kills its worker scores -1.0 with acc False, and the batch's counts of
 errors and timeouts are returned (and logged) so a broken reward shows in the metrics.
 
-Why not concurrent.futures.ProcessPoolExecutor: it cannot stop a running task, and a
-worker that dies breaks the whole executor. Here each worker is a process with its own
-pipe; the pool hands a worker one task at a time, so it always knows which call a worker
-is running, kills the worker when that call's deadline passes and starts a fresh one.
-Workers start with "forkserver" (or "spawn" where forkserver is missing): a fresh
-interpreter, never a fork of a process that holds threads and communicator state.
-
-Workers are daemon processes so that they die with the controller, also after kill -9
-(lifetime.py); a reward function therefore cannot start processes of its own. The pool is not thread-safe.
+The workers (processes that load the function once, a deadline per call, replaced when
+one hangs or dies) are rewards/workers.py's WorkerSet, which the custom tools share; this
+module is the batch on top: which call goes to which worker, the scores of failed calls,
+the counts and the circuit breaker. The pool is not thread-safe.
 """
 
-import contextlib
 import logging
 import math
-import multiprocessing as mp
 import os
-import signal
-import sys
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.lifetime import die_with_parent
 from megatron_dapo.rewards.registry import RewardFn, get_reward_fn
+from megatron_dapo.rewards.workers import WorkerSet, choose_start_method
 
 logger = logging.getLogger(__name__)
 
@@ -72,72 +61,6 @@ class RewardStats:
     """Responses cut to their last max_response_chars characters before scoring."""
     first_error: str | None
     """Message of the first failed call in input order, or None."""
-
-
-class _Worker:
-    """One worker process, its pipe, and the call it is running."""
-
-    __slots__ = ("conn", "deadline", "process", "ready", "task")
-
-    def __init__(self, process: Any, conn: Connection) -> None:
-        self.process = process
-        self.conn = conn
-        self.ready = False  # set when the worker has imported the reward function
-        self.task: int | None = None  # batch index of the call it is running
-        self.deadline = math.inf  # monotonic time: end of start-up, or of the running call
-
-
-def _worker_main(conn: Connection, fn_spec: str, log_path: str | None = None) -> None:
-    """Loop of a worker process: load the reward function, then score until told to stop.
-
-    Messages in: (index, solution_str, ground_truth, extra_info), or None to exit.
-    Messages out: ("ready",) once, ("fatal", message) if loading failed, then
-    (index, result dict, None) or (index, None, error message) per call.
-
-    Args:
-        conn: the worker's end of its pipe to the pool.
-        fn_spec: the reward function spec, resolved here with get_reward_fn.
-        log_path: where the function's own prints go (stdout and stderr); None = inherited.
-    """
-    # A worker outlives a SIGKILLed trainer otherwise (lifetime.py); its parent is the forkserver,
-    # which exits when the trainer does.
-    die_with_parent()
-    # A process group of its own: what the reward function starts (a sandbox, a shell) is stopped
-    # with the worker (RewardPool._stop kills the group); it outlived the check before. This also
-    # keeps Ctrl-C, sent to the trainer's group, away from the worker: the pool handles it.
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if log_path is not None:
-        # A reward function that prints per call (154 MB in one report) would flood the trainer's
-        # console and bury its one-line errors: its output goes to a file of the run.
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    try:
-        fn = get_reward_fn(fn_spec)
-    except UserError as err:  # get_reward_fn's own words: the spec, the module, the fix
-        conn.send(("fatal", str(err), True))
-        return
-    except Exception as err:
-        conn.send(("fatal", f"{type(err).__name__}: {err}", False))
-        return
-    conn.send(("ready",))
-    while True:
-        try:
-            message = conn.recv()
-        except EOFError:  # the pool's process is gone
-            return
-        if message is None:
-            return
-        index, solution_str, ground_truth, extra_info = message
-        try:
-            conn.send((index, fn(solution_str, ground_truth, extra_info), None))
-        except Exception as err:  # includes a result that cannot be pickled
-            conn.send((index, None, f"{type(err).__name__}: {err}"))
 
 
 class _Batch:
@@ -210,14 +133,7 @@ class RewardPool:
             or max_response_chars < 1
         ):
             raise UserError(f"RewardPool max_response_chars={max_response_chars!r}: expected an int >= 1")
-        methods = mp.get_all_start_methods()
-        if start_method is None:
-            start_method = "forkserver" if "forkserver" in methods else "spawn"
-        if start_method not in ("forkserver", "spawn") or start_method not in methods:
-            raise UserError(
-                f"RewardPool start_method={start_method!r}: expected one of "
-                f"{[m for m in ('forkserver', 'spawn') if m in methods]} (fork is unsafe beside torch threads)"
-            )
+        start_method = choose_start_method(start_method, "RewardPool")
         self.fn_spec = fn_spec
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
@@ -230,8 +146,7 @@ class RewardPool:
         # In-process only where it runs here (num_workers=0) or cannot hang (a built-in): a user's
         # module is imported in the workers, under start_timeout_s (its import may hang or print).
         self._fn: RewardFn | None = get_reward_fn(fn_spec) if num_workers == 0 or ":" not in fn_spec else None
-        self._context = mp.get_context(start_method)
-        self._workers: list[_Worker] = []
+        self._workers: WorkerSet | None = None
         self._closed = False
         if num_workers == 0:
             logger.warning(
@@ -240,13 +155,10 @@ class RewardPool:
                 timeout_s,
             )
             return
-        try:
-            self._workers = [self._start_worker() for _ in range(num_workers)]
-            while not all(worker.ready for worker in self._workers):
-                self._poll([worker for worker in self._workers if not worker.ready], _Batch(0))
-        except BaseException:
-            self.close()
-            raise
+        self._workers = WorkerSet(get_reward_fn, fn_spec, num_workers, label=f"reward function {fn_spec!r}",
+                                  timeout_s=self.timeout_s, start_timeout_s=self.start_timeout_s,
+                                  start_method=start_method, log_path=self.log_path, slow_hint="reward.timeout_s",
+                                  process_name="reward-worker")
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -281,7 +193,7 @@ class RewardPool:
             calls.append((solution_str, ground_truth, extra_info))
 
         done = _Batch(len(calls))
-        if self._workers:
+        if self._workers is not None:
             try:
                 self._score_in_workers(calls, done)
             except BaseException:
@@ -325,63 +237,25 @@ class RewardPool:
         if self._closed:
             return
         self._closed = True
-        for worker in self._workers:
-            with contextlib.suppress(OSError):  # a dead worker needs no stop message
-                worker.conn.send(None)
-        for worker in self._workers:
-            worker.process.join(timeout=1.0)
-            self._stop(worker)
-        self._workers = []
-
-    def _start_worker(self) -> _Worker:
-        """Start one worker process; it becomes ready once it has loaded fn_spec."""
-        parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(
-            target=_worker_main, args=(child_conn, self.fn_spec, self.log_path), name="reward-worker", daemon=True
-        )
-        process.start()
-        # Without the parent's copy of the child end, a dead worker reads as EOF.
-        child_conn.close()
-        worker = _Worker(process, parent_conn)
-        worker.deadline = time.monotonic() + self.start_timeout_s
-        return worker
-
-    @staticmethod
-    def _stop(worker: _Worker) -> None:
-        """Kill a worker and the processes its reward function started (its group), release its pipe."""
-        pid = worker.process.pid
-        if pid is not None:
-            with contextlib.suppress(OSError):  # the group is the worker's own (_worker_main), or gone
-                if os.getpgid(pid) == pid:
-                    os.killpg(pid, signal.SIGKILL)
-        if worker.process.is_alive():
-            worker.process.kill()
-        worker.process.join(timeout=5.0)
-        with contextlib.suppress(OSError):  # children of an already-dead worker keep its group id
-            os.killpg(pid, signal.SIGKILL)
-        worker.conn.close()
-
-    def _replace(self, worker: _Worker) -> None:
-        """Kill a hung or dead worker and start a fresh one in its place."""
-        self._stop(worker)
-        self._workers[self._workers.index(worker)] = self._start_worker()
+        if self._workers is not None:
+            self._workers.close()
 
     def _score_in_workers(self, calls: list[RewardInput], done: _Batch) -> None:
         """Hand calls to idle workers, one at a time each, until all have results."""
+        assert self._workers is not None
         queue = deque(range(len(calls)))
-        while queue or any(worker.task is not None for worker in self._workers):
-            for worker in list(self._workers):
-                if queue and worker.ready and worker.task is None:
-                    index = queue.popleft()
-                    try:
-                        worker.conn.send((index, *calls[index]))
-                    except OSError:  # the worker died while idle; its replacement takes the call
-                        queue.appendleft(index)
-                        self._replace(worker)
-                        continue
-                    worker.task = index
-                    worker.deadline = time.monotonic() + self.timeout_s
-            self._poll([w for w in self._workers if w.task is not None or not w.ready], done)
+        while queue or self._workers.running():
+            for worker in self._workers.idle():
+                if not queue:
+                    break
+                index = queue.popleft()
+                if not self._workers.send(worker, index, calls[index]):
+                    queue.appendleft(index)  # the worker died while idle; its replacement takes the call
+            for outcome in self._workers.poll():
+                if outcome.error is None:
+                    done.results[outcome.task] = outcome.result
+                else:
+                    done.fail(outcome.task, outcome.error, timed_out=outcome.timed_out)
             if done.broken(self.max_failure_fraction):
                 raise self._broken(done)
 
@@ -395,72 +269,6 @@ class RewardPool:
             f"{done.failures[min(done.failures)][1]}. Fix the reward function (or raise reward.timeout_s if it is "
             "only slow)"
         )
-
-    def _poll(self, busy: list[_Worker], done: _Batch) -> None:
-        """Wait for the next message or deadline among busy workers, and act on it.
-
-        Args:
-            busy: workers that are starting or running a call.
-            done: the batch, whose result at a finished call's index is filled in.
-
-        Raises:
-            UserError: a worker could not load the reward function.
-            RuntimeError: a worker did not start within start_timeout_s.
-        """
-        if not busy:
-            return
-        next_deadline = min(worker.deadline for worker in busy)
-        ready = wait([worker.conn for worker in busy], timeout=max(0.0, next_deadline - time.monotonic()))
-        for worker in busy:
-            if worker.conn in ready:
-                try:
-                    message = worker.conn.recv()
-                except (EOFError, OSError):
-                    worker.process.join(timeout=5.0)
-                    message = None
-                self._handle(worker, message, done)
-            elif time.monotonic() >= worker.deadline:
-                if not worker.ready:
-                    raise UserError(
-                        f"reward function {self.fn_spec!r}: importing it in a worker did not finish within "
-                        f"{self.start_timeout_s:g} s (does its module hang or wait at import?); make the import "
-                        "quick, or raise reward.timeout_s if it is only slow"
-                    )
-                done.fail(worker.task, f"timeout after {self.timeout_s} s", timed_out=True)
-                self._replace(worker)
-
-    def _handle(self, worker: _Worker, message: tuple | None, done: _Batch) -> None:
-        """Act on one message from a worker, or on its death (message None)."""
-        if message is None:
-            exit_code = worker.process.exitcode
-            if not worker.ready:
-                raise UserError(
-                    f"reward function {self.fn_spec!r}: its worker exited with code {exit_code} while importing it "
-                    "(the module exits or crashes at import); run `python -c 'import <module>'` to see why"
-                )
-            if worker.task is not None:
-                done.fail(worker.task, f"worker process died (exit code {exit_code})")
-            self._replace(worker)
-        elif message[0] == "ready":
-            worker.ready = True
-            worker.deadline = math.inf
-        elif message[0] == "fatal":
-            if message[2]:
-                raise UserError(f"{message[1]} (in a worker process: the module must be importable by name "
-                                "from a fresh interpreter, not __main__)")
-            raise UserError(
-                f"reward function {self.fn_spec!r} failed to load in a worker process: {message[1]}; "
-                "the module must be importable by name from a fresh interpreter (not __main__)"
-            )
-        else:
-            index, result, error = message
-            assert index == worker.task, f"worker answered call {index}, expected {worker.task}"
-            if error is None:
-                done.results[index] = result
-            else:
-                done.fail(index, error)
-            worker.task = None
-            worker.deadline = math.inf
 
 
 def probe_reward_fn(fn_spec: str, timeout_s: float, ground_truth: str, extra_info: dict[str, Any] | None = None) -> None:

@@ -10,6 +10,8 @@ A user function is called as `f(solution_str, ground_truth, extra_info=extra_inf
 where extra_info is the dataset row's extra_info dict (or None), and may return a number
 or a dict with a "score" key. Other keys of a returned dict are kept. User modules are
 imported only when asked for, so a typo fails at start-up with a message, not mid-run.
+import_user_fn is that resolution for any kind of user function: custom tools (tools/custom.py)
+use it with their own contract, so both give the same one-line errors.
 """
 
 import importlib
@@ -17,6 +19,7 @@ import importlib.util
 import inspect
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from megatron_dapo.errors import UserError
@@ -105,24 +108,51 @@ def check_reward_spec(name_or_path: str) -> None:
         raise UserError(f"reward function {spec!r}: module {module_name!r} not found; {_EXPECTED_FORM}")
 
 
-def _import_user_fn(spec: str) -> Callable[..., Any]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UserFnContract:
+    """How a kind of user function is called, for the one-line errors of import_user_fn.
+
+    Reward functions and custom tools (tools/custom.py) are both named by 'package.module:function'
+    and imported in worker processes; only the words and the signature differ.
+    """
+
+    what: str
+    """The function's role in messages: "reward function", "tool"."""
+    expected_form: str
+    """What a spec should look like, appended to errors about the spec."""
+    call_form: str
+    """The call the function must accept, as shown in errors: "f(solution_str, ground_truth, extra_info=...)"."""
+    signature: str
+    """The signature to give it: "f(solution_str, ground_truth, extra_info=None)"."""
+    probe_args: tuple[Any, ...]
+    """Positional arguments of a call bound (never made) to check the signature."""
+    probe_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of that call."""
+
+
+REWARD_CONTRACT = UserFnContract(
+    what="reward function", expected_form=_EXPECTED_FORM, call_form="f(solution_str, ground_truth, extra_info=...)",
+    signature="f(solution_str, ground_truth, extra_info=None)", probe_args=("", ""), probe_kwargs={"extra_info": None})
+
+
+def import_user_fn(spec: str, contract: UserFnContract) -> Callable[..., Any]:
     """Resolve 'package.module:function' to the function, with user-facing errors.
 
     Args:
-        spec: the reward function spec from the config.
+        spec: the function's spec from the config.
+        contract: how the function will be called, and the words of the errors.
 
     Returns:
         The callable named by the spec.
 
     Raises:
         UserError: the spec is malformed, the module cannot be imported, the attribute
-            is missing, or it is not callable with (solution_str, ground_truth, extra_info=).
+            is missing, or it is not callable as the contract calls it.
     """
+    label = f"{contract.what} {spec!r}"
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr or ":" in attr:
-        raise UserError(
-            f"reward function {spec!r} is not a built-in and not 'module:function'; {_EXPECTED_FORM}"
-        )
+        raise UserError(f"{label} is not a built-in and not 'module:function'; {contract.expected_form}")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -135,32 +165,31 @@ def _import_user_fn(spec: str) -> Callable[..., Any]:
             if missing_self
             else f"importing {module_name!r} failed: {err}"
         )
-        raise UserError(f"reward function {spec!r}: {what}; {_EXPECTED_FORM}") from err
+        raise UserError(f"{label}: {what}; {contract.expected_form}") from err
     except (Exception, SystemExit) as err:  # a module that calls sys.exit/exit() on import, too
         raise UserError(
-            f"reward function {spec!r}: importing {module_name!r} raised {type(err).__name__}: {err}; "
+            f"{label}: importing {module_name!r} raised {type(err).__name__}: {err}; "
             "fix the module so that it imports cleanly"
         ) from err
     if not hasattr(module, attr):
         raise UserError(
-            f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}; {_EXPECTED_FORM}"
+            f"{label}: module {module_name!r} has no attribute {attr!r}; {contract.expected_form}"
         )
     fn = getattr(module, attr)
     if not callable(fn):
         raise UserError(
-            f"reward function {spec!r}: {module_name}.{attr} is of type {type(fn).__name__}, not callable; "
-            "point the spec at a function f(solution_str, ground_truth, extra_info=None)"
+            f"{label}: {module_name}.{attr} is of type {type(fn).__name__}, not callable; "
+            f"point the spec at a function {contract.signature}"
         )
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return fn  # builtins and C functions may have no signature; they will fail at call time
     try:
-        signature.bind("", "", extra_info=None)
+        signature.bind(*contract.probe_args, **contract.probe_kwargs)
     except TypeError as err:
         raise UserError(
-            f"reward function {spec!r}: cannot be called as f(solution_str, ground_truth, extra_info=...) "
-            f"({err}); give it the signature f(solution_str, ground_truth, extra_info=None)"
+            f"{label}: cannot be called as {contract.call_form} ({err}); give it the signature {contract.signature}"
         ) from err
     return fn
 
@@ -184,7 +213,7 @@ def get_reward_fn(name_or_path: str) -> RewardFn:
             f"reward function {name_or_path!r} is a {type(name_or_path).__name__}; {_EXPECTED_FORM}"
         )
     spec = name_or_path.strip()
-    fn = _BUILTINS[spec] if spec in _BUILTINS else _import_user_fn(spec)
+    fn = _BUILTINS[spec] if spec in _BUILTINS else import_user_fn(spec, REWARD_CONTRACT)
 
     def call(solution_str: str, ground_truth: str, extra_info: dict | None) -> dict[str, Any]:
         return normalize_reward_output(fn(solution_str, ground_truth, extra_info=extra_info), spec)

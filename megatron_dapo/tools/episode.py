@@ -212,10 +212,17 @@ def episode_metrics(episodes: Sequence[EpisodeRecord | None]) -> dict[str, float
 
 
 class EpisodeRunner:
-    """Runs multi-turn episodes over any generate function (module docstring)."""
+    """Runs multi-turn episodes over any generate function (module docstring).
 
-    def __init__(self, settings: EpisodeSettings, tokenizer: Tokenizer) -> None:
+    Args:
+        closers: what close() calls after the last tool call: the tools' own resources (the
+            custom tools' worker processes, tools/registry.tool_set), owned by the runner.
+    """
+
+    def __init__(self, settings: EpisodeSettings, tokenizer: Tokenizer, *,
+                 closers: Sequence[Callable[[], None]] = ()) -> None:
         self.settings = settings
+        self._closers = list(closers)
         self.tokenizer = tokenizer
         fmt = settings.fmt
         close = tokenizer.encode(fmt.call_close)
@@ -228,6 +235,9 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        closers, self._closers = self._closers, []
+        for close in closers:
+            close()
 
     def generate(self, generate: Generate, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  carried: Sequence[GenerationResult] | None = None, aborted: Callable[[], bool] | None = None,

@@ -234,6 +234,14 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
     ("reward-missing-dependency", {"rw_dep.py": "import not_installed_pkg_18\n"},
      ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_dep:f"],
      "importing 'rw_dep' failed: No module named 'not_installed_pkg_18'"),
+    # ------------------------------------------------------------------ custom tools
+    ("tool-module-missing", {}, ["config", "validate", "{d}/c.yaml", "tools.enable=true",
+                                 "algorithm.filter_groups.mode=rounds", "tools.tools=['calculator=no_such_tool_mod_18:f']"],
+     "tool 'no_such_tool_mod_18:f': module 'no_such_tool_mod_18' not found"),
+    ("tool-not-callable", {"tl_notcall.py": "f = 3\n"},
+     ["config", "validate", "{d}/c.yaml", "tools.enable=true", "algorithm.filter_groups.mode=rounds",
+      "tools.tools=[tl_notcall:f]"],
+     "tool 'tl_notcall:f': tl_notcall.f is of type int, not callable; point the spec at a function f(argument: str)"),
     # ------------------------------------------------------------------ prompt data
     ("data-not-utf8", {"p.jsonl": b'{"prompt": "caf\xe9", "answer": "1"}\n'},
      ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]"],

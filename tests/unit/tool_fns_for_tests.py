@@ -1,0 +1,45 @@
+"""Custom tools for the custom tool tests (tests/unit/test_tool_custom.py).
+
+They live in an importable module, not in the test file, because tool workers are fresh
+interpreters that import a tool by its "module:function" spec.
+"""
+
+import os
+import time
+
+
+def shout(argument: str) -> str:
+    """The argument upper-cased, with the worker's pid: an answer the test can check."""
+    return f"{argument.upper()} from {os.getpid()}"
+
+
+def misbehave(argument: str) -> str:
+    """"ok", except: "raise" raises, "hang" sleeps an hour, "die" ends the process, "int" returns 7."""
+    if argument == "raise":
+        raise ValueError(f"cannot answer {argument!r}")
+    if argument == "hang":
+        time.sleep(3600.0)
+    if argument == "die":
+        os._exit(3)
+    if argument == "int":
+        return 7  # type: ignore[return-value]
+    return "ok"
+
+
+def nap(argument: str) -> str:
+    """Sleeps float(argument) seconds: calls that overlap only if they run in different workers."""
+    time.sleep(float(argument))
+    return "rested"
+
+
+def always_raise(argument: str) -> str:
+    """A tool whose every call fails."""
+    raise RuntimeError("the service is down")
+
+
+def two_arguments(argument: str, other: str) -> str:
+    """Cannot be called as f(argument): loading it must fail."""
+    return argument + other
+
+
+NOT_CALLABLE = 42
