@@ -14,13 +14,20 @@ from trainer_utils import REPO, read_rows, run_trainer
 
 pytestmark = pytest.mark.e2e
 
+DATA = ("data.embedded.num_train=2000", "data.embedded.num_sft=2000", "data.embedded.num_val=32")
 
-def test_two_steps_of_the_tool_run_call_the_calculator_and_keep_tool_tokens_out_of_the_loss(tmp_path):
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One cache for the file: the dense runs share their warm start (same model, data and SFT)."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def test_two_steps_of_the_tool_run_call_the_calculator_and_keep_tool_tokens_out_of_the_loss(tmp_path, cache_dir):
     out = tmp_path / "run"
     proc = run_trainer(REPO / "examples" / "tiny_tools_cpu.yaml", f"trainer.output_dir={out}",
                        "model.sft_warm_start.num_steps=100", "trainer.total_training_steps=2", "trainer.test_freq=2",
-                       "trainer.save_interval=100", "data.embedded.num_train=2000", "data.embedded.num_sft=2000",
-                       "data.embedded.num_val=32", cache_dir=tmp_path / "cache", timeout_s=900)
+                       "trainer.save_interval=100", *DATA, cache_dir=cache_dir, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -31,7 +38,7 @@ def test_two_steps_of_the_tool_run_call_the_calculator_and_keep_tool_tokens_out_
     assert rows[-1]["val/tools/call_rate"] > 0.05 and "val/acc" in rows[-1]
 
 
-def test_tool_episodes_stream_carry_and_replay_routes_on_a_moe_policy(tmp_path):
+def test_tool_episodes_stream_carry_and_replay_routes_on_a_moe_policy(tmp_path, cache_dir):
     """Issue 40 item 3 through the trainer: streaming dynamic sampling over episodes, partial
     rollouts carrying cut episodes into the next step, token TIS, and routing replay from the
     engine's routes (R3) on a Qwen3-MoE policy: every policy token's forward uses the engine's
@@ -44,8 +51,7 @@ def test_tool_episodes_stream_carry_and_replay_routes_on_a_moe_policy(tmp_path):
                        "trainer.val_before_train=false", "trainer.save_interval=100",
                        "algorithm.filter_groups.mode=streaming", "rollout.partial_rollout=true",
                        "algorithm.rollout_correction.rollout_is=token", "algorithm.routing_replay=rollout",
-                       "data.embedded.num_train=2000", "data.embedded.num_sft=2000", "data.embedded.num_val=16",
-                       cache_dir=tmp_path / "cache", timeout_s=900)
+                       *DATA, cache_dir=cache_dir, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -61,7 +67,7 @@ def test_tool_episodes_stream_carry_and_replay_routes_on_a_moe_policy(tmp_path):
     assert min(r["rollout/max_versions_per_response"] for r in rows) == 1
 
 
-def test_tool_episodes_in_the_asynchronous_loop_stay_within_the_staleness_bound(tmp_path):
+def test_tool_episodes_in_the_asynchronous_loop_stay_within_the_staleness_bound(tmp_path, cache_dir):
     """The producer runs the same episode collection on an engine of its own (disaggregated, one
     step ahead): episodes with calls, staleness within the bound, tool tokens out of the loss."""
     out = tmp_path / "run"
@@ -69,8 +75,7 @@ def test_tool_episodes_in_the_asynchronous_loop_stay_within_the_staleness_bound(
                        "model.sft_warm_start.num_steps=100", "trainer.total_training_steps=3", "trainer.test_freq=3",
                        "trainer.save_interval=100", "rollout.placement=disaggregated", "trainer.max_staleness=1",
                        "algorithm.filter_groups.mode=streaming", "algorithm.rollout_correction.rollout_is=token",
-                       "data.embedded.num_train=2000", "data.embedded.num_sft=2000", "data.embedded.num_val=16",
-                       cache_dir=tmp_path / "cache", timeout_s=900)
+                       *DATA, cache_dir=cache_dir, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(out)
     assert [r["step"] for r in rows][-3:] == [1, 2, 3]
