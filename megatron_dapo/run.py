@@ -46,7 +46,7 @@ from megatron_dapo.output_dir import RunLock, check_output_dir, prepare_output_d
 from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.factory import launch_rank_engines, training_engines
+from megatron_dapo.rollout.factory import launch_rank_engines, training_engines, weight_transport
 from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
 from megatron_dapo.tools.registry import episode_runner
@@ -436,8 +436,9 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,
         episodes=episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length, log_dir=run.output_dir))
-    run.rollout = RolloutController(training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir),
-                                    max_restarts=cfg.rollout.max_engine_restarts)
+    engines = training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir)
+    run.rollout = RolloutController(engines, max_restarts=cfg.rollout.max_engine_restarts,
+                                    transport=weight_transport(cfg, engines))
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
                              max_failure_fraction=cfg.reward.max_failure_fraction,
                              log_path=run.output_dir / REWARD_LOG)

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -41,9 +41,21 @@ from megatron_dapo.rollout.streaming import (
     stream_per_prompt,
 )
 
-__all__ = ["EngineThroughput", "RolloutController"]
+__all__ = ["EngineThroughput", "RolloutController", "WeightTransport"]
 
 logger = logging.getLogger(__name__)
+
+
+class WeightTransport(Protocol):
+    """Step 7 for all engines at once (a fleet's broadcast) instead of each engine on its own."""
+
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None: ...
+
+    def finish_weight_update(self, version: int | None = None) -> None: ...
+
+    def engine_replaced(self, index: int, engine: RolloutEngine) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,7 +80,8 @@ class EngineThroughput:
 class RolloutController:
     """Spreads generation over engines and fans out control calls to all of them."""
 
-    def __init__(self, engines: Sequence[RolloutEngine], *, max_restarts: int = 0) -> None:
+    def __init__(self, engines: Sequence[RolloutEngine], *, max_restarts: int = 0,
+                 transport: WeightTransport | None = None) -> None:
         """Own the engines and one waiting thread per engine.
 
         Args:
@@ -76,6 +89,9 @@ class RolloutController:
             max_restarts: how many times in all a dead or hung engine (a RestartableEngine)
                 is replaced in place during this controller's life (rollout.max_engine_restarts);
                 0 = an engine failure fails the call.
+            transport: how weight buckets reach the engines when not each on its own: a fleet's
+                broadcast (rollout/fleet/broadcast.py). A failed broadcast leaves every member's
+                weights partly updated, so every engine is restarted (or the run stops).
         """
         if not engines:
             raise ValueError("RolloutController needs at least one engine; check rollout.engine and the GPU count")
@@ -100,6 +116,7 @@ class RolloutController:
         # The session's abort (abort() until the next session starts): a driven item's next request
         # sees it even on an engine whose generate() starts unaborted (the local engines).
         self._session_aborted = threading.Event()
+        self._transport = transport
         self._turn_locks: dict[int, threading.Lock] = {}
         self._turn_locks_guard = threading.Lock()
 
@@ -114,12 +131,18 @@ class RolloutController:
         with self._weights_lock:
             if self._keep_weights:
                 self._incoming.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
-            self._each_engine(lambda engine: engine.update_weights(bucket))
+            if self._transport is not None:
+                self._fleet_call(lambda: self._transport.update_weights(bucket))  # type: ignore[union-attr]
+            else:
+                self._each_engine(lambda engine: engine.update_weights(bucket))
 
     def finish_weight_update(self, version: int | None = None) -> None:
         """End the update on every engine; the kept buckets become the weights a restart loads."""
         with self._weights_lock:
-            self._each_engine(lambda engine: engine.finish_weight_update(version=version))
+            if self._transport is not None:
+                self._fleet_call(lambda: self._transport.finish_weight_update(version))  # type: ignore[union-attr]
+            else:
+                self._each_engine(lambda engine: engine.finish_weight_update(version=version))
             if self._keep_weights:
                 self._weights, self._incoming, self._weights_version = self._incoming, [], version
 
@@ -139,6 +162,21 @@ class RolloutController:
                 logger.warning("engine %s failed during a weight update (%s); it is restarted before its next use",
                                self.engines[i].name, err)
                 self._failed.add(i)
+
+    def _fleet_call(self, call: Callable[[], None]) -> None:
+        """One step of a fleet's broadcast sync. After a failure every engine holds partly
+        updated weights: all are marked, restarted with the kept weights before their next use
+        (the rest of this sync is kept, not sent), or, where that is not possible, it is raised."""
+        if self._failed:
+            return
+        try:
+            call()
+        except EngineError as err:
+            if not all(self._can_restart(e) for e in self.engines):
+                raise
+            logger.warning("the fleet's weight broadcast failed (%s); every engine is restarted with the current "
+                           "weights before its next use", err)
+            self._failed.update(range(len(self.engines)))
 
     def _can_restart(self, engine: RolloutEngine) -> bool:
         return can_restart(engine) and self.max_restarts > 0
@@ -160,6 +198,8 @@ class RolloutController:
                            err, self.num_restarts, self.max_restarts, where)
         with self._weights_lock:
             engine.restart()  # type: ignore[attr-defined]
+            if self._transport is not None:
+                self._transport.engine_replaced(index, engine)
             if self._weights:
                 for bucket in self._weights:
                     engine.update_weights(bucket)
@@ -347,6 +387,8 @@ class RolloutController:
     def shutdown(self) -> None:
         """Stop every engine, then the controller's threads."""
         try:
+            if self._transport is not None:
+                self._transport.close()
             self._broadcast("shutdown")
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)

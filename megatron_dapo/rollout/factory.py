@@ -21,7 +21,7 @@ it scores the actor's tensors without a server, whatever the run's engine.
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,7 +97,7 @@ def _local_eval(args: EvalEngineArgs) -> RolloutEngine:
 def _sglang_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                      output_dir: Path) -> list[RolloutEngine]:
     if cfg.rollout.placement == "disaggregated":
-        return [_sglang_disaggregated(cfg.rollout, hf_dir, device, output_dir, return_routes=_wants_routes(cfg))]
+        return _sglang_fleet(cfg.rollout, hf_dir, device, output_dir, return_routes=_wants_routes(cfg))
     assert shared is not None and shared.clients, "launch_rank_engines runs before the controller's engines"
     return shared.clients
 
@@ -108,24 +108,53 @@ def _wants_routes(cfg: Config) -> bool:
     return cfg.algorithm.routing_replay != "off"
 
 
-def _sglang_disaggregated(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
-                          output_dir: Path, *, return_routes: bool = False) -> RolloutEngine:
-    """One server the controller starts and feeds while the actor trains (never released): weights
-    arrive mid-stream, paused in place (SGLangEngine live_updates). The server settings are the
-    colocated CPU path's (float32, the CPU KV pool)."""
+def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
+                  output_dir: Path, *, return_routes: bool = False) -> list[RolloutEngine]:
+    """rollout.num_engines servers the controller starts (at once) and feeds while the actor trains
+    (never released): weights arrive mid-stream by broadcast (weight_transport), paused in place
+    (SGLangEngine live_updates). The server settings are the colocated CPU path's (float32, the CPU KV pool)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig
 
     if device.type != "cpu":
         raise UserError(f"rollout.placement=disaggregated with rollout.engine=sglang runs on CPU only (trainer device "
-                        f"{device.type}): a server on GPUs of its own (weights by NCCL broadcast) is not built; "
+                        f"{device.type}): servers on GPUs of their own (weights by NCCL broadcast) are not built; "
                         "use rollout.placement=colocated")
-    config = SGLangServerConfig(model_path=str(hf_dir), device="cpu", dtype="float32",
-                                max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,
-                                host=rollout.host or "127.0.0.1", python=rollout.sglang.python or "",
-                                log_path=str(output_dir / "engine_logs" / "sglang0.log"), return_routes=return_routes)
-    return SGLangEngine.launch(config, name="sglang0", request_timeout_s=rollout.request_timeout_s,
-                               live_updates=True)
+
+    def launch(i: int) -> RolloutEngine:
+        config = SGLangServerConfig(model_path=str(hf_dir), device="cpu", dtype="float32",
+                                    max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,
+                                    host=rollout.host or "127.0.0.1", python=rollout.sglang.python or "",
+                                    log_path=str(output_dir / "engine_logs" / f"sglang{i}.log"),
+                                    return_routes=return_routes)
+        return SGLangEngine.launch(config, name=f"sglang{i}", request_timeout_s=rollout.request_timeout_s,
+                                   live_updates=True)
+
+    with ThreadPoolExecutor(max_workers=rollout.num_engines) as pool:
+        futures = [pool.submit(launch, i) for i in range(rollout.num_engines)]
+        engines = []
+        try:
+            engines = [f.result() for f in futures]
+        except BaseException:
+            for f in futures:
+                if f.exception() is None:
+                    f.result().shutdown()
+            raise
+    return engines
+
+
+def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:
+    """How step 7 reaches the controller's engines: None = each engine loads every bucket itself
+    (colocated shared memory, the local engines, vLLM); a fleet of disaggregated SGLang servers
+    gets each bucket by one broadcast (rollout/fleet/broadcast.py)."""
+    if cfg.rollout.engine != "sglang" or cfg.rollout.placement != "disaggregated":
+        return None
+    from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
+
+    return WeightBroadcast(engines, master_address=cfg.rollout.host or "127.0.0.1", backend="gloo",  # type: ignore[arg-type]
+                           timeout_s=cfg.rollout.fleet_sync_timeout_s)
 
 
 def _sglang_launch(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,
@@ -263,7 +292,7 @@ def training_engines(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None,
                      output_dir: Path) -> list[RolloutEngine]:
     """The controller's engines: a local engine on its device (or in its own process), one vLLM
     server, a client of every colocated SGLang engine (`shared`, from launch_rank_engines), or
-    one SGLang server of its own (disaggregated)."""
+    a fleet of SGLang servers of its own (disaggregated)."""
     return FAMILIES[cfg.rollout.engine].for_training(cfg, hf_dir, shared, device, output_dir)
 
 

@@ -93,7 +93,9 @@ def test_an_update_mid_row_pauses_in_place_and_the_row_spans_both_versions(tmp_p
         engine.shutdown()
 
 
-def test_the_asynchronous_loop_runs_on_one_sglang_server_within_the_bound(tmp_path):
+def test_the_asynchronous_loop_runs_on_a_fleet_of_two_sglang_servers_within_the_bound(tmp_path):
+    """Issue 41's fleet on CPU: two servers the controller started, weights by one gloo broadcast per
+    bucket to both, the same versions on both after every sync."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -101,7 +103,7 @@ def test_the_asynchronous_loop_runs_on_one_sglang_server_within_the_bound(tmp_pa
 
     out = tmp_path / "run"
     proc = run_trainer(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=sglang", "rollout.placement=disaggregated",
-                       "trainer.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
+                       "rollout.num_engines=2", "trainer.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
                        "model.sft_warm_start.enable=false", "algorithm.filter_groups.enable=false",
                        "data.train_batch_size=8", "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=8",
                        "trainer.save_interval=100", "trainer.total_training_steps=3", f"trainer.output_dir={out}",
@@ -113,7 +115,14 @@ def test_the_asynchronous_loop_runs_on_one_sglang_server_within_the_bound(tmp_pa
     # Step 1 trains version 0's batch; a later step trains one generated ahead, under older weights.
     assert rows[0]["async/staleness_max"] == 0
     assert max(r["async/staleness_max"] for r in rows[1:]) == 1
-    # One server the controller started, never released: the colocated hand-over did not run.
-    log = (out / "engine_logs" / "sglang0.log").read_text()
-    assert sorted(p.name for p in (out / "engine_logs").iterdir()) == ["sglang0.log"]
-    assert "release_memory_occupation" not in log and "disable_radix_cache=True" in log
+    # Two servers the controller started, never released: the colocated hand-over did not run; the
+    # weights came by broadcast, one group for the run, and both took every version.
+    assert sorted(p.name for p in (out / "engine_logs").iterdir()) == ["sglang0.log", "sglang1.log"]
+    logs = [(out / "engine_logs" / f"sglang{i}.log").read_text() for i in range(2)]
+    for log in logs:
+        assert "release_memory_occupation" not in log and "disable_radix_cache=True" in log
+        assert log.count("POST /init_weights_update_group HTTP/1.1\" 200") == 1
+        assert "POST /update_weights_from_tensor" not in log
+    updates = [log.count("POST /update_weights_from_distributed HTTP/1.1\" 200") for log in logs]
+    versions = [log.count("POST /update_weight_version HTTP/1.1\" 200") for log in logs]
+    assert updates[0] == updates[1] > 0 and versions[0] == versions[1] >= 3, (updates, versions)

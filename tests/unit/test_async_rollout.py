@@ -167,7 +167,7 @@ def test_a_failed_collection_is_raised_to_the_trainer():
 @pytest.mark.parametrize(("overrides", "message"), [
     (["trainer.max_staleness=1"], r"trainer.max_staleness=1: needs rollout.placement=disaggregated"),
     (["trainer.max_staleness=-1"], r"trainer.max_staleness=-1: must be >= 0"),
-    (["rollout.placement=disaggregated", "rollout.engine=vllm"], r"rollout.placement='disaggregated': disaggregated runs the local engine in its own process or one SGLang server; with engine vllm"),
+    (["rollout.placement=disaggregated", "rollout.engine=vllm"], r"rollout.placement='disaggregated': disaggregated runs the local engine in its own process or a fleet of SGLang servers; with engine vllm"),
     (["rollout.placement=disaggregated", "trainer.max_staleness=1", "rollout.partial_rollout=true"],
      r"rollout.partial_rollout=True: is not supported with trainer.max_staleness > 0"),
 ])

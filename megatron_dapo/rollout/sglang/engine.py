@@ -278,6 +278,11 @@ class SGLangEngine(WeightUpdates):
     owner, which keeps the weights (restarts.py)."""
 
     @property
+    def tp_size(self) -> int:
+        """The server's TP workers (its ranks in a weight broadcast group)."""
+        return self._tp_size
+
+    @property
     def log_path(self) -> str | None:
         """The server's log file when this engine owns the server (RestartableEngine)."""
         return str(self.process.log_path) if self.process is not None else None

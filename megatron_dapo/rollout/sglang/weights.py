@@ -207,20 +207,11 @@ class WeightUpdates:
             group: the group from :func:`create_weight_update_group`.
             group_name: the name the server joined with.
         """
-        payload = {
-            "names": [n for n, _ in bucket],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
-            "group_name": group_name,
-            "flush_cache": False,
-        }
         errors: list[BaseException] = []
-        self._pause_for_update()
-        self._begin_weight_update()
 
         def post() -> None:
             try:
-                self._request("POST", "/update_weights_from_distributed", payload, timeout_s=self._control_timeout_s)
+                self.receive_distributed(bucket, group_name=group_name)
             except BaseException as err:
                 errors.append(err)
 
@@ -231,6 +222,33 @@ class WeightUpdates:
         thread.join()
         if errors:
             raise errors[0]
+
+    def receive_distributed(self, bucket: Sequence[tuple[str, torch.Tensor]], *, group_name: str,
+                            load_format: str | None = None, timeout_s: float | None = None) -> None:
+        """The request by which the server receives one bucket over the broadcast group: it
+        allocates each tensor (names, dtypes and shapes from ``bucket``; the values are not read)
+        and returns once its broadcast finished and the weights are loaded. The caller broadcasts.
+
+        Args:
+            load_format: "flattened_bucket": one broadcast of the bucket's tensors as bytes,
+                concatenated in order (fleet/broadcast.py); None: one broadcast per tensor.
+            timeout_s: the HTTP deadline (default: the control timeout).
+        """
+        with self._state_lock:
+            self._refuse_if_released("a weight update")
+        self.check_payload(bucket)
+        self._pause_for_update()
+        self._begin_weight_update()
+        payload = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": group_name,
+            "flush_cache": False,
+            **({"load_format": load_format} if load_format is not None else {}),
+        }
+        self._request("POST", "/update_weights_from_distributed", payload,
+                      timeout_s=timeout_s if timeout_s is not None else self._control_timeout_s)
 
     def destroy_weight_update_group(self, group_name: str) -> None:
         """Ask the server to leave the broadcast group (the trainer then calls ``group.shutdown()``:

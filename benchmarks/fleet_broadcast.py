@@ -1,0 +1,132 @@
+"""The fleet's weight sync against a plain gloo broadcast of the same bytes (issue 41).
+
+    python benchmarks/fleet_broadcast.py [--engines 1,2] [--repeats 3] [--hidden 512]
+
+A random Qwen2 (hidden --hidden, 4 layers, vocab 32000, float32) is served by 1, then 2 SGLang
+CPU servers. Per fleet size, in one sitting:
+- sync: the controller's whole step 7 through rollout/fleet/broadcast.WeightBroadcast (every
+  bucket of 512 MiB: the servers' requests, one broadcast, their loads; then the version),
+  after one warm-up sync that also forms the group;
+- plain: the same bytes broadcast from this process over gloo to as many receiver processes as
+  the servers have workers, nothing else (the physical limit of the transport here).
+The ratio column is plain / sync (goal >= 0.9: the sync adds little to the bytes' own time).
+Medians over --repeats. On 2 cores the receivers, the servers and this process share them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+RECEIVER = """
+import sys, torch
+from datetime import timedelta
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+host, port, world, rank, numel, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=300))
+group, _ = _new_process_group_helper(world, rank, [], Backend("gloo"), PrefixStore("plain", store), group_name="plain",
+                                     timeout=timedelta(seconds=300), backend_options=None)
+buffer = torch.empty(numel, dtype=torch.uint8)
+for _ in range(repeats):
+    group.broadcast([buffer], dist.BroadcastOptions()).wait()
+"""
+
+
+def make_checkpoint(directory: Path, hidden: int) -> Path:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=32000, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=512,
+                         tie_word_embeddings=False, eos_token_id=None, bos_token_id=None)
+    Qwen2ForCausalLM(config).save_pretrained(str(directory))
+    return directory
+
+
+def measure_sync(checkpoint: Path, engines: int, repeats: int, log_dir: Path) -> tuple[float, int]:
+    from safetensors.torch import load_file
+
+    from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.server import SGLangServerConfig
+    from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_buckets
+
+    servers = [SGLangEngine.launch(SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32",
+                                                      max_total_tokens=4096, host="127.0.0.1",
+                                                      log_path=str(log_dir / f"sglang{i}.log")),
+                                   name=f"sglang{i}", startup_timeout_s=900, live_updates=True)
+               for i in range(engines)]
+    fleet = WeightBroadcast(servers, master_address="127.0.0.1", backend="gloo", timeout_s=600)
+    tensors = sorted(load_file(str(checkpoint / "model.safetensors")).items())
+    buckets = list(iter_buckets(tensors, DEFAULT_BUCKET_BYTES))
+    try:
+        times = []
+        for version in range(repeats + 1):  # the first forms the group: a warm-up
+            start = time.perf_counter()
+            for bucket in buckets:
+                fleet.update_weights(bucket)
+            fleet.finish_weight_update(version)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[1:]), sum(t.numel() * t.element_size() for t in dict(tensors).values())
+    finally:
+        fleet.close()
+        for server in servers:
+            server.shutdown()
+
+
+def measure_plain(numel: int, receivers: int, repeats: int) -> float:
+    import torch
+
+    from megatron_dapo.rollout.server_process import free_port
+    from megatron_dapo.rollout.sglang.protocol import create_weight_update_group
+
+    port, world = free_port("127.0.0.1"), receivers + 1
+    children = [subprocess.Popen([sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), str(world), str(r),
+                                  str(numel), str(repeats + 1)]) for r in range(1, world)]
+    try:
+        group = create_weight_update_group(master_address="127.0.0.1", master_port=port, world_size=world,
+                                           group_name="plain", backend="gloo", timeout_s=300)
+        buffer = torch.randint(0, 255, (numel,), dtype=torch.uint8)
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            group.broadcast([buffer], torch.distributed.BroadcastOptions()).wait()
+            times.append(time.perf_counter() - start)
+        group.shutdown()
+        return statistics.median(times[1:])
+    finally:
+        for child in children:
+            child.wait(timeout=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engines", default="1,2")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden", type=int, default=512)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoint = make_checkpoint(Path(tmp) / "model", args.hidden)
+        rows = []
+        for engines in (int(e) for e in args.engines.split(",")):
+            sync_s, num_bytes = measure_sync(checkpoint, engines, args.repeats, Path(tmp))
+            plain_s = measure_plain(num_bytes, engines, args.repeats)
+            rows.append((engines, num_bytes, sync_s, plain_s))
+    print(f"{'engines':>7} {'MB':>8} {'sync s':>8} {'plain s':>8} {'plain/sync':>10} {'sync MB/s':>10}")
+    for engines, num_bytes, sync_s, plain_s in rows:
+        print(f"{engines:>7} {num_bytes / 1e6:>8.1f} {sync_s:>8.3f} {plain_s:>8.3f} {plain_s / sync_s:>10.2f} "
+              f"{num_bytes / 1e6 / sync_s:>10.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Weights to a fleet of rollout servers by broadcast: one process group, the controller its rank 0.
+
+Engines on devices or nodes of their own share no memory with the trainer, so step 7 cannot
+hand them tensors (CUDA IPC, shared-memory files). Instead the controller and every TP worker
+of every server form one process group (SGLang's ``/init_weights_update_group``: NCCL on GPUs,
+gloo on CPU; world = 1 + the servers' TP sizes), and each bucket of full HF tensors travels
+once, as one broadcast of its bytes from rank 0:
+
+1. every server is asked, in a thread of its own, to receive the bucket
+   (``/update_weights_from_distributed``, names, dtypes and shapes, ``load_format:
+   flattened_bucket``): it allocates the tensors, concatenates their bytes in request order and
+   joins the broadcast;
+2. the controller broadcasts the same concatenation (``flat_bytes``);
+3. every server loads the tensors and answers; ``finish_weight_update`` then sets the version
+   on each (and flushes or, paused in place, keeps its cache: rollout/sglang/weights.py).
+
+Read in sglang 0.5.12, 0.5.18 and 0.5.23 (``model_runner_components/weight_updater.py``, 0.5.12's
+``model_runner.py``): for ``flattened_bucket`` the server allocates the request's tensors in
+order, each ``flatten().view(torch.uint8)``, and receives them as one buffer broadcast from src 0;
+0.5.23 also needs each tensor at a multiple of its element size (wider dtypes go first here) and
+the begin/end weight-update session the engine opens. The server's side of the group has no
+deadline of its own (torch's 30 min default): a trainer that dies takes its servers with it
+(lifetime.py), so only the controller's side needs one.
+
+Deadlines, never a hang. The group is formed with ``timeout_s`` (rendezvous and every
+collective); each server's request has the same HTTP deadline; the controller waits for the
+answers at most that long. A server that died or did not answer ends the sync with one
+EngineError naming it (``FleetSyncError.engines``); the group is then broken for everyone and
+is formed again, with every member, before the next sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.rollout.engine import EngineError
+
+__all__ = ["FleetMember", "FleetSyncError", "WeightBroadcast", "flat_bytes"]
+
+logger = logging.getLogger(__name__)
+
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+class FleetMember(Protocol):
+    """What a server of the fleet offers (SGLangEngine)."""
+
+    name: str
+
+    @property
+    def tp_size(self) -> int: ...
+
+    def init_weight_update_group(self, *, master_address: str, master_port: int, rank_offset: int,
+                                 world_size: int, group_name: str, backend: str = "nccl") -> None: ...
+
+    def receive_distributed(self, bucket: Sequence[tuple[str, torch.Tensor]], *, group_name: str,
+                            load_format: str | None = None, timeout_s: float | None = None) -> None: ...
+
+    def finish_weight_update(self, version: int | None = None) -> None: ...
+
+    def health(self) -> bool: ...
+
+
+class FleetSyncError(EngineError):
+    """A broadcast sync failed; ``engines`` names the servers that died or did not answer."""
+
+    def __init__(self, message: str, engines: Sequence[str]) -> None:
+        super().__init__(message)
+        self.engines = tuple(engines)
+
+
+def flat_bytes(bucket: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """The bucket's tensors as one uint8 buffer, each ``flatten().view(uint8)`` in order (what the
+    server allocates for ``flattened_bucket``)."""
+    return torch.cat([t.detach().contiguous().flatten().view(torch.uint8) for _, t in bucket])
+
+
+class WeightBroadcast:
+    """Step 7 for a fleet: each bucket broadcast once to every server (module docstring)."""
+
+    def __init__(self, engines: Sequence[FleetMember], *, master_address: str, backend: str = "gloo",
+                 timeout_s: float = 600.0) -> None:
+        """Args:
+            engines: the fleet's servers, in rank order (server i's TP rank 0 is rank 1 + the
+                TP sizes before it).
+            master_address: the controller's address the servers can reach.
+            backend: "gloo" (CPU tensors) or "nccl" (the controller's GPU).
+            timeout_s: the deadline of the group's rendezvous, of each collective and of each
+                server's request.
+        """
+        if not engines:
+            raise ValueError("a fleet needs at least one engine")
+        self.engines = list(engines)
+        self.master_address = master_address
+        self.backend = backend
+        self.timeout_s = float(timeout_s)
+        self._group: dist.ProcessGroup | None = None
+        self._group_name = ""
+        self._members: tuple[int, ...] = ()
+        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="fleet")
+        self.seconds_broadcast = 0.0
+        """Seconds spent in broadcasts (the controller's side) since construction."""
+        self.bytes_broadcast = 0
+        """Bytes broadcast since construction (each reaches every server)."""
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(e.tp_size for e in self.engines)
+
+    def engine_replaced(self, index: int, engine: FleetMember) -> None:
+        """A restarted server is a new process: the group is formed again (with it) before the next bucket."""
+        self.engines[index] = engine
+        self._drop_group()
+
+    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Broadcast one bucket to every server.
+
+        Raises:
+            FleetSyncError: a server died or did not answer within timeout_s (it is named).
+        """
+        if not bucket:
+            return
+        # Wider dtypes first: every tensor then starts at a multiple of its element size, which
+        # sglang 0.5.23's receiver requires ("Unaligned received tensor"); 0.5.18 does not check.
+        bucket = sorted(bucket, key=lambda item: -item[1].element_size())
+        self._ensure_group()
+        flat = flat_bytes(bucket)
+        if self.backend == "gloo":
+            flat = flat.cpu()
+        futures = {self._pool.submit(e.receive_distributed, bucket, group_name=self._group_name,
+                                     load_format=FLATTENED_BUCKET, timeout_s=self.timeout_s): e
+                   for e in self.engines}
+        start = time.perf_counter()
+        try:
+            self._group.broadcast([flat], dist.BroadcastOptions()).wait()  # type: ignore[union-attr]
+        except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
+            self._fail("the broadcast", err, futures)
+        self.seconds_broadcast += time.perf_counter() - start
+        self.bytes_broadcast += flat.numel()
+        self._answers("the broadcast", futures)
+
+    def finish_weight_update(self, version: int | None = None) -> None:
+        """Every server ends the update and takes ``version``."""
+        futures = {self._pool.submit(e.finish_weight_update, version): e for e in self.engines}
+        self._answers("finish_weight_update", futures, drop_group=False)
+
+    def close(self) -> None:
+        self._drop_group()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ the group
+
+    def _ensure_group(self) -> None:
+        members = tuple(id(e) for e in self.engines)
+        if self._group is not None and members == self._members:
+            return
+        self._drop_group()
+        from megatron_dapo.rollout.server_process import free_port
+        from megatron_dapo.rollout.sglang.protocol import create_weight_update_group
+
+        port = free_port(self.master_address)
+        name = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
+        offsets = [1 + sum(e.tp_size for e in self.engines[:i]) for i in range(len(self.engines))]
+        futures = {self._pool.submit(e.init_weight_update_group, master_address=self.master_address, master_port=port,
+                                     rank_offset=offset, world_size=self.world_size, group_name=name,
+                                     backend=self.backend): e
+                   for e, offset in zip(self.engines, offsets)}
+        holder: dict[str, Any] = {}
+
+        def create() -> None:
+            try:
+                holder["group"] = create_weight_update_group(
+                    master_address=self.master_address, master_port=port, world_size=self.world_size,
+                    group_name=name, backend=self.backend, timeout_s=self.timeout_s)
+            except BaseException as err:  # reported below with the servers' side
+                holder["error"] = err
+
+        # The store's rendezvous blocks until every rank joined or timeout_s passed: in a thread,
+        # so a server that died while joining ends the wait at once, not at the deadline.
+        creator = threading.Thread(target=create, name="fleet-group", daemon=True)
+        creator.start()
+        deadline = time.monotonic() + self.timeout_s
+        while creator.is_alive() and time.monotonic() < deadline:
+            creator.join(timeout=0.2)
+            dead = [f for f in futures if f.done() and f.exception() is not None]
+            if dead:
+                self._raise("forming the weight broadcast group", futures)
+        if creator.is_alive() or "error" in holder:
+            self._raise("forming the weight broadcast group", futures, holder.get("error"))
+        self._answers("forming the weight broadcast group", futures)
+        self._group, self._group_name, self._members = holder["group"], name, members
+        logger.info("weight broadcast group %s: %d servers, world size %d, %s", name, len(self.engines),
+                    self.world_size, self.backend)
+
+    def _drop_group(self) -> None:
+        group, self._group, self._members = self._group, None, ()
+        if group is not None:
+            try:
+                group.shutdown()
+            except Exception as err:  # a broken group may not shut down cleanly; it is dropped either way
+                logger.debug("weight broadcast group shutdown: %s", err)
+
+    # ------------------------------------------------------------------ answers and failures
+
+    def _answers(self, what: str, futures: dict, *, drop_group: bool = True) -> None:
+        """Wait for every server's answer (at most timeout_s); raise naming who failed or did not answer."""
+        _, pending = wait(futures, timeout=self.timeout_s)
+        if pending or any(f.exception() is not None for f in futures):
+            if drop_group:
+                self._drop_group()
+            self._raise(what, futures)
+
+    def _fail(self, what: str, err: BaseException, futures: dict) -> None:
+        self._drop_group()
+        # The servers' requests fail too once the group broke; give them a moment to say so.
+        wait(futures, timeout=min(self.timeout_s, 30.0))
+        self._raise(what, futures, err)
+
+    def _raise(self, what: str, futures: dict, cause: BaseException | None = None) -> None:
+        failed = [(e.name, f.exception()) for f, e in futures.items() if f.done() and f.exception() is not None]
+        silent = [e.name for f, e in futures.items() if not f.done()]
+        dead = [e.name for e in self.engines if not _alive(e)]
+        named = list(dict.fromkeys([*dead, *silent, *(n for n, _ in failed)]))
+        parts = []
+        if dead:
+            parts.append(f"{', '.join(dead)} died")
+        if silent:
+            parts.append(f"{', '.join(silent)} did not answer within {self.timeout_s:g} s")
+        if failed and not dead:
+            parts.append("; ".join(f"{n}: {str(e).splitlines()[0][:300]}" for n, e in failed[:2]))
+        if cause is not None and not parts:
+            parts.append(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
+        raise FleetSyncError(f"weight broadcast to the fleet failed at {what}: {'; '.join(parts)} "
+                             f"(rollout.fleet_sync_timeout_s={self.timeout_s:g})", named or [e.name for e in self.engines])
+
+
+def _alive(engine: FleetMember) -> bool:
+    process = getattr(engine, "process", None)
+    if process is None:
+        return True
+    try:
+        process.check_alive()
+    except EngineError:
+        return False
+    return True
