@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted, SamplingParams
+from megatron_dapo.rollout.fleet.broadcast import FleetSyncError
 from megatron_dapo.rollout.local.process import ProcessEngine
 from megatron_dapo.rollout.streaming import PromptFeed
 
@@ -180,3 +181,59 @@ def test_weights_are_kept_only_when_an_engine_may_restart(new_weights):
     kept = dict(controller._weights[0])
     assert torch.equal(kept[new_weights[0][0]], new_weights[0][1])
     assert kept[new_weights[0][0]].data_ptr() != new_weights[0][1].data_ptr()  # a copy, not a view
+
+
+class _Member(_Restartable):
+    restartable = True
+
+    def __init__(self, name):
+        self.name, self.loaded, self.restarts = name, [], 0
+
+    def update_weights(self, bucket):
+        self.loaded.append([n for n, _ in bucket])
+
+    def restart(self):
+        self.restarts += 1
+
+
+class _Broadcast:
+    """A fleet transport whose second bucket fails (a member died mid-sync)."""
+
+    def __init__(self):
+        self.sent, self.replaced, self.finished = [], [], []
+
+    def update_weights(self, bucket):
+        if len(self.sent) == 1:
+            raise FleetSyncError("weight broadcast to the fleet failed at the broadcast: fake1 died", ["fake1"])
+        self.sent.append(bucket)
+
+    def finish_weight_update(self, version=None):
+        self.finished.append(version)
+
+    def engine_replaced(self, index, engine):
+        self.replaced.append(index)
+
+    def close(self):
+        pass
+
+
+def test_a_failed_fleet_broadcast_restarts_every_member_with_the_whole_sync(new_weights):
+    """Issue 41: after a broken broadcast every member's weights are partly updated, so each is
+    restarted (and rejoins: engine_replaced) and loads the kept weights, this sync's included;
+    without restarts the one line is raised."""
+    members = [_Member("fake0"), _Member("fake1")]
+    transport = _Broadcast()
+    controller = RolloutController(members, max_restarts=4, transport=transport)
+    buckets = [new_weights[:1], new_weights[1:2], new_weights[2:]]
+    for bucket in buckets:
+        controller.update_weights(bucket)
+    controller.finish_weight_update(version=7)
+    assert len(transport.sent) == 1 and transport.finished == []  # the rest of the sync was not sent
+    controller._restart_marked()
+    assert [m.restarts for m in members] == [1, 1] and sorted(transport.replaced) == [0, 1]
+    for m in members:
+        assert m.loaded == [[n for n, _ in b] for b in buckets]
+    with pytest.raises(FleetSyncError, match="fake1 died"):
+        stopped = RolloutController([_Member("fake0"), _Member("fake1")], max_restarts=0, transport=_Broadcast())
+        for bucket in buckets:
+            stopped.update_weights(bucket)
