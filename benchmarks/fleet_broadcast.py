@@ -31,9 +31,9 @@ import sys, torch
 from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
-host, port, world, rank, numel, repeats = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+host, port, world, rank, numel, repeats, name = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), sys.argv[7]
 store = dist.TCPStore(host, port, world, is_master=False, timeout=timedelta(seconds=300))
-group, _ = _new_process_group_helper(world, rank, [], Backend("gloo"), PrefixStore("plain", store), group_name="plain",
+group, _ = _new_process_group_helper(world, rank, [], Backend("gloo"), PrefixStore(name, store), group_name=name,
                                      timeout=timedelta(seconds=300), backend_options=None)
 buffer = torch.empty(numel, dtype=torch.uint8)
 for _ in range(repeats):
@@ -53,7 +53,7 @@ def make_checkpoint(directory: Path, hidden: int) -> Path:
     return directory
 
 
-def measure_sync(checkpoint: Path, engines: int, repeats: int, log_dir: Path) -> tuple[float, int]:
+def measure_sync(checkpoint: Path, engines: int, repeats: int, log_dir: Path) -> tuple[float, float, int]:
     from safetensors.torch import load_file
 
     from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
@@ -70,14 +70,16 @@ def measure_sync(checkpoint: Path, engines: int, repeats: int, log_dir: Path) ->
     tensors = sorted(load_file(str(checkpoint / "model.safetensors")).items())
     buckets = list(iter_buckets(tensors, DEFAULT_BUCKET_BYTES))
     try:
-        times = []
+        times, broadcast = [], []
         for version in range(repeats + 1):  # the first forms the group: a warm-up
-            start = time.perf_counter()
+            start, before = time.perf_counter(), fleet.seconds_broadcast
             for bucket in buckets:
                 fleet.update_weights(bucket)
             fleet.finish_weight_update(version)
             times.append(time.perf_counter() - start)
-        return statistics.median(times[1:]), sum(t.numel() * t.element_size() for t in dict(tensors).values())
+            broadcast.append(fleet.seconds_broadcast - before)
+        return (statistics.median(times[1:]), statistics.median(broadcast[1:]),
+                sum(t.numel() * t.element_size() for t in dict(tensors).values()))
     finally:
         fleet.close()
         for server in servers:
@@ -90,12 +92,12 @@ def measure_plain(numel: int, receivers: int, repeats: int) -> float:
     from megatron_dapo.rollout.server_process import free_port
     from megatron_dapo.rollout.sglang.protocol import create_weight_update_group
 
-    port, world = free_port("127.0.0.1"), receivers + 1
+    port, world, name = free_port("127.0.0.1"), receivers + 1, f"plain-{receivers}"  # a name once per process
     children = [subprocess.Popen([sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), str(world), str(r),
-                                  str(numel), str(repeats + 1)]) for r in range(1, world)]
+                                  str(numel), str(repeats + 1), name]) for r in range(1, world)]
     try:
         group = create_weight_update_group(master_address="127.0.0.1", master_port=port, world_size=world,
-                                           group_name="plain", backend="gloo", timeout_s=300)
+                                           group_name=name, backend="gloo", timeout_s=300)
         buffer = torch.randint(0, 255, (numel,), dtype=torch.uint8)
         times = []
         for _ in range(repeats + 1):
@@ -119,13 +121,14 @@ def main() -> None:
         checkpoint = make_checkpoint(Path(tmp) / "model", args.hidden)
         rows = []
         for engines in (int(e) for e in args.engines.split(",")):
-            sync_s, num_bytes = measure_sync(checkpoint, engines, args.repeats, Path(tmp))
+            sync_s, broadcast_s, num_bytes = measure_sync(checkpoint, engines, args.repeats, Path(tmp))
             plain_s = measure_plain(num_bytes, engines, args.repeats)
-            rows.append((engines, num_bytes, sync_s, plain_s))
-    print(f"{'engines':>7} {'MB':>8} {'sync s':>8} {'plain s':>8} {'plain/sync':>10} {'sync MB/s':>10}")
-    for engines, num_bytes, sync_s, plain_s in rows:
-        print(f"{engines:>7} {num_bytes / 1e6:>8.1f} {sync_s:>8.3f} {plain_s:>8.3f} {plain_s / sync_s:>10.2f} "
-              f"{num_bytes / 1e6 / sync_s:>10.1f}")
+            rows.append((engines, num_bytes, sync_s, broadcast_s, plain_s))
+    # bcast s: the sync's own broadcast call (the servers join it once they have allocated the bucket).
+    print(f"{'engines':>7} {'MB':>8} {'sync s':>8} {'bcast s':>8} {'plain s':>8} {'plain/sync':>10} {'sync MB/s':>10}")
+    for engines, num_bytes, sync_s, broadcast_s, plain_s in rows:
+        print(f"{engines:>7} {num_bytes / 1e6:>8.1f} {sync_s:>8.3f} {broadcast_s:>8.3f} {plain_s:>8.3f} "
+              f"{plain_s / sync_s:>10.2f} {num_bytes / 1e6 / sync_s:>10.1f}")
 
 
 if __name__ == "__main__":
