@@ -66,22 +66,3 @@ def test_tool_episodes_stream_carry_and_replay_routes_on_a_moe_policy(tmp_path, 
         assert row["rollout/train_logprob_abs_diff"] < 0.05
     assert min(r["rollout/max_versions_per_response"] for r in rows) == 1
 
-
-def test_tool_episodes_in_the_asynchronous_loop_stay_within_the_staleness_bound(tmp_path, cache_dir):
-    """The producer runs the same episode collection on an engine of its own (disaggregated, one
-    step ahead): episodes with calls, staleness within the bound, tool tokens out of the loss."""
-    out = tmp_path / "run"
-    proc = run_trainer(REPO / "examples" / "tiny_tools_cpu.yaml", f"trainer.output_dir={out}",
-                       "model.sft_warm_start.num_steps=100", "trainer.total_training_steps=3", "trainer.test_freq=3",
-                       "trainer.save_interval=100", "rollout.placement=disaggregated", "trainer.max_staleness=1",
-                       "algorithm.filter_groups.mode=streaming", "algorithm.rollout_correction.rollout_is=token",
-                       *DATA, cache_dir=cache_dir, timeout_s=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = read_rows(out)
-    assert [r["step"] for r in rows][-3:] == [1, 2, 3]
-    for row in rows[-3:]:
-        assert row["tools/call_rate"] > 0.05 and row["async/staleness_max"] <= 1
-        if row["async/staleness_max"] == 0:  # sampled by the weights the actor starts from
-            assert row["rollout/train_logprob_abs_diff"] < 1e-4
-    assert max(r["async/staleness_max"] for r in rows[-3:]) == 1
-    assert "val/tools/call_rate" in rows[-1]

@@ -29,3 +29,20 @@ def test_streamed_episodes_stop_at_the_abort_and_resume_token_exact_on_the_local
     finally:
         rollout.shutdown()
     assert out["policy_gap"] < 1e-4 and out["cut"] > 0, out
+
+
+def test_streamed_episodes_on_the_engine_process_of_the_asynchronous_loop(tmp_path):
+    """The asynchronous loop's engine (disaggregated: the local engine in a process of its own) under
+    the same driver: one request at a time through its pipe, cut by the abort, resumed, exact."""
+    from episode_utils import check_streamed_episodes
+
+    from megatron_dapo.rollout.controller import RolloutController
+    from megatron_dapo.rollout.local.process import ProcessEngine
+
+    checkpoint = make_tiny_checkpoint(tmp_path / "m", "qwen2", seed=3)
+    rollout = RolloutController([ProcessEngine(checkpoint, name="proc0", num_threads=1)])
+    try:
+        out = check_streamed_episodes(rollout, checkpoint, vocab_size=TINY_SHAPE["vocab_size"])
+    finally:
+        rollout.shutdown()
+    assert out["policy_gap"] < 1e-4 and out["cut"] > 0, out
