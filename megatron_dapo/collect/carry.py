@@ -5,7 +5,8 @@ cut short with their tokens and per-token engine log-probs, their finished mates
 never started) are kept as `CarriedGroup`s and continued first in the next step under the
 new weights (multi-turn episodes with their segments and calls). `CollectState` holds them
 and the last step's keep rate (the streaming gate's prior), and round-trips through the
-checkpoint's trainer state, prompts as sampler positions. A response may span at most `rollout.partial_rollout_max_versions` versions.
+checkpoint's trainer state, prompts as sampler positions. A response may span at most
+`rollout.partial_rollout_max_versions` versions.
 """
 
 from __future__ import annotations

@@ -134,15 +134,13 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
 
     with ThreadPoolExecutor(max_workers=rollout.num_engines) as pool:
         futures = [pool.submit(launch, i) for i in range(rollout.num_engines)]
-        engines = []
         try:
-            engines = [f.result() for f in futures]
-        except BaseException:
+            return [f.result() for f in futures]
+        except BaseException:  # the servers that did start are stopped, not left behind
             for f in futures:
                 if f.exception() is None:
                     f.result().shutdown()
             raise
-    return engines
 
 
 def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:

@@ -43,13 +43,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
 
 __all__ = ["FleetMember", "FleetSyncError", "WeightBroadcast", "flat_bytes"]
 
 logger = logging.getLogger(__name__)
-
-FLATTENED_BUCKET = "flattened_bucket"
-
 
 class FleetMember(Protocol):
     """What a server of the fleet offers (SGLangEngine)."""
