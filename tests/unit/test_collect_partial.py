@@ -140,7 +140,7 @@ def test_episodes_are_carried_with_their_segments_and_resumed_through_the_checkp
     runner = EpisodeRunner(EpisodeSettings(fmt=fmt, tools={"answer": lambda _a: ToolResult("21 22", "ok", 0.0)},
                                            max_turns=3, max_tool_output_tokens=6, max_response_tokens=24), tok)
     try:
-        out, state, sampler = run_steps(pieces, range(1, 4), episodes=runner)
+        out, state, sampler = run_steps(pieces, range(1, 7), episodes=runner)  # more steps: when cuts land is timing
         saved = json.loads(json.dumps(state.state_dict(sampler)))
         restored = CollectState()
         restored.load_state_dict(saved, PromptSampler(pieces[1], seed=0))
@@ -155,9 +155,11 @@ def test_episodes_are_carried_with_their_segments_and_resumed_through_the_checkp
     cut = [r for _, _, carried in out for results in carried for r in results
            if r.finish_reason == "abort" and r.output_ids]
     assert cut, "a carried episode was cut short with tokens"
+    # A continued sample starts with a carried episode's ids and the log-probs they were sampled
+    # with (both: a one-token prefix alone matches other samples by chance), and keeps its mask.
     continued = [(s, r) for s in samples for r in cut if s.num_versions == 2
-                 and s.response_ids[: len(r.output_ids)] == r.output_ids]
+                 and s.response_ids[: len(r.output_ids)] == r.output_ids
+                 and s.rollout_log_probs[: len(r.logprobs)] == r.logprobs]
     assert continued, "a carried episode made it into a later batch"
     for s, r in continued:
-        assert s.rollout_log_probs[: len(r.logprobs)] == r.logprobs
         assert list(s.episode.policy_mask[: len(r.output_ids)]) == list(r.episode.policy_mask)
