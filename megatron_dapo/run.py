@@ -432,6 +432,7 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
         streaming=cfg.algorithm.filter_groups.mode == "streaming", partial_rollout=r.partial_rollout,
         partial_max_versions=r.partial_rollout_max_versions,
+        max_staleness=cfg.trainer.max_staleness or None,
         max_response_length=cfg.data.max_response_length, overlong_enable=cfg.reward.overlong_buffer.enable,
         overlong_len=cfg.reward.overlong_buffer.len, overlong_penalty_factor=cfg.reward.overlong_buffer.penalty_factor,
         norm_adv_by_std=cfg.algorithm.norm_adv_by_std_in_grpo,

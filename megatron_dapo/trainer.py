@@ -173,10 +173,10 @@ def stop_producer(run: Run, producer: RolloutProducer, timeout_s: float = 60.0) 
 def start_producer(run: Run) -> RolloutProducer:
     """The controller's rollout thread of the asynchronous loop (collect/producer.py)."""
     t, rc = run.cfg.trainer, run.cfg.algorithm.rollout_correction
-    if t.max_staleness > 0 and rc.rollout_is is None and rc.rollout_rs is None and not rc.bypass_mode:
-        logger.warning("trainer.max_staleness=%d without a rollout correction: the update treats responses of "
-                       "older weights as its own, a biased gradient (the tiny run did not learn in 40 steps at "
-                       "staleness 1 without it); set algorithm.rollout_correction.rollout_is=token", t.max_staleness)
+    if t.max_staleness > 0 and not rc.corrects_staleness:  # config allowed it: allow_uncorrected_staleness
+        logger.warning("trainer.max_staleness=%d without a rollout correction (allow_uncorrected_staleness): the "
+                       "update treats responses of older weights as its own, a biased gradient (the tiny run did "
+                       "not learn in 40 steps at staleness 1 without it)", t.max_staleness)
     versions = {v for v in range(run.start_step + 1, t.total_training_steps + 1)
                 if t.test_freq > 0 and (v % t.test_freq == 0 or v == t.total_training_steps)}
     if run.start_step == 0 and t.val_before_train and t.test_freq > 0:

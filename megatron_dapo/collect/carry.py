@@ -7,11 +7,18 @@ new weights (multi-turn episodes with their segments and calls). `CollectState` 
 and the last step's keep rate (the streaming gate's prior), and round-trips through the
 checkpoint's trainer state, prompts as sampler positions. A response may span at most
 `rollout.partial_rollout_max_versions` versions.
+
+Version records. Engines know only the versions of the tokens they sampled in this step, so
+a carried response keeps its own: `carry_incomplete` stores in each carried result's
+`weight_versions` the versions of all its tokens so far, oldest first, and `spanned_versions`
+merges them with the continuation's. In the asynchronous loop (trainer.max_staleness > 0)
+the staleness bound applies to a response's oldest token: a carried group with a token older
+than the step allows is dropped before it is continued (`within_version_bound`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
@@ -49,7 +56,7 @@ class CollectState:
             carried.append({"position": sampler.position_of(c.record), "versions": list(c.versions),
                             "results": [[r.sample_index, r.output_ids, r.logprobs, r.finish_reason,
                                          None if r.routed_experts is None else routes_to_bytes(r.routed_experts),
-                                         _episode_state(r.episode)]
+                                         _episode_state(r.episode), list(r.weight_versions)]
                                         for r in c.results]})
         return {"keep_rate": self.keep_rate, "carried": carried}
 
@@ -63,7 +70,8 @@ class CollectState:
                                         logprobs=[float(x) for x in lps], finish_reason=why,
                                         routed_experts=None if not more or more[0] is None
                                         else routes_from_bytes(more[0]),
-                                        episode=_episode_from_state(more[1] if len(more) > 1 else None))
+                                        episode=_episode_from_state(more[1] if len(more) > 1 else None),
+                                        weight_versions=tuple(int(v) for v in more[2]) if len(more) > 2 else ())
                        for j, ids, lps, why, *more in c["results"]]
             self.carried.append(CarriedGroup(record=sampler.record_at(int(c["position"])), results=results,
                                              versions=[int(v) for v in c["versions"]]))
@@ -98,6 +106,14 @@ def versions_spanned(carried: CarriedGroup | None, result: GenerationResult) -> 
     return before + (1 if new_tokens(carried, result) > 0 else 0)
 
 
+def spanned_versions(carried: CarriedGroup | None, result: GenerationResult) -> tuple[int, ...]:
+    """The versions all of `result`'s tokens were sampled under, oldest first: a carried prefix's
+    record, then this step's (an episode's result already holds its prefix's: tools/episode.py)."""
+    before = () if carried is None else carried.results[result.sample_index].weight_versions
+    now = result.weight_versions if carried is None or new_tokens(carried, result) > 0 else ()
+    return tuple(dict.fromkeys((*before, *now)))
+
+
 def carry_incomplete(incomplete: list[GenerationResult], records: list[PromptRecord],
            carried_in: dict[int, CarriedGroup], n: int) -> list[CarriedGroup]:
     """The incomplete groups as CarriedGroups, in feed order."""
@@ -107,16 +123,26 @@ def carry_incomplete(incomplete: list[GenerationResult], records: list[PromptRec
     carry = []
     for index in sorted(by_index):
         results = sorted(by_index[index], key=lambda r: r.sample_index)
+        results = [replace(r, weight_versions=spanned_versions(carried_in.get(index), r)) for r in results]
         assert [r.sample_index for r in results] == list(range(n)), "an engine returned a partial group"
         carry.append(CarriedGroup(record=records[index], results=results,
                                   versions=[versions_spanned(carried_in.get(index), r) for r in results]))
     return carry
 
 
-def within_version_bound(carried: list[CarriedGroup], max_versions: int) -> tuple[list[CarriedGroup], list[CarriedGroup]]:
-    """Split carried groups into (continue, drop): continuing a response adds this step's version."""
-    keep, drop = [], []
+def within_version_bound(carried: list[CarriedGroup], max_versions: int, oldest_allowed: int | None = None
+                         ) -> tuple[list[CarriedGroup], list[CarriedGroup], int]:
+    """Split carried groups into (continue, drop, of them dropped for staleness).
+
+    Continuing a response adds this step's version, so one at `max_versions` is dropped;
+    with `oldest_allowed` (the asynchronous loop's bound for this step) so is a group with any
+    token, in a response to continue or a finished mate, sampled under an older version.
+    """
+    keep, drop, stale = [], [], 0
     for c in carried:
         over = any(r.finish_reason == "abort" and v + 1 > max_versions for r, v in zip(c.results, c.versions))
-        (drop if over else keep).append(c)
-    return keep, drop
+        old = oldest_allowed is not None and any(r.weight_versions and r.weight_versions[0] < oldest_allowed
+                                                 for r in c.results)
+        stale += old and not over
+        (drop if over or old else keep).append(c)
+    return keep, drop, stale

@@ -30,6 +30,7 @@ from megatron_dapo.collect.carry import (
     CollectState,
     carry_incomplete,
     new_tokens,
+    spanned_versions,
     versions_spanned,
     within_version_bound,
 )
@@ -69,9 +70,11 @@ def collect_streaming(
     counts = new_counts()
     records: list[PromptRecord] = []
     carried_in: dict[int, CarriedGroup] = {}  # feed index -> the carried group it continues
-    to_continue, dropped = within_version_bound(state.carried, settings.partial_max_versions)
+    oldest_allowed = None if settings.max_staleness is None else step - 1 - settings.max_staleness
+    to_continue, dropped, stale = within_version_bound(state.carried, settings.partial_max_versions, oldest_allowed)
     state.carried = []
     counts["rollout/partial_dropped_groups"] = float(len(dropped))
+    counts["rollout/partial_dropped_stale_groups"] = float(stale)
 
     def prompts() -> Iterator[Sequence[int] | CarriedPrompt]:
         for c in to_continue:  # partial rollouts first, then new prompts
@@ -107,6 +110,7 @@ def collect_streaming(
         group = Group(prompt=records[index], samples=[make_sample(records[index], r) for r in results])
         for sample, r in zip(group.samples, results):
             sample.num_versions = versions_spanned(carried_in.get(index), r)
+            sample.weight_versions = spanned_versions(carried_in.get(index), r)
         scored_at = time.perf_counter()
         stats = score_groups([group], rewards=rewards, tokenizer=tokenizer)
         counts["timing_s/reward"] += time.perf_counter() - scored_at

@@ -108,6 +108,9 @@ class CollectSettings:
     """Carry the groups a full batch's abort left incomplete into the next step (rollout.partial_rollout)."""
     partial_max_versions: int = 2
     """The most weight versions a response may span (rollout.partial_rollout_max_versions)."""
+    max_staleness: int | None = None
+    """The asynchronous loop's bound (trainer.max_staleness > 0): carried groups with a token older
+    than the step allows are dropped; None in the synchronous loop."""
     max_response_length: int
     """L_max (data.max_response_length)."""
     overlong_enable: bool

@@ -31,6 +31,9 @@ class RolloutCorrectionConfig:
     """RS lower bound; null = 1 / upper."""
     bypass_mode: bool = False
     """Use the engine's log-probs as the old policy: no recomputation, PPO clips against pi_rollout."""
+    allow_uncorrected_staleness: bool = False
+    """With trainer.max_staleness > 0 and none of the three above, the update treats responses of
+    older weights as its own (a biased gradient); refused unless this says it is intended (an ablation)."""
 
     def __post_init__(self) -> None:
         _check(self.rollout_is_threshold > 0, "rollout_is_threshold", "must be > 0")
@@ -42,6 +45,11 @@ class RolloutCorrectionConfig:
             _check(self.rollout_is is None and self.rollout_rs is None, "bypass_mode",
                    "uses the engine's log-probs as the old policy, so every IS/RS ratio is 1; unset "
                    "rollout_is and rollout_rs, or set bypass_mode=false")
+
+    @property
+    def corrects_staleness(self) -> bool:
+        """Whether the update weighs or clips against the engine's log-probs (IS, RS or bypass)."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
     @property
     def rs_bounds(self) -> tuple[float, float]:

@@ -62,9 +62,11 @@ class Config:
             _check(r.placement == "disaggregated", "trainer.max_staleness",
                    "needs rollout.placement=disaggregated: colocated engines share the actor's devices and "
                    "cannot generate while it trains (or set trainer.max_staleness=0)")
-            _check(not r.partial_rollout, "rollout.partial_rollout",
-                   "is not supported with trainer.max_staleness > 0 yet (a carried response's oldest tokens "
-                   "could exceed the bound); set one of them off")
+            rc = a.rollout_correction
+            _check(rc.corrects_staleness or rc.allow_uncorrected_staleness, "algorithm.rollout_correction.rollout_is",
+                   f"trainer.max_staleness={t.max_staleness} trains on responses of older weights with no correction; "
+                   "set algorithm.rollout_correction.rollout_is=token (or rollout_rs, or bypass_mode=true), or "
+                   "algorithm.rollout_correction.allow_uncorrected_staleness=true if the biased update is intended")
         moe = self._moe_model()
         if moe is not None:
             check_moe_layout(self.parallel, moe)

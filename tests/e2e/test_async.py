@@ -67,7 +67,8 @@ def test_kill_9_while_rollouts_run_ahead_loses_and_repeats_nothing(tmp_path: Pat
     out = tmp_path / "run"
     config = write_config(tmp_path / "tiny.yaml")
     command = train_command(config, f"trainer.output_dir={out}", "trainer.total_training_steps=6",
-                            "trainer.save_interval=1", "trainer.max_staleness=2", *ASYNC)
+                            "trainer.save_interval=1", "trainer.max_staleness=2",
+                            "algorithm.rollout_correction.allow_uncorrected_staleness=true", *ASYNC)
     env = {**trainer_env(tmp_path / "cache"), "FAULT_TEST_TAG": uuid.uuid4().hex}
     metrics = out / "metrics.jsonl"
 

@@ -168,9 +168,20 @@ def test_a_failed_collection_is_raised_to_the_trainer():
     (["trainer.max_staleness=1"], r"trainer.max_staleness=1: needs rollout.placement=disaggregated"),
     (["trainer.max_staleness=-1"], r"trainer.max_staleness=-1: must be >= 0"),
     (["rollout.placement=disaggregated", "rollout.engine=vllm"], r"rollout.placement='disaggregated': disaggregated runs the local engine in its own process or a fleet of SGLang servers; with engine vllm"),
-    (["rollout.placement=disaggregated", "trainer.max_staleness=1", "rollout.partial_rollout=true"],
-     r"rollout.partial_rollout=True: is not supported with trainer.max_staleness > 0"),
+    (["rollout.placement=disaggregated", "trainer.max_staleness=1"],
+     r"algorithm.rollout_correction.rollout_is: trainer.max_staleness=1 trains on responses of older weights "
+     r"with no correction; set algorithm.rollout_correction.rollout_is=token"),
 ])
 def test_async_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config("examples/tiny_cpu.yaml", overrides)
+
+
+@pytest.mark.parametrize("choice", ["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_rs=token",
+                                    "algorithm.rollout_correction.bypass_mode=true",
+                                    "algorithm.rollout_correction.allow_uncorrected_staleness=true"])
+def test_a_stale_batch_needs_a_correction_or_the_config_saying_none_is_intended(choice):
+    """Issue 41 item 3; partial rollouts are allowed with the bound (it applies to the oldest token)."""
+    cfg = load_config("examples/tiny_cpu.yaml", ["rollout.placement=disaggregated", "trainer.max_staleness=1",
+                                                 "rollout.partial_rollout=true", choice])
+    assert cfg.trainer.max_staleness == 1 and cfg.rollout.partial_rollout

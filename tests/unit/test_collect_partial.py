@@ -48,15 +48,20 @@ def pieces(tmp_path_factory):
     rewards.close()
 
 
-def run_steps(pieces, steps, state=None, sampler_state=None, **overrides):
+def run_steps(pieces, steps, state=None, sampler_state=None, lag=None, **overrides):
+    """Collect the batches of `steps`; with `lag`, the engine holds version step - lag at each
+    (the asynchronous loop's weights: lag 1 = the trainer is never behind, lag 1 + k = k behind)."""
     path, records, rewards = pieces
     sampler = PromptSampler(records, seed=0)
     if sampler_state is not None:
         sampler.load_state_dict(sampler_state)
-    rollout = RolloutController([LocalEngine(path)])
+    engine = LocalEngine(path)
+    rollout = RolloutController([engine])
     state = state if state is not None else CollectState()
     out = []
     for step in steps:
+        if lag is not None:
+            engine.weight_version = step - lag
         batch, metrics = collect_batch(sampler, step, rollout=rollout, rewards=rewards, tokenizer=DigitsTokenizer(),
                                        settings=settings(**overrides), state=state)
         out.append((batch, metrics, [list(c.results) for c in state.carried]))
@@ -163,3 +168,34 @@ def test_episodes_are_carried_with_their_segments_and_resumed_through_the_checkp
     assert continued, "a carried episode made it into a later batch"
     for s, r in continued:
         assert list(s.episode.policy_mask[: len(r.output_ids)]) == list(r.episode.policy_mask)
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_with_a_staleness_bound_carried_responses_keep_their_versions_and_none_exceeds_it(pieces, lag):
+    """Issue 41: partial rollouts in the asynchronous loop (max_staleness 1). A carried response
+    keeps the versions of its earlier tokens (engines know only this step's), so the bound
+    applies to its oldest token: with the trainer one version ahead (lag 1) carried groups
+    continue, spanning two versions; with the collection at the bound (lag 2) the carried ones,
+    a version older, are dropped before they are continued."""
+    from megatron_dapo.collect.producer import check_staleness
+
+    out, state, sampler = run_steps(pieces, range(2, 8), lag=lag, max_staleness=1)
+    for step, (batch, metrics, _) in zip(range(2, 8), out):
+        check_staleness(batch, step, 1)  # raises over the bound
+        for s in (s for g in batch for s in g.samples):
+            assert s.weight_versions and s.weight_versions[0] >= step - 2
+            assert len(s.weight_versions) == s.num_versions or not s.response_ids
+    spanning = [s for batch, _, _ in out for g in batch for s in g.samples if len(s.weight_versions) == 2]
+    carried = sum(m["rollout/carried_groups"] for _, m, _ in out[:-1])
+    stale = sum(m["rollout/partial_dropped_stale_groups"] for _, m, _ in out)
+    assert carried > 0
+    if lag == 1:
+        assert spanning and stale == 0
+    else:
+        assert not spanning and stale > 0  # groups never started carry no version and continue
+    # The versions travel through the checkpoint's trainer state with the tokens.
+    saved = json.loads(json.dumps(state.state_dict(sampler)))
+    restored = CollectState()
+    restored.load_state_dict(saved, PromptSampler(pieces[1], seed=0))
+    assert [[r.weight_versions for r in c.results] for c in restored.carried] == \
+        [[r.weight_versions for r in c.results] for c in state.carried]
