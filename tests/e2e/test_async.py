@@ -39,8 +39,9 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("max_staleness", "nproc", "overrides"),
-                         [(1, 1, ()), (2, 1, ()), (1, 2, ("parallel.tensor_model_parallel_size=2",))],
-                         ids=["k1", "k2", "k1-tp2"])
+                         [(1, 1, ()), (2, 1, ("rollout.partial_rollout=true",)),
+                          (1, 2, ("parallel.tensor_model_parallel_size=2",))],
+                         ids=["k1", "k2-partial", "k1-tp2"])
 def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, max_staleness, nproc, overrides):
     out = tmp_path / "run"
     config = write_config(tmp_path / "tiny.yaml")
@@ -61,6 +62,8 @@ def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, ma
     # The first batch is generated under the start weights; later ones ahead of the actor.
     assert rows[1]["async/staleness_max"] == 0
     assert max(r["async/staleness_max"] for r in rows[1:]) >= 1
+    if "rollout.partial_rollout=true" in overrides:  # carried responses continued, within the bound
+        assert sum(r["rollout/carried_groups"] for r in rows[1:]) > 0
 
 
 def test_kill_9_while_rollouts_run_ahead_loses_and_repeats_nothing(tmp_path: Path) -> None:

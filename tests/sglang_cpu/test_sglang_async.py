@@ -95,7 +95,8 @@ def test_an_update_mid_row_pauses_in_place_and_the_row_spans_both_versions(tmp_p
 
 def test_the_asynchronous_loop_runs_on_a_fleet_of_two_sglang_servers_within_the_bound(tmp_path):
     """Issue 41's fleet on CPU: two servers the controller started, weights by one gloo broadcast per
-    bucket to both, the same versions on both after every sync."""
+    bucket to both, the same versions on both after every sync; streaming dynamic sampling across
+    both servers with partial rollouts, no response older than the bound (its oldest token)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
@@ -104,7 +105,8 @@ def test_the_asynchronous_loop_runs_on_a_fleet_of_two_sglang_servers_within_the_
     out = tmp_path / "run"
     proc = run_trainer(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=sglang", "rollout.placement=disaggregated",
                        "rollout.num_engines=2", "trainer.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
-                       "model.sft_warm_start.enable=false", "algorithm.filter_groups.enable=false",
+                       "model.sft_warm_start.enable=false", "reward.reward_fn=e2e_reward_fns:char_parity",
+                       "rollout.partial_rollout=true",
                        "data.train_batch_size=8", "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=8",
                        "trainer.save_interval=100", "trainer.total_training_steps=3", f"trainer.output_dir={out}",
                        cache_dir=tmp_path / "cache", timeout_s=900)
@@ -112,6 +114,8 @@ def test_the_asynchronous_loop_runs_on_a_fleet_of_two_sglang_servers_within_the_
     rows = [r for r in read_rows(out) if "async/staleness_max" in r]
     assert [r["train/num_responses"] for r in rows] == [64, 64, 64]
     assert all(r["async/staleness_max"] <= 1 for r in rows), rows
+    assert all(0 < r["train/kept_group_acc_min"] for r in rows)  # dynamic sampling kept only groups with spread
+    assert sum(r["rollout/carried_groups"] for r in rows) > 0  # the full batch's abort left groups to continue
     # Step 1 trains version 0's batch; a later step trains one generated ahead, under older weights.
     assert rows[0]["async/staleness_max"] == 0
     assert max(r["async/staleness_max"] for r in rows[1:]) == 1

@@ -86,7 +86,10 @@ def test_a_server_killed_mid_generate_fails_it_at_once_naming_the_engine(start_s
     assert str(error).startswith(f"SGLang engine sglang1: POST {url}/generate failed after 1 attempts"), error
     assert str(error).endswith(f"; server log: {LOG.format(name='sglang1')}")
     assert seconds < 10, seconds
-    # Later calls meet a refused connection: an EngineError at once, no retrying.
+    # Later calls, once the process is gone (its exit closes the in-flight socket, which ended the
+    # first call, a moment before the listening one), meet a refused connection: an EngineError
+    # at once, no retrying.
+    proc.wait(timeout=10)
     error, seconds = _generate_in_thread(lambda: engine.generate(PROMPTS, SamplingParams()), bound_s=30)
     assert isinstance(error, EngineError) and "Connection refused" in str(error), error
     assert seconds < 5, seconds
