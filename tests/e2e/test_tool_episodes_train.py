@@ -48,6 +48,8 @@ def test_tool_episodes_stream_carry_and_replay_routes_on_a_moe_policy(tmp_path, 
                        "model.scratch.family=qwen3_moe", "model.scratch.num_experts=4",
                        "model.scratch.num_experts_per_tok=2", "model.scratch.moe_intermediate_size=96",
                        "model.sft_warm_start.num_steps=100", "trainer.total_training_steps=3", "trainer.test_freq=0",
+                       # Half the example's batch: streamed episodes on the local engine run a turn at a time.
+                       "data.train_batch_size=8", "data.gen_batch_size=16",
                        "trainer.val_before_train=false", "trainer.save_interval=100",
                        "algorithm.filter_groups.mode=streaming", "rollout.partial_rollout=true",
                        "algorithm.rollout_correction.rollout_is=token", "algorithm.routing_replay=rollout",

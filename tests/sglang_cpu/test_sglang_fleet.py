@@ -111,6 +111,8 @@ def test_a_server_killed_during_the_sync_ends_it_in_one_line_naming_it(fleet, ch
         assert "sglang1" in caught.value.engines and "sglang1" in message and "\n" not in message, message
         assert elapsed < DEADLINE_S / 2, f"{phase}: {elapsed:.0f} s, near the deadline: it waited instead of noticing"
         assert not alive(pgid)
+        if phase == "finish":  # the last kill of the module: the two before held the rejoin
+            return
         # Restarted in place, the server rejoins a new group and the fleet syncs again.
         victim.restart()
         broadcast.engine_replaced(1, victim)

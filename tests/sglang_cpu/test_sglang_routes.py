@@ -89,11 +89,13 @@ MOE_SCRATCH = {"family": "qwen3_moe", "hidden_size": 128, "num_layers": 2, "num_
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("recompute", [False, True], ids=["plain", "recompute"])
-def test_the_trainer_replays_sglangs_routes_at_every_step(tmp_path, recompute):
+def test_the_trainer_replays_sglangs_routes_at_every_step_under_full_recompute(tmp_path):
+    """One-process colocated run: the forward of every update and its recompute both replay the
+    server's routes (without recompute the same replay runs once; the local engine's runs in
+    tests/e2e/test_routing_replay_train.py hold both settings)."""
     out = tmp_path / "run"
     config = write_config(tmp_path / "moe.yaml", model={"scratch": MOE_SCRATCH, "sft_warm_start": {"enable": False},
-                                                        "recompute_activations": recompute})
+                                                        "recompute_activations": True})
     proc = run_trainer(config, f"trainer.output_dir={out}", "trainer.total_training_steps=2", "trainer.test_freq=0",
                        "trainer.val_before_train=false", "rollout.engine=sglang", "algorithm.routing_replay=rollout",
                        cache_dir=tmp_path / "cache", timeout_s=900)
