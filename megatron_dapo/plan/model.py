@@ -428,6 +428,14 @@ def mean_lengths(cfg: Config, a: Assumptions) -> tuple[int, int]:
             a.avg_response_tokens or max(1, d.max_response_length // 4))
 
 
+def in_flight(cfg: Config, a: Assumptions, engines: int, kv_tokens: int) -> tuple[float, int, int]:
+    """(responses of a step, responses per engine, sequences an engine decodes at once: as many as its KV holds)."""
+    prompt, response = mean_lengths(cfg, a)
+    responses = cfg.data.gen_batch_size * cfg.rollout.n * a.gen_rounds
+    per_engine = math.ceil(responses / engines)
+    return responses, per_engine, max(1, min(per_engine, kv_tokens // (prompt + response)))
+
+
 def generation_line(cfg: Config, dims: ModelDims, hw: Hardware, a: Assumptions, *, engines: int, rollout_tp: int,
                     kv_tokens: int) -> Line:
     """Generation time of one step on `engines` engines of `rollout_tp` GPUs, `kv_tokens` KV tokens each.
@@ -437,13 +445,10 @@ def generation_line(cfg: Config, dims: ModelDims, hw: Hardware, a: Assumptions, 
     from HBM, or is compute bound, whichever is slower. Colocated (make_plan) and on a fleet's
     own GPUs (fleet.py) alike.
     """
-    d, r = cfg.data, cfg.rollout
+    d = cfg.data
     n_params = dims.num_active_params()
     prompt, response = mean_lengths(cfg, a)
-    responses = d.gen_batch_size * r.n * a.gen_rounds
-    per_engine = math.ceil(responses / engines)
-    seq = prompt + response
-    concurrent = max(1, min(per_engine, kv_tokens // seq))
+    responses, per_engine, concurrent = in_flight(cfg, a, engines, kv_tokens)
     waves = math.ceil(per_engine / concurrent)
     # The longest response bounds the round: at least max_response_length decode steps.
     decode_steps = max(waves * response, d.max_response_length)
