@@ -239,8 +239,7 @@ def make_fleet_plan(cfg: Config, dims: ModelDims, *, nodes: int, engine_nodes: i
         rollout_tp=rtp, disaggregated=r.placement == "disaggregated", max_staleness=cfg.trainer.max_staleness,
         actor=actor, colocated=colocated, link=link,
         engine_weight_bytes=weights, kv_bytes_per_token=kv_per_tok, engine_static_bytes=static, kv_tokens=kv_tokens,
-        engine_static_formula=(f"{r.gpu_memory_utilization:g} x (GPU - overhead)" if r.engine == "sglang"
-                               else f"{r.gpu_memory_utilization:g} x GPU"),
+        engine_static_formula=r.engine_memory_formula("overhead"),
         concurrent=concurrent, mean_sequence_tokens=prompt + response, engine_bytes=max(static, weights) + overhead,
         refusal=r.engine_refuses_to_start(static, weights), export_bytes=export, bucket_bytes=bucket,
         actor_sync_phase_bytes=actor.model_state_bytes + export + bucket + overhead, stage_sync_bytes=stages,
