@@ -11,6 +11,8 @@ the overrides of the first. Mixture-of-experts models add the experts' share: th
 states over EP x ETP and the expert data-parallel group, top-k activations and alltoall
 buffers, active-parameter FLOPs. `--ranks` adds the global-rank layout (which ranks form
 the TP/PP/DP and EP groups, per node): the sbatch scripts print it with DRY_RUN=1.
+`--engine-nodes K` adds the split of the nodes between the actor and a fleet of rollout
+engines (fleet.py): each side's memory, the weight broadcast, and its step against this one.
 
 Every formula is written next to its number in the output, so the table can be checked
 by hand; tests/unit/test_plan.py does exactly that for Qwen2.5-32B. The estimate is
@@ -324,14 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", action="store_true", help="also print the global-rank layout per node")
     parser.add_argument("--layout-only", action="store_true", help="print only the rank layout")
     parser.add_argument("--hosts", default=None, help="comma-separated node names for the layout")
-    parser.add_argument("--engine-nodes", type=int, default=None,
+    parser.add_argument("--engine-nodes", type=int, default=None, metavar="K",
                         help="also plan the disaggregated split: K of the --nodes go to rollout engines, the rest to "
                              "the actor; the engines are rollout.num_engines x rollout.tensor_model_parallel_size "
                              "GPUs with rollout.placement=disaggregated, else as many engines as fill the K nodes")
     parser.add_argument("--sync-gbps", type=float, default=SyncLink().gbps,
-                        help="GB/s of a weight-sync sender's link (default: InfiniBand NDR, 400 Gb/s)")
+                        help="GB/s of a weight-sync sender's link (default 50: one InfiniBand NDR port, 400 Gb/s)")
     parser.add_argument("--sync-efficiency", type=float, default=SyncLink().efficiency,
-                        help="achieved fraction of --sync-gbps in NCCL's broadcast")
+                        help="achieved fraction of --sync-gbps in NCCL's broadcast (default 0.8)")
     parser.add_argument("--no-search", action="store_true",
                         help="skip the search over TP/PP/EP/rollout-TP layouts that ends the report")
     return parser
