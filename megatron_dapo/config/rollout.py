@@ -133,6 +133,12 @@ class RolloutConfig:
             return self.gpu_memory_utilization * max(0.0, gpu_bytes - resident_bytes)
         return self.gpu_memory_utilization * gpu_bytes
 
+    def engine_memory_formula(self, resident: str) -> str:
+        """engine_memory_bytes in words, `resident` naming what is resident when the engine starts."""
+        if self.engine == "sglang":
+            return f"{self.gpu_memory_utilization:g} x (GPU - {resident})"
+        return f"{self.gpu_memory_utilization:g} x GPU"
+
     def engine_refuses_to_start(self, engine_bytes: float, weight_bytes: float) -> str | None:
         """The engine's own words when its weights leave no KV cache at start, else None."""
         if self.engine == "sglang" and engine_bytes <= weight_bytes:

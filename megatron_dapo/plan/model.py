@@ -421,45 +421,67 @@ def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
     return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
 
 
+def mean_lengths(cfg: Config, a: Assumptions) -> tuple[int, int]:
+    """Mean prompt and response tokens: the assumptions', else max_prompt_length / 8 and max_response_length / 4."""
+    d = cfg.data
+    return (a.avg_prompt_tokens or max(1, d.max_prompt_length // 8),
+            a.avg_response_tokens or max(1, d.max_response_length // 4))
+
+
+def in_flight(cfg: Config, a: Assumptions, engines: int, kv_tokens: int) -> tuple[float, int, int]:
+    """(responses of a step, responses per engine, sequences an engine decodes at once: as many as its KV holds)."""
+    prompt, response = mean_lengths(cfg, a)
+    responses = cfg.data.gen_batch_size * cfg.rollout.n * a.gen_rounds
+    per_engine = math.ceil(responses / engines)
+    return responses, per_engine, max(1, min(per_engine, kv_tokens // (prompt + response)))
+
+
+def generation_line(cfg: Config, dims: ModelDims, hw: Hardware, a: Assumptions, *, engines: int, rollout_tp: int,
+                    kv_tokens: int) -> Line:
+    """Generation time of one step on `engines` engines of `rollout_tp` GPUs, `kv_tokens` KV tokens each.
+
+    Every engine decodes its share of the responses with continuous batching, as many at once
+    as its KV cache holds; a decode step reads the engine's weights and the batch's KV cache
+    from HBM, or is compute bound, whichever is slower. Colocated (make_plan) and on a fleet's
+    own GPUs (fleet.py) alike.
+    """
+    d = cfg.data
+    n_params = dims.num_active_params()
+    prompt, response = mean_lengths(cfg, a)
+    responses, per_engine, concurrent = in_flight(cfg, a, engines, kv_tokens)
+    waves = math.ceil(per_engine / concurrent)
+    # The longest response bounds the round: at least max_response_length decode steps.
+    decode_steps = max(waves * response, d.max_response_length)
+    kv_read = concurrent * (prompt + response / 2) * kv_bytes_per_token(dims, rollout_tp)
+    weights_read, moe_note = dims.num_params() * 2 / rollout_tp, ""
+    if dims.is_moe:
+        # A decode step reads only the experts its batch's tokens were routed to.
+        touched = experts_touched(dims.num_experts, dims.num_experts_per_tok, concurrent)
+        unread = dims.num_moe_layers * (dims.num_experts - touched) * dims.expert_params()
+        weights_read = (dims.num_params() - unread) * 2 / rollout_tp
+        moe_note = f"; {touched:.1f} of {dims.num_experts} experts read per layer (E(1-(1-k/E)^batch))"
+    mem_s = (weights_read + kv_read) / (hw.hbm_gbps * 1e9 * a.hbm_efficiency)
+    compute_s = 2 * n_params * concurrent / (rollout_tp * hw.peak_tflops * 1e12 * a.mfu)
+    step_s = max(mem_s, compute_s)
+    prefill_s = 2 * n_params * responses * prompt / (engines * rollout_tp * hw.peak_tflops * 1e12 * a.mfu)
+    gen_s = decode_steps * step_s + prefill_s
+    return Line(label="generation", value=gen_s, unit="s",
+                formula=f"{engines} engines x {per_engine} responses; {concurrent} concurrent (KV) -> "
+                        f"{decode_steps} decode steps x {step_s * 1e3:.1f} ms "
+                        f"({'HBM' if mem_s >= compute_s else 'compute'} bound) + prefill {prefill_s:.0f} s" + moe_note)
+
+
 def _timing(cfg: Config, plan: Plan) -> list[Line]:
     """Step time: generation (decode roofline), old log-probs and training (FLOPs / MFU)."""
     a, hw, d, r, t, m = plan.assumptions, plan.hardware, cfg.data, cfg.rollout, cfg.trainer, plan.model
     n_params = plan.num_active_params
     n = "N_active" if m.is_moe else "N"
-    prompt = a.avg_prompt_tokens or max(1, d.max_prompt_length // 8)
-    response = a.avg_response_tokens or max(1, d.max_response_length // 4)
-    flops_per_s = plan.world_size * hw.peak_tflops * 1e12 * a.mfu
-    lines: list[Line] = []
-
-    # Generation: every engine decodes its share of the responses with continuous
-    # batching, as many at once as the KV cache holds; a decode step reads the engine's
-    # weights and the batch's KV cache from HBM, or is compute bound, whichever is slower.
-    engines = plan.world_size // plan.rollout_tp
-    responses = d.gen_batch_size * r.n * a.gen_rounds
-    per_engine = math.ceil(responses / engines)
+    prompt, response = mean_lengths(cfg, a)
     seq = prompt + response
-    concurrent = max(1, min(per_engine, plan.kv_tokens // seq))
-    waves = math.ceil(per_engine / concurrent)
-    # The longest response bounds the round: at least max_response_length decode steps.
-    decode_steps = max(waves * response, d.max_response_length)
-    kv_read = concurrent * (prompt + response / 2) * plan.kv_bytes_per_token
-    weights_read, moe_note = plan.rollout_weight_bytes, ""
-    if m.is_moe:
-        # A decode step reads only the experts its batch's tokens were routed to.
-        touched = experts_touched(m.num_experts, m.num_experts_per_tok, concurrent)
-        unread = m.num_moe_layers * (m.num_experts - touched) * m.expert_params()
-        weights_read = (plan.num_params - unread) * 2 / plan.rollout_tp
-        moe_note = f"; {touched:.1f} of {m.num_experts} experts read per layer (E(1-(1-k/E)^batch))"
-    mem_s = (weights_read + kv_read) / (hw.hbm_gbps * 1e9 * a.hbm_efficiency)
-    compute_s = 2 * n_params * concurrent / (plan.rollout_tp * hw.peak_tflops * 1e12 * a.mfu)
-    step_s = max(mem_s, compute_s)
-    prefill_s = 2 * n_params * responses * prompt / flops_per_s
-    gen_s = decode_steps * step_s + prefill_s
-    lines.append(Line(label="generation", value=gen_s, unit="s",
-                      formula=f"{engines} engines x {per_engine} responses; {concurrent} concurrent (KV) -> "
-                              f"{decode_steps} decode steps x {step_s * 1e3:.1f} ms "
-                              f"({'HBM' if mem_s >= compute_s else 'compute'} bound) + prefill {prefill_s:.0f} s"
-                              + moe_note))
+    flops_per_s = plan.world_size * hw.peak_tflops * 1e12 * a.mfu
+    gen = generation_line(cfg, m, hw, a, engines=plan.world_size // plan.rollout_tp, rollout_tp=plan.rollout_tp,
+                          kv_tokens=plan.kv_tokens)
+    gen_s, lines = gen.value, [gen]
 
     train_tokens = d.train_batch_size * r.n * seq
     # The same decision the trainer takes: the first mini-batch reuses its own forward.

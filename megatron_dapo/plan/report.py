@@ -11,6 +11,8 @@ the overrides of the first. Mixture-of-experts models add the experts' share: th
 states over EP x ETP and the expert data-parallel group, top-k activations and alltoall
 buffers, active-parameter FLOPs. `--ranks` adds the global-rank layout (which ranks form
 the TP/PP/DP and EP groups, per node): the sbatch scripts print it with DRY_RUN=1.
+`--engine-nodes K` adds the split of the nodes between the actor and a fleet of rollout
+engines (fleet.py): each side's memory, the weight broadcast, and its step against this one.
 
 Every formula is written next to its number in the output, so the table can be checked
 by hand; tests/unit/test_plan.py does exactly that for Qwen2.5-32B. The estimate is
@@ -32,12 +34,13 @@ from megatron_dapo.config.loader import load_config
 from megatron_dapo.errors import CliParser
 from megatron_dapo.plan import host
 from megatron_dapo.plan.dims import EMBEDDED_VOCAB_SIZE, resolve_model
+from megatron_dapo.plan.fleet import FleetPlan, SyncLink, make_fleet_plan
 from megatron_dapo.plan.model import GIB, GPUS, Assumptions, Hardware, Plan, check_expert_layout, make_plan
 from megatron_dapo.plan.search import format_search, search_layouts
 from megatron_dapo.plan.stages import stage_layers
 
-__all__ = ["build_parser", "expert_rank_coords", "format_layout", "format_plan", "main", "rank_coords", "rank_groups",
-           "run"]
+__all__ = ["build_parser", "expert_rank_coords", "format_fleet", "format_layout", "format_plan", "main", "rank_coords",
+           "rank_groups", "run"]
 
 
 # ------------------------------------------------------------------------ rank layout
@@ -235,6 +238,54 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(rows)
 
 
+def format_fleet(f: FleetPlan) -> str:
+    """The split's report: actor and engine GPUs, the weight sync, the step against the colocated one."""
+    a, mem = f.actor, f.actor.hardware.mem_gib
+    overhead = a.assumptions.overhead_gib * GIB
+    seq = f.mean_sequence_tokens
+    what_if = "" if f.disaggregated else (f" (the config is colocated: planned as rollout.placement=disaggregated "
+                                          f"rollout.num_engines={f.num_engines})")
+    rows = [
+        f"disaggregated split: --engine-nodes {f.engine_nodes} of {f.nodes} nodes x {f.gpus_per_node} GPUs: actor "
+        f"{f.actor_gpus} GPUs (TP {a.tp} PP {a.pp} CP {a.cp} DP {a.dp}), engines {f.num_engines} x TP "
+        f"{f.rollout_tp} on {f.engine_gpus} GPUs{what_if}",
+        "",
+        "actor GPUs, per GPU (the actor alone: no engine beside it)",
+        _actor_rows(a)[0],
+        f"  train phase       {_gib(a.train_phase_bytes)}  states + activations + logits + log-prob chunks"
+        f"{' + alltoall buffers' if a.model.is_moe else ''} + overhead: {'fits' if a.train_fits else 'DOES NOT FIT'} "
+        f"in {mem:g} GiB",
+        f"  weight sync phase {_gib(f.actor_sync_phase_bytes)}  states + largest gathered tensor "
+        f"{f.export_bytes / GIB:.2f} + one bucket {f.bucket_bytes / GIB:.2f} + overhead: "
+        f"{'fits' if f.actor_sync_phase_bytes <= a.gpu_bytes else 'DOES NOT FIT'}",
+        "",
+        "engine GPUs, per GPU (SGLang on GPUs of its own: only the overhead is resident when it starts)",
+        f"  engine weights    {_gib(f.engine_weight_bytes)}  N x 2 B / rollout TP {f.rollout_tp}"
+        + (" (all experts)" if a.model.is_moe else ""),
+        f"  KV pool           {_gib(max(0.0, f.engine_static_bytes - f.engine_weight_bytes))}  "
+        f"{f.engine_static_formula} - weights = {f.kv_tokens:,} tokens per engine at {f.kv_bytes_per_token:,} B/token "
+        f"= {f.kv_tokens // a.max_sequence_tokens} sequences of {a.max_sequence_tokens}",
+        f"  KV in flight      {_gib(f.concurrent * seq * f.kv_bytes_per_token)}  {f.concurrent} sequences at once "
+        f"(min(responses per engine, pool / mean sequence)) x {seq} mean tokens x KV per token",
+        f"  overhead          {_gib(overhead)}  CUDA context, NCCL, fragmentation (--overhead-gib)",
+        f"  engine GPU        {_gib(f.engine_bytes)}  weights + KV pool + overhead: "
+        f"{'fits' if f.engine_fits else 'DOES NOT FIT'} in {mem:g} GiB",
+        "",
+        f"weight sync: {_gib(f.sync_bytes).strip()} per sync = N x 2 B, the HF-named tensors in bf16 (unpadded "
+        f"vocabulary{', all experts' if a.model.is_moe else ''}), from each stage's first rank to every engine",
+        "",
+        f"step time of the split (this config: trainer.max_staleness={f.max_staleness}; --sync-gbps "
+        f"{f.link.gbps:g} x --sync-efficiency {f.link.efficiency:g})",
+    ]
+    # Seconds above 10 to the second, a sync of a second or less and the ratio to two digits.
+    rows += [f"  {line.label:<20}{line.value:8.{0 if line.value >= 10 else 2}f} {line.unit}  {line.formula}"
+             for line in f.timing]
+    rows += [f"warning: {w}" for w in f.warnings]
+    rows.append(f"split verdict: {'FITS' if f.fits else 'DOES NOT FIT'} (actor GPUs "
+                f"{'fit' if f.actor_fits else 'do not fit'}, engine GPUs {'fit' if f.engine_fits else 'do not fit'})")
+    return "\n".join(rows)
+
+
 # ------------------------------------------------------------------------------- CLI
 
 
@@ -275,6 +326,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ranks", action="store_true", help="also print the global-rank layout per node")
     parser.add_argument("--layout-only", action="store_true", help="print only the rank layout")
     parser.add_argument("--hosts", default=None, help="comma-separated node names for the layout")
+    parser.add_argument("--engine-nodes", type=int, default=None, metavar="K",
+                        help="also plan the disaggregated split: K of the --nodes go to rollout engines, the rest to "
+                             "the actor; the engines are rollout.num_engines x rollout.tensor_model_parallel_size "
+                             "GPUs with rollout.placement=disaggregated, else as many engines as fill the K nodes")
+    parser.add_argument("--sync-gbps", type=float, default=SyncLink().gbps,
+                        help="GB/s of a weight-sync sender's link (default 50: one InfiniBand NDR port, 400 Gb/s)")
+    parser.add_argument("--sync-efficiency", type=float, default=SyncLink().efficiency,
+                        help="achieved fraction of --sync-gbps in NCCL's broadcast (default 0.8)")
     parser.add_argument("--no-search", action="store_true",
                         help="skip the search over TP/PP/EP/rollout-TP layouts that ends the report")
     return parser
@@ -289,7 +348,9 @@ def run(argv: list[str] | None = None) -> int:
         value = getattr(args, name)
         if value is not None and not (0 < value < math.inf):
             raise ConfigError(f"--{name.replace('_', '-')}={value}: must be a finite number > 0")
-    for name in ("mfu", "hbm_efficiency"):
+    if not 0 < args.sync_gbps < math.inf:
+        raise ConfigError(f"--sync-gbps={args.sync_gbps}: must be a finite number > 0")
+    for name in ("mfu", "hbm_efficiency", "sync_efficiency"):
         if not 0 < getattr(args, name) <= 1:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be in (0, 1]")
     if not 1 <= args.gen_rounds < math.inf:
@@ -308,6 +369,9 @@ def run(argv: list[str] | None = None) -> int:
         raise ConfigError(f"--hosts names {len(hosts)} node(s) ({args.hosts!r}) for {nodes} node(s); give one "
                           "non-empty name per node, comma-separated")
     etp = p.expert_tensor_parallel_size
+    if args.layout_only and args.engine_nodes is not None:
+        raise ConfigError(f"--engine-nodes={args.engine_nodes} plans the split's memory and step time, which "
+                          "--layout-only does not print; drop one of them")
     if args.layout_only:
         where = f"--nodes {nodes} x --gpus-per-node {gpus}"
         cfg.check_world_size(nodes * gpus, where)
@@ -328,12 +392,23 @@ def run(argv: list[str] | None = None) -> int:
                               avg_response_tokens=args.avg_response_tokens, gen_rounds=args.gen_rounds,
                               overhead_gib=args.overhead_gib)
     dims = resolve_model(cfg, args.model_config, args.vocab_size)
-    plan = make_plan(cfg, dims, nodes=nodes, gpus_per_node=gpus, hardware=hardware, assumptions=assumptions)
+    fleet = None
+    if args.engine_nodes is not None:
+        # Planned before anything is printed: a refused split is one line on stderr, nothing on stdout.
+        fleet = make_fleet_plan(cfg, dims, nodes=nodes, engine_nodes=args.engine_nodes, gpus_per_node=gpus,
+                                hardware=hardware, assumptions=assumptions,
+                                link=SyncLink(gbps=args.sync_gbps, efficiency=args.sync_efficiency))
+        plan = fleet.colocated
+    else:
+        plan = make_plan(cfg, dims, nodes=nodes, gpus_per_node=gpus, hardware=hardware, assumptions=assumptions)
     if args.ranks:
         print(format_layout(plan.world_size, plan.tp, plan.pp, plan.cp, gpus, plan.rollout_tp, hosts, plan.ep,
                             plan.etp if dims.is_moe else None))
         print()
     print(format_plan(plan))
+    if fleet is not None:
+        print()
+        print(format_fleet(fleet))
     if not args.no_search:
         fitting, planned = search_layouts(cfg, dims, nodes=nodes, gpus_per_node=gpus, hardware=hardware,
                                           assumptions=assumptions)
