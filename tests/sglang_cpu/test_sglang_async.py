@@ -114,7 +114,7 @@ def test_the_asynchronous_loop_runs_on_a_fleet_of_two_sglang_servers_within_the_
     rows = [r for r in read_rows(out) if "async/staleness_max" in r]
     assert [r["train/num_responses"] for r in rows] == [64, 64, 64]
     assert all(r["async/staleness_max"] <= 1 for r in rows), rows
-    assert all(0 < r["train/kept_group_acc_min"] for r in rows)  # dynamic sampling kept only groups with spread
+    assert all(r["train/kept_group_acc_min"] > 0 for r in rows)  # dynamic sampling kept only groups with spread
     assert sum(r["rollout/carried_groups"] for r in rows) > 0  # the full batch's abort left groups to continue
     # Step 1 trains version 0's batch; a later step trains one generated ahead, under older weights.
     assert rows[0]["async/staleness_max"] == 0

@@ -180,7 +180,7 @@ def test_with_a_staleness_bound_carried_responses_keep_their_versions_and_none_e
     from megatron_dapo.collect.producer import check_staleness
 
     out, state, sampler = run_steps(pieces, range(2, 8), lag=lag, max_staleness=1)
-    for step, (batch, metrics, _) in zip(range(2, 8), out):
+    for step, (batch, _, _) in zip(range(2, 8), out):
         check_staleness(batch, step, 1)  # raises over the bound
         for s in (s for g in batch for s in g.samples):
             assert s.weight_versions and s.weight_versions[0] >= step - 2
