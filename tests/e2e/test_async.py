@@ -39,7 +39,14 @@ def cache_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("max_staleness", "nproc", "overrides"),
-                         [(2, 1, ("rollout.partial_rollout=true",)), (1, 2, ("parallel.tensor_model_parallel_size=2",))],
+                         # A scratch model never stops before the length cap, so every group of a step ends
+                         # in the same decode step: 40 SFT steps teach it to stop at different lengths (up
+                         # to 24 tokens), and a batch of 2 groups then fills with groups left in flight.
+                         [(2, 1, ("rollout.partial_rollout=true", "data.train_batch_size=2", "data.max_prompt_length=64",
+                                  "data.max_response_length=24", "data.embedded.num_sft=200",
+                                  "model.sft_warm_start.enable=true", "model.sft_warm_start.num_steps=40",
+                                  "model.sft_warm_start.batch_size=16", "model.sft_warm_start.lr=3.0e-3")),
+                          (1, 2, ("parallel.tensor_model_parallel_size=2",))],
                          ids=["k2-partial", "k1-tp2"])
 def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, max_staleness, nproc, overrides):
     out = tmp_path / "run"
@@ -53,7 +60,8 @@ def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, ma
     assert all("val/acc" in rows[s] for s in (0, 2, 4, 5))
     for row in rows[1:]:
         assert 0 < row["train/kept_group_acc_min"] <= row["train/kept_group_acc_max"] < 1
-        assert row["train/num_groups"] == 4 and row["train/num_responses"] == 16
+        groups = 2 if "data.train_batch_size=2" in overrides else 4
+        assert row["train/num_groups"] == groups and row["train/num_responses"] == 4 * groups
         assert row["async/staleness_max"] <= max_staleness
         assert sum(row[f"async/staleness_hist/{a}"] for a in range(max_staleness + 1)) == pytest.approx(1.0)
         for key in ("timing_s/actor_idle", "timing_s/engine_idle", "timing_s/sync", "timing_s/collect"):
@@ -63,6 +71,7 @@ def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, ma
     assert max(r["async/staleness_max"] for r in rows[1:]) >= 1
     if "rollout.partial_rollout=true" in overrides:  # carried responses continued, within the bound
         assert sum(r["rollout/carried_groups"] for r in rows[1:]) > 0
+        assert max(r["rollout/max_versions_per_response"] for r in rows[1:]) == 2
 
 
 def test_kill_9_while_rollouts_run_ahead_loses_and_repeats_nothing(tmp_path: Path) -> None:
