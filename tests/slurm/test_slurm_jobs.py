@@ -189,19 +189,6 @@ def _steps(out_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in complete if line.strip()]
 
 
-def test_tiny_run_completes(slurm_cluster: SlurmCluster, trainer_env: dict[str, str], tmp_path: Path) -> None:
-    log = tmp_path / "tiny.out"
-    out_dir = tmp_path / "run"
-    overrides = " ".join([*TINY_FAST, "trainer.total_training_steps=3", "trainer.save_interval=0",
-                          f"trainer.output_dir={out_dir}"])
-    job = _submit(slurm_cluster, "slurm/dapo_tiny.sbatch", log, wait=True,
-                  env={**trainer_env, "OVERRIDES": overrides, "LOG_ROOT": str(tmp_path / "logs")})
-    assert _steps(out_dir) == [1, 2, 3], _read(log)
-    assert f"job {job} attempt 0: ranks exited with 0" in _read(log)
-    assert not (out_dir / "PREEMPTED").exists()
-    assert slurm_cluster.job_field(job, "Restarts") == "0"
-
-
 def test_signal_saves_requeues_and_resumes(slurm_cluster: SlurmCluster, trainer_env: dict[str, str],
                                            tmp_path: Path) -> None:
     log = tmp_path / "resume.out"
@@ -225,6 +212,8 @@ def test_signal_saves_requeues_and_resumes(slurm_cluster: SlurmCluster, trainer_
     # with steps 1..total after the metrics file is truncated) ...
     assert (out_dir / "checkpoints" / f"step_{saved}").is_dir()
     assert re.search(rf"^0: .*resumed from \S*step_{saved} at step {saved}$", text, re.M), text
-    # ... and every step was logged once, in order, none lost or repeated.
+    # ... and every step was logged once, in order, none lost or repeated; the run completed
+    # (its own test before 2026-11-28: the same script without the signal, 42 s of CI).
     assert _steps(out_dir) == list(range(1, total + 1)), text
+    assert text.count(f"job {job} attempt 1: ranks exited with 0") == 1
     assert not (out_dir / "PREEMPTED").exists()
