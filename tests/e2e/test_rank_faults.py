@@ -34,8 +34,9 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
-@pytest.mark.parametrize("phase,rank", [("rollout", 1), ("dispatch", 1), ("update", 1), ("save", 1),
-                                        ("rollout", 0)])
+# Rank 1 failing in rollout or dispatch (its peer then waits in the controller's broadcast or the
+# scatter) meets the same peer-gone detection as in update; those two cases cost CI 66 s.
+@pytest.mark.parametrize("phase,rank", [("update", 1), ("save", 1), ("rollout", 0)])
 def test_a_rank_failing_mid_step_ends_the_job_naming_it(tmp_path: Path, cache_dir: Path, phase: str,
                                                         rank: int) -> None:
     # One step, saved at its end: every phase is reached once.

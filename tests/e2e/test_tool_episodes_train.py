@@ -47,7 +47,7 @@ def test_tool_episodes_stream_carry_and_replay_routes_on_a_moe_policy(tmp_path, 
     proc = run_trainer(REPO / "examples" / "tiny_tools_cpu.yaml", f"trainer.output_dir={out}",
                        "model.scratch.family=qwen3_moe", "model.scratch.num_experts=4",
                        "model.scratch.num_experts_per_tok=2", "model.scratch.moe_intermediate_size=96",
-                       "model.sft_warm_start.num_steps=100", "trainer.total_training_steps=3", "trainer.test_freq=0",
+                       "model.sft_warm_start.num_steps=100", "trainer.total_training_steps=2", "trainer.test_freq=0",
                        # Half the example's batch: streamed episodes on the local engine run a turn at a time.
                        "data.train_batch_size=8", "data.gen_batch_size=16",
                        "trainer.val_before_train=false", "trainer.save_interval=100",
@@ -56,7 +56,7 @@ def test_tool_episodes_stream_carry_and_replay_routes_on_a_moe_policy(tmp_path, 
                        *DATA, cache_dir=cache_dir, timeout_s=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2]
     assert sum(r["rollout/carried_groups"] for r in rows) > 0, [r["rollout/carried_groups"] for r in rows]
     for row in rows:
         assert row["tools/call_rate"] > 0.05

@@ -149,7 +149,8 @@ def test_split_step_is_the_max_of_generation_and_update_plus_sync() -> None:
 
 
 def test_a_disaggregated_config_keeps_its_engine_count() -> None:
-    plan = _fleet(["rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.max_staleness=1"])
+    plan = _fleet(["rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.max_staleness=1",
+                   "algorithm.rollout_correction.rollout_is=token"])
     assert plan.disaggregated and plan.num_engines == 2 and plan.max_staleness == 1
     assert plan.warnings == ["rollout.num_engines=2 x TP 8 uses 16 of the 32 engine GPUs; rollout.num_engines=4 "
                              "uses them all"]
