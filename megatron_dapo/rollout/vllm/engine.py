@@ -300,8 +300,12 @@ class VLLMEngine:
     # ------------------------------------------------------------------ HTTP
 
     def _call(self, method: str, path: str, payload: dict[str, Any] | None = None, *,
-              timeout_s: float | None = None) -> Any:
-        """One HTTP call; a dead server raises EngineError naming its log, not a socket error."""
+              timeout_s: float | None = None, exit_grace_s: float = 5.0) -> Any:
+        """One HTTP call; a dead server raises EngineError naming its log, not a socket error.
+
+        After a connection error the server gets ``exit_grace_s`` to exit (0 while it starts:
+        a refused connection is then expected).
+        """
         self.process.check_alive()
         url = f"{self.base_url}{path}"
         data = None if payload is None else json.dumps(payload).encode()
@@ -315,7 +319,7 @@ class VLLMEngine:
             raise EngineError(f"vLLM engine {self.name}: {method} {url} failed with HTTP {err.code}: {detail}; "
                               f"server log: {self.process.log_path}") from err
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
-            self._raise_if_dead(grace_s=5.0)
+            self._raise_if_dead(grace_s=exit_grace_s)
             raise EngineError(f"vLLM engine {self.name}: {method} {url} failed: {err}; "
                               f"server log: {self.process.log_path}") from err
         return json.loads(body) if body.strip() else None
@@ -437,26 +441,27 @@ class VLLMEngine:
         """Requests made from now on run again (abort() also stops those sent after it, until this)."""
         self._aborted.clear()
 
-    def health(self, *, timeout_s: float = 30.0) -> bool:
+    def health(self, *, timeout_s: float = 30.0, starting: bool = False) -> bool:
         """Whether GET /health answers 200 (False on any failure but death).
 
         Raises:
             EngineError: the server process died (with its log tail).
         """
         try:
-            self._call("GET", "/health", timeout_s=timeout_s)
+            self._call("GET", "/health", timeout_s=timeout_s, exit_grace_s=0.0 if starting else 5.0)
         except EngineError:
             self.process.check_alive()
             return False
         return True
 
-    def wait_until_healthy(self, *, timeout_s: float, poll_s: float = 2.0) -> None:
-        """Poll /health until it answers, the process dies, or timeout_s passes.
+    def wait_until_healthy(self, *, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Poll /health until it answers, the process dies, or timeout_s passes (a refused
+        connection is the server still loading: no wait for an exit then).
 
         Raises:
             EngineError: the server died (log tail included) or did not come up in time.
         """
-        poll_until_healthy(lambda t: self.health(timeout_s=t), timeout_s=timeout_s, poll_s=poll_s,
+        poll_until_healthy(lambda t: self.health(timeout_s=t, starting=True), timeout_s=timeout_s, poll_s=poll_s,
                            what=f"vLLM engine {self.name} at {self.base_url}", process=self.process)
 
     def shutdown(self) -> None:
