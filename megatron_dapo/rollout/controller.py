@@ -55,6 +55,9 @@ class WeightTransport(Protocol):
 
     def engine_replaced(self, index: int, engine: RolloutEngine) -> None: ...
 
+    def reload(self, index: int, buckets: Sequence[Sequence[tuple[str, torch.Tensor]]],
+               version: int | None) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -200,7 +203,9 @@ class RolloutController:
             engine.restart()  # type: ignore[attr-defined]
             if self._transport is not None:
                 self._transport.engine_replaced(index, engine)
-            if self._weights:
+                if self._weights:  # the way a fleet's weights travel, to this server alone
+                    self._transport.reload(index, self._weights, self._weights_version)
+            elif self._weights:
                 for bucket in self._weights:
                     engine.update_weights(bucket)
                 engine.finish_weight_update(version=self._weights_version)

@@ -200,7 +200,7 @@ class _Broadcast:
     """A fleet transport whose second bucket fails (a member died mid-sync)."""
 
     def __init__(self):
-        self.sent, self.replaced, self.finished = [], [], []
+        self.sent, self.replaced, self.finished, self.reloaded = [], [], [], []
 
     def update_weights(self, bucket):
         if len(self.sent) == 1:
@@ -213,13 +213,17 @@ class _Broadcast:
     def engine_replaced(self, index, engine):
         self.replaced.append(index)
 
+    def reload(self, index, buckets, version):
+        self.reloaded.append((index, [[n for n, _ in b] for b in buckets], version))
+
     def close(self):
         pass
 
 
 def test_a_failed_fleet_broadcast_restarts_every_member_with_the_whole_sync(new_weights):
     """Issue 41: after a broken broadcast every member's weights are partly updated, so each is
-    restarted (and rejoins: engine_replaced) and loads the kept weights, this sync's included;
+    restarted (and rejoins: engine_replaced) and loads the kept weights, this sync's included, the
+    fleet's way (reload: by broadcast to it alone, never through a member's own update_weights);
     without restarts the one line is raised."""
     members = [_Member("fake0"), _Member("fake1")]
     transport = _Broadcast()
@@ -231,8 +235,9 @@ def test_a_failed_fleet_broadcast_restarts_every_member_with_the_whole_sync(new_
     assert len(transport.sent) == 1 and transport.finished == []  # the rest of the sync was not sent
     controller._restart_marked()
     assert [m.restarts for m in members] == [1, 1] and sorted(transport.replaced) == [0, 1]
-    for m in members:
-        assert m.loaded == [[n for n, _ in b] for b in buckets]
+    names = [[n for n, _ in b] for b in buckets]
+    assert sorted(transport.reloaded) == [(0, names, 7), (1, names, 7)]
+    assert [m.loaded for m in members] == [[], []]
     with pytest.raises(FleetSyncError, match="fake1 died"):
         stopped = RolloutController([_Member("fake0"), _Member("fake1")], max_restarts=0, transport=_Broadcast())
         for bucket in buckets:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
+from megatron_dapo.rollout.fleet.group import join_weight_group
 
 __all__ = ["FleetMember", "FleetSyncError", "WeightBroadcast", "flat_bytes"]
 
@@ -151,6 +152,24 @@ class WeightBroadcast:
         futures = {self._pool.submit(e.finish_weight_update, version): e for e in self.engines}
         self._answers("finish_weight_update", futures, drop_group=False)
 
+    def reload(self, index: int, buckets: Sequence[Sequence[tuple[str, torch.Tensor]]], version: int | None) -> None:
+        """Load the current weights into server ``index`` alone (restarted while the others kept theirs).
+
+        A group of the controller and that server only, dropped afterwards; the fleet's group is
+        formed again (with the new process) before the next sync, as engine_replaced says.
+
+        Raises:
+            FleetSyncError: the server died or did not answer within timeout_s.
+        """
+        solo = WeightBroadcast([self.engines[index]], master_address=self.master_address, backend=self.backend,
+                               timeout_s=self.timeout_s)
+        try:
+            for bucket in buckets:
+                solo.update_weights(bucket)
+            solo.finish_weight_update(version)
+        finally:
+            solo.close()
+
     def close(self) -> None:
         self._drop_group()
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -163,7 +182,6 @@ class WeightBroadcast:
             return
         self._drop_group()
         from megatron_dapo.rollout.server_process import free_port
-        from megatron_dapo.rollout.sglang.protocol import create_weight_update_group
 
         port = free_port(self.master_address)
         name = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
@@ -176,8 +194,8 @@ class WeightBroadcast:
 
         def create() -> None:
             try:
-                holder["group"] = create_weight_update_group(
-                    master_address=self.master_address, master_port=port, world_size=self.world_size,
+                holder["group"] = join_weight_group(
+                    master_address=self.master_address, master_port=port, world_size=self.world_size, rank=0,
                     group_name=name, backend=self.backend, timeout_s=self.timeout_s)
             except BaseException as err:  # reported below with the servers' side
                 holder["error"] = err

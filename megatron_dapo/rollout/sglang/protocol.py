@@ -45,13 +45,11 @@ import base64
 import binascii
 import contextlib
 import copyreg
-import inspect
 import io
 import pickle
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -355,35 +353,9 @@ def create_weight_update_group(
     *, master_address: str, master_port: int, world_size: int, group_name: str, backend: str = "nccl",
     timeout_s: float = 600.0,
 ) -> dist.ProcessGroup:
-    """The trainer's side (rank 0) of the broadcast group SGLang servers join.
+    """The trainer's side (rank 0) of the broadcast group SGLang servers join (``/init_weights_update_group``);
+    the recipe both sides share is rollout/fleet/group.py. Use ``group.broadcast``."""
+    from megatron_dapo.rollout.fleet.group import join_weight_group
 
-    SGLang's ``init_custom_process_group`` (the recipe verl, slime and OpenRLHF share)
-    rendezvouses on ``tcp://master:port``, wraps the store in ``PrefixStore(group_name)`` and
-    builds the group with torch's ``_new_process_group_helper``, outside the default group.
-    Rank 0 must build its side the same way for the stores' keys to meet, so this hosts the
-    TCP store and repeats those two steps; the helper is private torch API, which is why
-    its options argument is looked up by name (``backend_options`` in torch >= 2.6,
-    ``pg_options`` before).
-
-    Args:
-        master_address: address the engines can reach (this node's).
-        master_port: free port for the store.
-        world_size: 1 + the TP sizes of all engines.
-        group_name: the name passed to the engines' init_weight_update_group.
-        backend: "nccl" (GPUs) or "gloo".
-        timeout_s: rendezvous and collective timeout.
-
-    Returns:
-        The process group (this process is rank 0); use ``group.broadcast``.
-    """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
-
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=True, timeout=timeout)
-    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
-        else "pg_options"
-    group, _ = _new_process_group_helper(
-        world_size, 0, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
-        timeout=timeout, **{options: None},
-    )  # fmt: skip
-    return group
+    return join_weight_group(master_address=master_address, master_port=master_port, world_size=world_size, rank=0,
+                             group_name=group_name, backend=backend, timeout_s=timeout_s)

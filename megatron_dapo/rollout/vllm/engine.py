@@ -71,14 +71,13 @@ from megatron_dapo.rollout.server_process import (
     poll_until_healthy,
     server_environment,
 )
+from megatron_dapo.rollout.vllm.weights import BROADCAST_BACKEND, SHM_BACKEND, WeightTransfer
 
 __all__ = ["VLLM_VERSION_READ", "VLLMEngine", "build_launch_command", "check_cpu_moe", "model_eos_ids"]
 
 VLLM_VERSION_READ = "0.32.0"
 """The vLLM version whose HTTP API this module was written against."""
 
-WEIGHT_BACKEND = "megatron_dapo_shm"
-"""transfer.BACKEND (not imported: that module imports vLLM)."""
 
 _MAX_CONCURRENT_REQUESTS = 256
 """Requests in flight per generate call; vLLM schedules them as one batch."""
@@ -94,7 +93,7 @@ AUTH_MIDDLEWARE = "megatron_dapo.rollout.vllm.auth.RequireKey"
 
 def build_launch_command(
     model_path: str | Path, *, host: str, port: int, device: str, max_model_len: int | None = None,
-    gpu_memory_utilization: float = 0.7, python: str | None = None,
+    gpu_memory_utilization: float = 0.7, python: str | None = None, broadcast: bool = False,
 ) -> list[str]:
     """The argv of a vLLM server for rollouts (its key goes in the environment: server_env_for_key).
 
@@ -106,6 +105,7 @@ def build_launch_command(
         max_model_len: context length; None = the checkpoint's.
         gpu_memory_utilization: share of GPU memory for weights + KV cache (GPU only).
         python: interpreter; None = this one.
+        broadcast: weights by the fleet's broadcast (weights.py), not shared-memory files.
 
     Returns:
         The command list.
@@ -118,7 +118,7 @@ def build_launch_command(
         # Token ids in and out: the trainer's tokenizer is the only one.
         "--skip-tokenizer-init", "--enable-scale-out",
         "--logprobs-mode", "processed_logprobs",
-        "--weight-transfer-config", json.dumps({"backend": WEIGHT_BACKEND}),
+        "--weight-transfer-config", json.dumps({"backend": BROADCAST_BACKEND if broadcast else SHM_BACKEND}),
         "--disable-log-stats",
     ]  # fmt: skip
     if max_model_len is not None:
@@ -186,13 +186,16 @@ def _shared_memory_dir() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-class VLLMEngine:
-    """Client of one vLLM server that this process launched; implements RolloutEngine."""
+class VLLMEngine(WeightTransfer):
+    """Client of one vLLM server that this process launched; implements RolloutEngine.
+
+    Weight updates are the WeightTransfer half (weights.py).
+    """
 
     def __init__(
         self, base_url: str, *, name: str, api_key: str, process: ServerProcess, eos_ids: tuple[int, ...] = (),
         vocab_size: int | None = None, request_timeout_s: float = 3600.0, control_timeout_s: float = 300.0,
-        sleep_mode: bool = False,
+        sleep_mode: bool = False, broadcast: bool = False,
     ) -> None:
         """Attach to a launched server (use :meth:`launch`).
 
@@ -206,6 +209,7 @@ class VLLMEngine:
             request_timeout_s: timeout of one generation request.
             control_timeout_s: timeout of other calls.
             sleep_mode: the server supports /sleep and /wake_up (GPU).
+            broadcast: the server takes weights by a fleet's broadcast (weights.py).
         """
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -217,6 +221,8 @@ class VLLMEngine:
         self._control_timeout_s = control_timeout_s
         self._sleep_mode = sleep_mode
         self._updating = False
+        self._paused = False
+        self.broadcast = broadcast
         # Set by abort(): requests of the running generate() not yet sent are not sent at all.
         self._aborted = threading.Event()
         self._bucket_dir = Path(tempfile.mkdtemp(prefix=f"megatron_dapo_{name}_", dir=_shared_memory_dir()))
@@ -226,7 +232,7 @@ class VLLMEngine:
         cls, model_path: str | Path, *, name: str = "vllm0", log_path: str | Path | None = None,
         host: str | None = None, device: str | None = None, max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.7, vocab_size: int | None = None, request_timeout_s: float = 3600.0,
-        startup_timeout_s: float = 900.0,
+        startup_timeout_s: float = 900.0, broadcast: bool = False,
     ) -> VLLMEngine:
         """Start a server on this node, wait until it answers, and open its weight-transfer API.
 
@@ -241,6 +247,8 @@ class VLLMEngine:
             vocab_size: checks prompt ids when given.
             request_timeout_s: timeout of one generation request.
             startup_timeout_s: how long the server may take to load.
+            broadcast: a fleet member: weights by broadcast (its fleet forms the group at the
+                first sync), versions on every token.
 
         Returns:
             A healthy engine that owns its server process.
@@ -255,7 +263,8 @@ class VLLMEngine:
         port = free_port(host)
         api_key = secrets.token_hex(16)
         command = build_launch_command(model_path, host=host, port=port, device=device,
-                                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization)
+                                       max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                                       broadcast=broadcast)
         # The RL endpoints (weights, abort) are vLLM's development routes; the key is in the
         # environment (owner-readable), not on the command line (every user's `ps`).
         extra = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key}
@@ -265,10 +274,11 @@ class VLLMEngine:
                                 env=server_environment(extra), kind="vLLM")
         engine = cls(f"http://{host}:{port}", name=name, api_key=api_key, process=process,
                      eos_ids=model_eos_ids(model_path), vocab_size=vocab_size, request_timeout_s=request_timeout_s,
-                     sleep_mode=device != "cpu")
+                     sleep_mode=device != "cpu", broadcast=broadcast)
         try:
             engine.wait_until_healthy(timeout_s=startup_timeout_s)
-            engine._post("/init_weight_transfer_engine", {"init_info": {}})
+            if not broadcast:
+                engine._post("/init_weight_transfer_engine", {"init_info": {}})
         except BaseException:
             engine.shutdown()
             raise
@@ -276,7 +286,7 @@ class VLLMEngine:
         engine._relaunch = dict(model_path=model_path, name=name, log_path=process.log_path, host=host, device=device,
                                 max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                 vocab_size=vocab_size, request_timeout_s=request_timeout_s,
-                                startup_timeout_s=startup_timeout_s)
+                                startup_timeout_s=startup_timeout_s, broadcast=broadcast)
         return engine
 
     @property
@@ -388,34 +398,6 @@ class VLLMEngine:
         answer = self._post("/inference/v1/generate", payload, timeout_s=self._request_timeout_s)
         return parse_choice(answer, prompt_index=prompt_index, sample_index=sample_index, engine=self.name)
 
-    def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Send one bucket through vLLM's weight-transfer API (a shared-memory file per bucket).
-
-        Args:
-            bucket: (hf_name, full tensor); copied to the CPU and written before the call.
-        """
-        from safetensors.torch import save_file
-
-        if not self._updating:
-            self._post("/start_weight_update")
-            self._updating = True
-        path = self._bucket_dir / f"bucket-{uuid.uuid4().hex[:12]}.safetensors"
-        try:
-            save_file({name: t.detach().to("cpu").contiguous() for name, t in bucket}, str(path))
-            self._post("/update_weights", {"update_info": {"path": str(path)}})
-        finally:
-            path.unlink(missing_ok=True)
-
-    def finish_weight_update(self, version: int | None = None) -> None:
-        """End vLLM's weight update and drop the prefix cache computed with the old weights.
-
-        `version` is not sent (the vLLM engine is synchronous: it never runs ahead of the trainer).
-        """
-        if self._updating:
-            self._updating = False
-            self._post("/finish_weight_update")
-        self._post("/reset_prefix_cache")
-
     def release_memory(self) -> None:
         """GPU: put the server to sleep (weights and KV cache freed). CPU: nothing to free."""
         if self._sleep_mode:
@@ -498,4 +480,20 @@ def parse_choice(answer: dict[str, Any], *, prompt_index: int, sample_index: int
         raise EngineError(f"vLLM engine {engine}: log-probs do not match the output tokens "
                           f"(prompt {prompt_index}, sample {sample_index}); the request must ask for logprobs=0")
     return GenerationResult(prompt_index=prompt_index, sample_index=sample_index, output_ids=output_ids,
-                            logprobs=[float(c["logprob"]) for c in content], finish_reason=reason)
+                            logprobs=[float(c["logprob"]) for c in content], finish_reason=reason,
+                            weight_versions=_versions(choice.get("weight_versions"), engine))
+
+
+def _versions(spans: list[dict[str, Any]] | None, engine: str) -> tuple[int, ...]:
+    """The versions of a choice's ``weight_versions`` spans (token order = oldest first); () when
+    none was ever set (vLLM's "default": the server on the trainer's node is not told)."""
+    versions: list[int] = []
+    for span in spans or []:
+        label = str(span.get("version"))
+        if label == "default":
+            continue
+        if not label.lstrip("-").isdigit():
+            raise EngineError(f"vLLM engine {engine}: weight version {label!r} was not set by this trainer")
+        if not versions or versions[-1] != int(label):
+            versions.append(int(label))
+    return tuple(versions)

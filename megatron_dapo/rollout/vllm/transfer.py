@@ -20,8 +20,18 @@ server and worker process):
   (which vLLM 0.32's reload skips, below).
 
 The server and the trainer share the machine's filesystem because the controller launches
-the server on its own node (engine.py). This module imports vLLM at the top: only
-vLLM's processes import it.
+the server on its own node (engine.py).
+
+A fleet (``rollout.placement=disaggregated``, rollout/fleet/broadcast.py) shares no memory with
+the trainer, so its servers run a second backend, ``megatron_dapo_broadcast``: at
+/init_weight_transfer_engine every TP/PP worker joins the controller's process group (gloo on
+CPU, NCCL on GPUs; rank = dp_index x TP x PP + worker rank + rank_offset, as vLLM's NCCL backend
+counts) with the recipe the controller and SGLang's servers use (rollout/fleet/group.py), and each
+/update_weights names the bucket's tensors (names, dtypes, shapes) whose bytes then arrive, as
+one flat buffer, by a broadcast from rank 0 (SGLang's ``flattened_bucket`` layout: one wire
+format for both fleets). Loading is the same layerwise reload as above.
+
+This module imports vLLM at the top: only vLLM's processes import it.
 """
 
 from __future__ import annotations
@@ -38,10 +48,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-__all__ = ["BACKEND", "SharedMemoryWeightTransferEngine", "register"]
+__all__ = ["BACKEND", "BROADCAST_BACKEND", "BroadcastWeightTransferEngine", "SharedMemoryWeightTransferEngine",
+           "register"]
 
 BACKEND = "megatron_dapo_shm"
 """The backend name passed in ``--weight-transfer-config`` (engine.py)."""
+
+BROADCAST_BACKEND = "megatron_dapo_broadcast"
+"""The fleet's backend name (engine.py, ``broadcast=True``)."""
 
 
 @dataclass
@@ -57,14 +71,38 @@ class SharedMemoryUpdateInfo(WeightTransferUpdateInfo):
     """File the trainer wrote; it deletes the file after /update_weights returns."""
 
 
-class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo, SharedMemoryUpdateInfo]):
-    """Loads buckets from safetensors files with the model's own weight loader."""
+@dataclass
+class BroadcastInitInfo(WeightTransferInitInfo):
+    """The controller's group to join (rollout/fleet/broadcast.py forms it as rank 0)."""
 
-    init_info_cls = SharedMemoryInitInfo
-    update_info_cls = SharedMemoryUpdateInfo
+    master_address: str
+    master_port: int
+    rank_offset: int
+    """Rank of this server's first worker (1 + the sizes of the servers before it)."""
+    world_size: int
+    """1 + the workers of every server of the fleet."""
+    group_name: str
+    backend: str = "gloo"
+    timeout_s: float = 600.0
 
-    def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
-        """Nothing to set up: no process group, no handles."""
+
+@dataclass
+class BroadcastUpdateInfo(WeightTransferUpdateInfo):
+    """One bucket: its tensors' names, dtypes and shapes; their bytes follow by broadcast."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    group_name: str = ""
+    """The group the controller broadcasts on (checked against the joined one)."""
+
+
+class _LayerwiseReload:
+    """vLLM's layerwise reload around an update, and what vLLM 0.32 leaves undone after it (mixin)."""
+
+    model: torch.nn.Module
+    model_config: Any
+    device: torch.device
 
     def start_weight_update(self) -> None:
         """Begin vLLM's layerwise reload (weights arrive in checkpoint format)."""
@@ -138,9 +176,20 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Load one bucket (synchronously; the base class would synchronize an accelerator)."""
-        self.receive_weights(self.parse_update_info(update_info))
+        self.receive_weights(self.parse_update_info(update_info))  # type: ignore[attr-defined]
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
+
+
+class SharedMemoryWeightTransferEngine(_LayerwiseReload,
+                                       WeightTransferEngine[SharedMemoryInitInfo, SharedMemoryUpdateInfo]):
+    """Loads buckets from safetensors files with the model's own weight loader."""
+
+    init_info_cls = SharedMemoryInitInfo
+    update_info_cls = SharedMemoryUpdateInfo
+
+    def init_transfer_engine(self, init_info: SharedMemoryInitInfo) -> None:
+        """Nothing to set up: no process group, no handles."""
 
     def receive_weights(self, update_info: SharedMemoryUpdateInfo) -> None:
         """Read the bucket file and load every tensor into the model.
@@ -155,6 +204,60 @@ class SharedMemoryWeightTransferEngine(WeightTransferEngine[SharedMemoryInitInfo
         """Nothing is held between updates."""
 
 
+class BroadcastWeightTransferEngine(_LayerwiseReload, WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
+    """Receives buckets by broadcast from the controller (rank 0) of a fleet's group."""
+
+    init_info_cls = BroadcastInitInfo
+    update_info_cls = BroadcastUpdateInfo
+
+    _group: Any = None
+    _group_name: str = ""
+
+    def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
+        """Join the controller's group (a fresh one each time the fleet forms it; the old one is dropped).
+
+        Blocks until every member joined or ``timeout_s`` passed (the controller forms its
+        side at the same time).
+        """
+        from megatron_dapo.rollout.fleet.group import join_weight_group
+
+        self.shutdown()
+        parallel = self.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self._group = join_weight_group(master_address=init_info.master_address, master_port=init_info.master_port,
+                                        world_size=init_info.world_size, rank=rank, group_name=init_info.group_name,
+                                        backend=init_info.backend, timeout_s=init_info.timeout_s)
+        self._group_name = init_info.group_name
+
+    def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
+        """Join the bucket's broadcast (one flat buffer of its bytes) and load its tensors."""
+        import torch.distributed as dist
+
+        from megatron_dapo.rollout.fleet.group import split_flat
+
+        if self._group is None:
+            raise RuntimeError("megatron_dapo_broadcast: /update_weights before /init_weight_transfer_engine")
+        if update_info.group_name and update_info.group_name != self._group_name:
+            raise RuntimeError(f"megatron_dapo_broadcast: the bucket is sent on group {update_info.group_name}, "
+                               f"this worker joined {self._group_name}")
+        dtypes = [getattr(torch, name) for name in update_info.dtype_names]
+        nbytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size()
+                     for d, shape in zip(dtypes, update_info.shapes))
+        on_cpu = dist.get_backend(self._group) == "gloo"
+        flat = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if on_cpu else self.device)
+        self._group.broadcast([flat], dist.BroadcastOptions()).wait()
+        tensors = split_flat(flat, dtypes, update_info.shapes)
+        self.model.load_weights([(n, t if t.device == self.device else t.to(self.device))
+                                 for n, t in zip(update_info.names, tensors)])
+
+    def shutdown(self) -> None:
+        """Leave the group (the controller forms a new one after any failure or restart)."""
+        group, self._group, self._group_name = self._group, None, ""
+        if group is not None:
+            with contextlib.suppress(Exception):  # a broken group may not shut down cleanly
+                group.shutdown()
+
+
 def register() -> None:
     """vLLM plugin entry point: add the backend to vLLM's registry (idempotent).
 
@@ -163,5 +266,7 @@ def register() -> None:
     """
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
-    with contextlib.suppress(ValueError):  # already registered in this process
-        WeightTransferEngineFactory.register_engine(BACKEND, SharedMemoryWeightTransferEngine)
+    for name, engine in ((BACKEND, SharedMemoryWeightTransferEngine),
+                         (BROADCAST_BACKEND, BroadcastWeightTransferEngine)):
+        with contextlib.suppress(ValueError):  # already registered in this process
+            WeightTransferEngineFactory.register_engine(name, engine)

@@ -1,0 +1,67 @@
+"""The weight broadcast's process group: one recipe for the controller (rank 0) and for the servers.
+
+SGLang's ``init_custom_process_group`` (the recipe verl, slime and OpenRLHF share) rendezvouses
+on ``tcp://master:port``, wraps the store in ``PrefixStore(group_name)`` and builds the group
+with torch's ``_new_process_group_helper``, outside any default group. Every member must build
+its side the same way for the stores' keys to meet, so the controller repeats those steps as
+rank 0 (it hosts the TCP store), and the vLLM workers' transfer engine (rollout/vllm/transfer.py)
+joins with the same function: vLLM's own gloo helper (``stateless_init_torch_distributed_process_group``)
+rendezvouses differently and would not meet SGLang's side or ours. The helper is private torch
+API, which is why its options argument is looked up by name (``backend_options`` in torch >= 2.6,
+``pg_options`` before). torch only: vLLM's and SGLang's processes import this.
+"""
+
+from __future__ import annotations
+
+import inspect
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["join_weight_group", "split_flat"]
+
+
+def join_weight_group(*, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
+                      backend: str = "gloo", timeout_s: float = 600.0) -> dist.ProcessGroup:
+    """Form (rank 0) or join (the others) the broadcast group; returns once every rank joined.
+
+    Args:
+        master_address: the controller's address every member can reach.
+        master_port: the store's port (rank 0 listens on it).
+        world_size: 1 + the TP workers of every server.
+        rank: this process's rank (0 = the controller, the source of every broadcast).
+        group_name: the group's name (the store's key prefix); fresh for each forming.
+        backend: "nccl" (GPUs) or "gloo" (CPU tensors).
+        timeout_s: the rendezvous's and every collective's deadline.
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
+        else "pg_options"
+    group, _ = _new_process_group_helper(
+        world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
+        timeout=timeout, **{options: None},
+    )  # fmt: skip
+    return group
+
+
+def split_flat(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:
+    """The tensors of a received flat bucket (broadcast.flat_bytes' inverse): views, in order.
+
+    Each tensor's bytes start where the previous one's end; the sender orders wider dtypes
+    first, so every view is aligned for its dtype.
+    """
+    tensors, offset = [], 0
+    for dtype, shape in zip(dtypes, shapes):
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        tensors.append(flat[offset:offset + nbytes].view(dtype).view(shape))
+        offset += nbytes
+    if offset != flat.numel():
+        raise ValueError(f"a flat bucket of {flat.numel()} bytes holds {offset} bytes of the tensors named")
+    return tensors
