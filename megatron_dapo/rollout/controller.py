@@ -322,8 +322,10 @@ class RolloutController:
                 try:
                     return run_once(engine, tracked, done)
                 except EngineError as err:
-                    self._restart(index, err)
+                    # Its prompts go to the other engines while it restarts (a minute for a server):
+                    # held until then, they kept the feed's gate shut and the fleet idle.
                     feed.requeue(tracked.in_flight())
+                    self._restart(index, err)
 
         self._restart_marked()
         self._clear_aborts()
@@ -338,10 +340,19 @@ class RolloutController:
         return [r for f in futures for r in f.result()]
 
     def abort(self) -> None:
-        """Abort in-flight generation on every engine, and every request sent after it in this session."""
+        """Abort in-flight generation on every engine, and every request sent after it in this session.
+
+        A dead engine has nothing to abort and its own thread reports (or restarts) it: its error
+        here is not raised. The producer aborts from whichever engine's thread filled the batch, so
+        a raise would charge a live engine with another's death (seen: a fleet of two, one killed,
+        and the survivor restarted too).
+        """
         self._session_aborted.set()
         for engine in self.engines:
-            engine.abort()
+            try:
+                engine.abort()
+            except EngineError as err:
+                logger.info("abort: engine %s did not take it (%s)", engine.name, str(err).splitlines()[0][:200])
 
     def _clear_aborts(self) -> None:
         """A generate or stream session starts: an abort of the last one no longer stops requests."""

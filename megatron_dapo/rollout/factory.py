@@ -113,7 +113,6 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
     """rollout.num_engines servers the controller starts (at once) and feeds while the actor trains
     (never released): weights arrive mid-stream by broadcast (weight_transport), paused in place
     (SGLangEngine live_updates). The server settings are the colocated CPU path's (float32, the CPU KV pool)."""
-    from concurrent.futures import ThreadPoolExecutor
 
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig
@@ -132,11 +131,18 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
         return SGLangEngine.launch(config, name=f"sglang{i}", request_timeout_s=rollout.request_timeout_s,
                                    live_updates=True)
 
-    with ThreadPoolExecutor(max_workers=rollout.num_engines) as pool:
-        futures = [pool.submit(launch, i) for i in range(rollout.num_engines)]
+    return _launch_fleet(rollout.num_engines, launch)
+
+
+def _launch_fleet(num_engines: int, launch: Callable[[int], RolloutEngine]) -> list[RolloutEngine]:
+    """Start a fleet's servers at once; if one fails, the ones that did start are stopped, not left behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=num_engines) as pool:
+        futures = [pool.submit(launch, i) for i in range(num_engines)]
         try:
             return [f.result() for f in futures]
-        except BaseException:  # the servers that did start are stopped, not left behind
+        except BaseException:
             for f in futures:
                 if f.exception() is None:
                     f.result().shutdown()
@@ -145,9 +151,9 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
 
 def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:
     """How step 7 reaches the controller's engines: None = each engine loads every bucket itself
-    (colocated shared memory, the local engines, vLLM); a fleet of disaggregated SGLang servers
-    gets each bucket by one broadcast (rollout/fleet/broadcast.py)."""
-    if cfg.rollout.engine != "sglang" or cfg.rollout.placement != "disaggregated":
+    (colocated shared memory, the local engines, the vLLM server on the trainer's node); a fleet of
+    disaggregated SGLang or vLLM servers gets each bucket by one broadcast (rollout/fleet/broadcast.py)."""
+    if cfg.rollout.engine not in ("sglang", "vllm") or cfg.rollout.placement != "disaggregated":
         return None
     from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
 
@@ -189,6 +195,18 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
     from megatron_dapo.rollout.vllm.engine import VLLMEngine
 
     r = cfg.rollout
+    if r.placement == "disaggregated":
+        if device.type != "cpu":
+            raise UserError(f"rollout.placement=disaggregated with rollout.engine=vllm runs on CPU only (trainer "
+                            f"device {device.type}): servers on GPUs of their own (weights by NCCL broadcast) are "
+                            "not built; use rollout.placement=colocated")
+
+        def launch(i: int) -> RolloutEngine:
+            return VLLMEngine.launch(hf_dir, name=f"vllm{i}", log_path=output_dir / "engine_logs" / f"vllm{i}.log",
+                                     host=r.host or "127.0.0.1", device="cpu", request_timeout_s=r.request_timeout_s,
+                                     broadcast=True)
+
+        return _launch_fleet(r.num_engines, launch)
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",
                               host=r.host, device=cfg.trainer.device if cfg.trainer.device != "auto" else None,
                               gpu_memory_utilization=r.gpu_memory_utilization,

@@ -59,10 +59,13 @@ class FeedItem:
 
 
 def continuation(carried: GenerationResult, more: GenerationResult) -> GenerationResult:
-    """A carried partial response followed by what was generated after it."""
+    """A carried partial response followed by what was generated after it; its versions are both
+    parts' (oldest first: dropping the continuation's once left a response cut with no tokens,
+    as vLLM 0.32 answers an abort, with no version at all, and the staleness bound unchecked)."""
     return GenerationResult(prompt_index=more.prompt_index, sample_index=carried.sample_index,
                             output_ids=[*carried.output_ids, *more.output_ids],
                             logprobs=[*carried.logprobs, *more.logprobs], finish_reason=more.finish_reason,
+                            weight_versions=tuple(dict.fromkeys((*carried.weight_versions, *more.weight_versions))),
                             routed_experts=more.routed_experts)  # its prompt held the carried tokens
 
 

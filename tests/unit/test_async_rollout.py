@@ -167,7 +167,9 @@ def test_a_failed_collection_is_raised_to_the_trainer():
 @pytest.mark.parametrize(("overrides", "message"), [
     (["trainer.max_staleness=1"], r"trainer.max_staleness=1: needs rollout.placement=disaggregated"),
     (["trainer.max_staleness=-1"], r"trainer.max_staleness=-1: must be >= 0"),
-    (["rollout.placement=disaggregated", "rollout.engine=vllm"], r"rollout.placement='disaggregated': disaggregated runs the local engine in its own process or a fleet of SGLang servers; with engine vllm"),
+    (["rollout.engine=vllm", "rollout.num_engines=2"],
+     r"rollout.num_engines=2: is 2: a fleet of servers is built for rollout.placement=disaggregated with "
+     r"rollout.engine=sglang or vllm"),
     (["rollout.placement=disaggregated", "trainer.max_staleness=1"],
      r"algorithm.rollout_correction.rollout_is: trainer.max_staleness=1 trains on responses of older weights "
      r"with no correction; set algorithm.rollout_correction.rollout_is=token"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -242,3 +243,84 @@ def test_a_failed_fleet_broadcast_restarts_every_member_with_the_whole_sync(new_
         stopped = RolloutController([_Member("fake0"), _Member("fake1")], max_restarts=0, transport=_Broadcast())
         for bucket in buckets:
             stopped.update_weights(bucket)
+
+
+class _Server:
+    """A fake server engine: one request per prompt; with `dies`, its first request fails (the
+    prompt is recorded in `lost`) and it stays dead until restarted."""
+
+    def __init__(self, name, dies=False, restart_gate=None):
+        self.name, self.dies, self.restart_gate, self.log_path = name, dies, restart_gate, None
+        self.served, self.lost, self.restarts, self.dead = [], [], 0, False
+
+    def generate(self, prompts, params, *, index_offset=0):
+        from megatron_dapo.rollout.engine import GenerationResult
+
+        if self.dead or self.dies:
+            if self.dies:
+                self.lost.append(index_offset)
+            self.dead, self.dies = True, False
+            raise EngineError(f"engine {self.name}: its server died")
+        time.sleep(0.05)  # both engines take prompts from the feed
+        self.served.append(index_offset)
+        return [GenerationResult(prompt_index=index_offset, sample_index=j, output_ids=[1], logprobs=[-0.5],
+                                 finish_reason="length", weight_versions=(4,)) for j in range(params.n)]
+
+    def restart(self):
+        # Like a server relaunch (a minute): the fleet serves the dead one's prompts meanwhile.
+        if self.restart_gate is not None:
+            assert self.restart_gate.wait(timeout=30), "the dead engine's prompt was not served while it restarted"
+        self.restarts, self.dead = self.restarts + 1, False
+
+    def abort(self):
+        if self.dead:
+            raise EngineError(f"engine {self.name}: was killed by SIGKILL")
+
+    def clear_abort(self):
+        pass
+
+    def update_weights(self, bucket):
+        pass
+
+    def finish_weight_update(self, version=None):
+        pass
+
+
+def test_a_dead_engines_prompts_go_to_the_others_while_it_restarts_and_an_abort_does_not_charge_them():
+    """Issue 41 (seen on a vLLM fleet of two): the dead engine's prompts were requeued only after its
+    minute-long restart, so the feed's gate idled the survivor; and the batch's abort, sent from the
+    survivor's thread, raised the dead engine's error there, so the survivor was restarted too."""
+    import threading
+
+    served_elsewhere = threading.Event()
+    dying = _Server("srv1", dies=True, restart_gate=served_elsewhere)
+    survivor = _Server("srv0")
+    controller = RolloutController([survivor, dying], max_restarts=2)
+    feed = PromptFeed(iter([[i + 1] for i in range(6)]))
+    groups = {}
+
+    def on_group(group):
+        groups[group[0].prompt_index] = group
+        if dying.lost and dying.lost[0] in survivor.served:
+            served_elsewhere.set()
+        if len(groups) == 5:
+            feed.close()
+            controller.abort()  # from the survivor's thread, while the dying engine is down
+
+    controller.stream(feed, SamplingParams(n=2, max_new_tokens=1), on_group, max_inflight=1)
+    assert dying.lost and dying.lost[0] in survivor.served, "the dead engine's prompt waited for its restart"
+    assert (survivor.restarts, dying.restarts) == (0, 1) and controller.num_restarts == 1
+
+
+def test_a_continued_response_keeps_the_versions_of_both_parts():
+    """A response cut with no tokens (vLLM 0.32's abort) and continued under version 5 reports (5,);
+    one cut under 3 and continued under 4 reports (3, 4), oldest first."""
+    from megatron_dapo.rollout.engine import GenerationResult
+    from megatron_dapo.rollout.streaming import continuation
+
+    def result(tokens, versions, reason="abort"):
+        return GenerationResult(prompt_index=0, sample_index=1, output_ids=tokens, logprobs=[-0.1] * len(tokens),
+                                finish_reason=reason, weight_versions=versions)
+
+    assert continuation(result([], ()), result([7, 8], (5,), "stop")).weight_versions == (5,)
+    assert continuation(result([1], (3,)), result([7], (4,), "length")).weight_versions == (3, 4)

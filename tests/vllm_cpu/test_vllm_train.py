@@ -65,3 +65,44 @@ def test_a_vllm_server_killed_mid_generation_costs_a_restart_and_the_gap_stays_a
     assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-4, rows
     text = engine_log.read_text(errors="replace")
     assert text.count("Starting vLLM server on") == 2  # one log, both lives
+
+
+FINISHED = 'POST /finish_weight_update HTTP/1.1" 200'
+"""vLLM's access log line of one finished weight update (the version set)."""
+
+
+def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound_through_a_kill(tmp_path):
+    """Issue 41's vLLM fleet on CPU: two servers the controller started, weights by one gloo broadcast
+    per bucket through our transfer engine, streaming dynamic sampling across both with partial
+    rollouts at max_staleness 1 and token TIS; one server is SIGKILLed once step 1 is logged (its
+    rows go to the other meanwhile), restarted in place and loaded alone by its fleet before it
+    serves; no step lost or repeated, no response older than the bound."""
+    out = tmp_path / "run"
+    command = train_command(
+        REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=vllm", "rollout.placement=disaggregated",
+        "rollout.num_engines=2", "trainer.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
+        # 40 SFT steps teach the scratch model to stop at different lengths, so groups are left to carry.
+        "model.sft_warm_start.num_steps=40", "model.sft_warm_start.batch_size=16",
+        "reward.reward_fn=e2e_reward_fns:char_parity", "rollout.partial_rollout=true", "data.train_batch_size=4",
+        "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4", "trainer.save_interval=100", "trainer.test_freq=100",
+        "trainer.total_training_steps=3", f"trainer.output_dir={out}")  # fmt: skip
+    log = tmp_path / "trainer.log"
+    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, step_logged(out, 1),
+                            marker="vllm.entrypoints.openai.api_server", timeout_s=900)
+    assert code == 0, log.read_text()[-4000:]
+    rows = [r for r in read_rows(out) if "async/staleness_max" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["train/num_responses"] for r in rows] == [32, 32, 32]
+    assert all(r["async/staleness_max"] <= 1 for r in rows), rows
+    assert rows[0]["async/staleness_max"] == 0 and max(r["async/staleness_max"] for r in rows[1:]) == 1
+    # Step 1 trains version 0's batch, on both servers: engine and actor agree at the float32 level.
+    assert rows[0]["rollout/train_logprob_abs_diff"] < 1e-4, rows[0]
+    assert rows[-1]["rollout/engine_restarts"] >= 1
+    assert sorted(p.name for p in (out / "engine_logs").iterdir()) == ["vllm0.log", "vllm1.log"]
+    logs = [(out / "engine_logs" / f"vllm{i}.log").read_text(errors="replace") for i in range(2)]
+    lives = [text.count("Starting vLLM server on") for text in logs]
+    assert sorted(lives) == [1, 2], lives  # one server killed and restarted (its log holds both lives)
+    for text in logs:
+        assert "megatron_dapo_broadcast" in text and "POST /start_weight_update" in text
+        assert "sleep" not in [line.split("POST /")[-1][:5] for line in text.splitlines() if "POST /" in line]
+    print("finish counts", [text.count(FINISHED) for text in logs])
