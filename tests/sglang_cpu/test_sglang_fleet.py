@@ -97,6 +97,7 @@ def test_a_server_killed_during_the_sync_ends_it_in_one_line_naming_it(fleet, ch
         if phase != "group":
             sync(broadcast, checkpoints[0], version=1)  # the group exists before the kill
         pgid = victim.process.pid
+        owned = victim.process.shared_memory_files  # noted from its process tree once healthy
         start = time.monotonic()
         with pytest.raises(FleetSyncError) as caught:
             if phase == "finish":
@@ -115,6 +116,8 @@ def test_a_server_killed_during_the_sync_ends_it_in_one_line_naming_it(fleet, ch
             return
         # Restarted in place, the server rejoins a new group and the fleet syncs again.
         victim.restart()
+        # A server killed -9 leaves its /dev/shm files: the restart's stop removed them.
+        assert [f for f in owned if Path(f).exists()] == [], owned
         broadcast.engine_replaced(1, victim)
         sync(broadcast, checkpoints[0], version=5)
         assert {r.weight_versions for e in fleet for r in e.generate(PROMPTS[:1], SamplingParams(n=1, max_new_tokens=2))} \

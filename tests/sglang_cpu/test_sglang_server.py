@@ -271,36 +271,3 @@ def test_a_partial_rollouts_continuations_stop_with_the_batch(engine, weights_a)
     assert [r.finish_reason for r in left] == ["abort"] * 3
     # The first continuation ran until the abort; the others were never sent.
     assert len(left[0].output_ids) > 2 and [r.output_ids for r in left[1:]] == [[7, 8], [7, 8]]
-
-
-def test_two_servers_at_once_and_one_killed_mid_generate(engine, checkpoints, tmp_path):
-    """A second server beside the module's; kill -9 of its main process mid-generate: one error
-    naming the engine, its exit code and log; its /dev/shm files are gone; the other serves on."""
-    second = launch(checkpoints[0], tmp_path / "sglang1.log", "sglang1")
-    assert second.process is not None
-    owned = second.process.shared_memory_files  # noted from its process tree once healthy
-    assert any(Path(f).name.startswith("sglang_loads_") for f in owned), owned
-    try:
-        both: dict = {}
-        threads = [threading.Thread(target=lambda e=e: both.__setitem__(e.name, e.generate(
-            PROMPTS, SamplingParams(n=2, temperature=0.0, max_new_tokens=8)))) for e in (engine, second)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert [r.output_ids for r in both["sglang0"]] == [r.output_ids for r in both["sglang1"]]
-        out: dict = {}
-        thread = _long_generate(second, out)
-        _wait_in_flight(second)
-        assert second.process is not None
-        os.kill(second.process.pid, 9)
-        thread.join(timeout=60)
-        assert not thread.is_alive()
-        message = str(out["error"])
-        assert f"SGLang engine sglang1 (pid {second.process.pid}) was killed by SIGKILL (killed: from outside" \
-            in message and f"; log {tmp_path / 'sglang1.log'}" in message
-    finally:
-        second.shutdown()
-    time.sleep(3)  # the server's children leave after its own grace
-    assert [f for f in owned if Path(f).exists()] == []
-    assert engine.health()

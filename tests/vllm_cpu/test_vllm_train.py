@@ -90,19 +90,23 @@ def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound
     code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, step_logged(out, 1),
                             marker="vllm.entrypoints.openai.api_server", timeout_s=900)
     assert code == 0, log.read_text()[-4000:]
-    rows = [r for r in read_rows(out) if "async/staleness_max" in r]
+    rows = [r for r in read_rows(out) if "train/num_responses" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["train/num_responses"] for r in rows] == [32, 32, 32]
+    # Every step's responses report their versions (a continued one too), so the bound was checked.
+    assert all("async/staleness_max" in r for r in rows), rows
     assert all(r["async/staleness_max"] <= 1 for r in rows), rows
     assert rows[0]["async/staleness_max"] == 0 and max(r["async/staleness_max"] for r in rows[1:]) == 1
     # Step 1 trains version 0's batch, on both servers: engine and actor agree at the float32 level.
     assert rows[0]["rollout/train_logprob_abs_diff"] < 1e-4, rows[0]
-    assert rows[-1]["rollout/engine_restarts"] >= 1
+    # The killed server only (a kill that lands in a broadcast restarts both: every member's weights
+    # are then partly updated).
+    assert 1 <= rows[-1]["rollout/engine_restarts"] <= 2, rows
     assert sorted(p.name for p in (out / "engine_logs").iterdir()) == ["vllm0.log", "vllm1.log"]
     logs = [(out / "engine_logs" / f"vllm{i}.log").read_text(errors="replace") for i in range(2)]
     lives = [text.count("Starting vLLM server on") for text in logs]
     assert sorted(lives) == [1, 2], lives  # one server killed and restarted (its log holds both lives)
     for text in logs:
-        assert "megatron_dapo_broadcast" in text and "POST /start_weight_update" in text
-        assert "sleep" not in [line.split("POST /")[-1][:5] for line in text.splitlines() if "POST /" in line]
-    print("finish counts", [text.count(FINISHED) for text in logs])
+        # Weights by our broadcast backend only, never released; every update paused and resumed.
+        assert "megatron_dapo_broadcast" in text and "POST /sleep" not in text
+        assert text.count(FINISHED) == text.count('POST /resume HTTP/1.1" 200') >= 3
