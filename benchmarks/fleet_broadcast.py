@@ -1,9 +1,10 @@
 """The fleet's weight sync against a plain gloo broadcast of the same bytes (issue 41).
 
-    python benchmarks/fleet_broadcast.py [--engines 1,2] [--repeats 3] [--hidden 512]
+    python benchmarks/fleet_broadcast.py [--engine sglang|vllm] [--engines 1,2] [--repeats 3] [--hidden 512]
 
 A random Qwen2 (hidden --hidden, 4 layers, vocab 32000, float32) is served by 1, then 2 SGLang
-CPU servers. Per fleet size, in one sitting:
+(or vLLM: our broadcast transfer engine behind vLLM's weight-transfer API) CPU servers. Per
+fleet size, in one sitting:
 - sync: the controller's whole step 7 through rollout/fleet/broadcast.WeightBroadcast (every
   bucket of 512 MiB: the servers' requests, one broadcast, their loads; then the version),
   after one warm-up sync that also forms the group;
@@ -53,19 +54,29 @@ def make_checkpoint(directory: Path, hidden: int) -> Path:
     return directory
 
 
-def measure_sync(checkpoint: Path, engines: int, repeats: int, log_dir: Path) -> tuple[float, float, int]:
+def launch(engine: str, checkpoint: Path, i: int, log_dir: Path):
+    if engine == "vllm":
+        from megatron_dapo.rollout.vllm.engine import VLLMEngine
+
+        return VLLMEngine.launch(checkpoint, name=f"vllm{i}", log_path=log_dir / f"vllm{i}.log", host="127.0.0.1",
+                                 device="cpu", broadcast=True)
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+    from megatron_dapo.rollout.sglang.server import SGLangServerConfig
+
+    return SGLangEngine.launch(SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32",
+                                                  max_total_tokens=4096, host="127.0.0.1",
+                                                  log_path=str(log_dir / f"sglang{i}.log")),
+                               name=f"sglang{i}", startup_timeout_s=900, live_updates=True)
+
+
+def measure_sync(engine: str, checkpoint: Path, engines: int, repeats: int,
+                 log_dir: Path) -> tuple[float, float, int]:
     from safetensors.torch import load_file
 
     from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
-    from megatron_dapo.rollout.sglang.engine import SGLangEngine
-    from megatron_dapo.rollout.sglang.server import SGLangServerConfig
     from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_buckets
 
-    servers = [SGLangEngine.launch(SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32",
-                                                      max_total_tokens=4096, host="127.0.0.1",
-                                                      log_path=str(log_dir / f"sglang{i}.log")),
-                                   name=f"sglang{i}", startup_timeout_s=900, live_updates=True)
-               for i in range(engines)]
+    servers = [launch(engine, checkpoint, i, log_dir) for i in range(engines)]
     fleet = WeightBroadcast(servers, master_address="127.0.0.1", backend="gloo", timeout_s=600)
     tensors = sorted(load_file(str(checkpoint / "model.safetensors")).items())
     buckets = list(iter_buckets(tensors, DEFAULT_BUCKET_BYTES))
@@ -89,15 +100,15 @@ def measure_sync(checkpoint: Path, engines: int, repeats: int, log_dir: Path) ->
 def measure_plain(numel: int, receivers: int, repeats: int) -> float:
     import torch
 
+    from megatron_dapo.rollout.fleet.group import join_weight_group
     from megatron_dapo.rollout.server_process import free_port
-    from megatron_dapo.rollout.sglang.protocol import create_weight_update_group
 
     port, world, name = free_port("127.0.0.1"), receivers + 1, f"plain-{receivers}"  # a name once per process
     children = [subprocess.Popen([sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), str(world), str(r),
                                   str(numel), str(repeats + 1), name]) for r in range(1, world)]
     try:
-        group = create_weight_update_group(master_address="127.0.0.1", master_port=port, world_size=world,
-                                           group_name=name, backend="gloo", timeout_s=300)
+        group = join_weight_group(master_address="127.0.0.1", master_port=port, world_size=world, rank=0,
+                                  group_name=name, backend="gloo", timeout_s=300)
         buffer = torch.randint(0, 255, (numel,), dtype=torch.uint8)
         times = []
         for _ in range(repeats + 1):
@@ -113,6 +124,7 @@ def measure_plain(numel: int, receivers: int, repeats: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", choices=["sglang", "vllm"], default="sglang")
     parser.add_argument("--engines", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
@@ -121,10 +133,11 @@ def main() -> None:
         checkpoint = make_checkpoint(Path(tmp) / "model", args.hidden)
         rows = []
         for engines in (int(e) for e in args.engines.split(",")):
-            sync_s, broadcast_s, num_bytes = measure_sync(checkpoint, engines, args.repeats, Path(tmp))
+            sync_s, broadcast_s, num_bytes = measure_sync(args.engine, checkpoint, engines, args.repeats, Path(tmp))
             plain_s = measure_plain(num_bytes, engines, args.repeats)
             rows.append((engines, num_bytes, sync_s, broadcast_s, plain_s))
     # bcast s: the sync's own broadcast call (the servers join it once they have allocated the bucket).
+    print(f"engine {args.engine}")
     print(f"{'engines':>7} {'MB':>8} {'sync s':>8} {'bcast s':>8} {'plain s':>8} {'plain/sync':>10} {'sync MB/s':>10}")
     for engines, num_bytes, sync_s, broadcast_s, plain_s in rows:
         print(f"{engines:>7} {num_bytes / 1e6:>8.1f} {sync_s:>8.3f} {broadcast_s:>8.3f} {plain_s:>8.3f} "

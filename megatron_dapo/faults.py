@@ -1,8 +1,9 @@
-"""A testing hook: make one rank raise at the start of one phase of the RL step.
+"""A testing hook: make one rank raise (or die) at the start of one phase of the RL step.
 
 `MEGATRON_DAPO_FAULT=<phase>:<rank>` (phase one of `PHASES`, rank a global rank) makes
 that rank raise `InjectedFault` at the start of that phase of the first step that reaches
-it. It exists so the fault tests (tests/e2e/test_rank_faults.py) can check, on the real
+it; `<phase>:<rank>:kill` makes it SIGKILL itself there instead (no cleanup runs: what a
+kill -9 or the OOM killer leaves behind). It exists so the fault tests (tests/e2e/test_rank_faults.py) can check, on the real
 code path, that a rank failing anywhere in a step ends every rank of the job within
 seconds and that the job's error names the failing rank, instead of the others waiting
 in a collective until the controller's timeout (hours). Unset, it costs one dict lookup
@@ -19,10 +20,12 @@ from megatron_dapo.errors import SharedUserError
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "MEGATRON_DAPO_FAULT"
-PHASES = ("rollout", "dispatch", "update", "save")
+PHASES = ("rollout", "dispatch", "update", "save", "broadcast")
 """rollout: before the controller generates (the other ranks are about to wait for it);
 dispatch: before the batch is scattered over data-parallel ranks; update: before the first
-optimizer step; save: inside the checkpoint save, after its temporary directory exists."""
+optimizer step; save: inside the checkpoint save, after its temporary directory exists;
+broadcast: a fleet's weight broadcast (rollout/fleet/broadcast.py): the group formed, the
+servers asked for the first bucket and its broadcast begun."""
 
 
 class InjectedFault(RuntimeError):
@@ -30,16 +33,17 @@ class InjectedFault(RuntimeError):
 
 
 def parse_fault(value: str) -> tuple[str, int] | None:
-    """`"update:1"` -> ("update", 1); "" -> None.
+    """`"update:1"` -> ("update", 1); `"broadcast:0:kill"` -> ("broadcast", 0); "" -> None.
 
     Raises:
         SharedUserError: a malformed value (every rank reads the same launch environment).
     """
     if not value:
         return None
-    phase, _, rank = value.partition(":")
-    if phase not in PHASES or not rank.isdigit():
-        raise SharedUserError(f"{FAULT_ENV}={value!r} is not <phase>:<rank> with phase in {', '.join(PHASES)} "
+    phase, _, rest = value.partition(":")
+    rank, _, action = rest.partition(":")
+    if phase not in PHASES or not rank.isdigit() or action not in ("", "kill"):
+        raise SharedUserError(f"{FAULT_ENV}={value!r} is not <phase>:<rank>[:kill] with phase in {', '.join(PHASES)} "
                               f"and rank a global rank, e.g. {FAULT_ENV}=update:1; unset it to train normally")
     return phase, int(rank)
 
@@ -58,4 +62,8 @@ def fault_point(phase: str, rank: int) -> None:
         # Logged as it happens: the traceback prints only after this rank's cleanup, and the
         # fault tests time the other ranks' exit from this moment.
         logger.error("%s", message)
+        if value.endswith(":kill"):
+            for handler in logging.getLogger().handlers:
+                handler.flush()
+            os.kill(os.getpid(), 9)
         raise InjectedFault(message)

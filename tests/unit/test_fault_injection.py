@@ -21,11 +21,26 @@ def test_the_fault_fires_only_on_its_phase_and_rank(monkeypatch: pytest.MonkeyPa
     fault_point("update", 1)
 
 
-@pytest.mark.parametrize("value", ["update", "train:1", "update:-1", "update:one", ":1"])
+@pytest.mark.parametrize("value", ["update", "train:1", "update:-1", "update:one", ":1", "update:1:die"])
 def test_a_malformed_fault_is_one_user_error_line(value: str) -> None:
-    with pytest.raises(UserError, match=f"^{FAULT_ENV}='{value}' is not <phase>:<rank> with phase in rollout, "
-                                        "dispatch, update, save"):
+    with pytest.raises(UserError, match=rf"^{FAULT_ENV}='{value}' is not <phase>:<rank>\[:kill\] with phase in "
+                                        "rollout, dispatch, update, save, broadcast"):
         parse_fault(value)
+
+
+def test_a_kill_fault_kills_its_process_without_cleanup() -> None:
+    """`<phase>:<rank>:kill` is a kill -9 at that point (the fleet tests' trainer killed mid-broadcast)."""
+    import os
+    import subprocess
+    import sys
+
+    assert parse_fault("broadcast:0:kill") == ("broadcast", 0)
+    code = ("import atexit; from megatron_dapo.faults import fault_point; atexit.register(print, 'cleanup ran'); "
+            "fault_point('broadcast', 0)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, FAULT_ENV: "broadcast:0:kill"})
+    assert done.returncode == -9 and "cleanup ran" not in done.stdout
+    assert "rank 0: injected fault at the start of broadcast" in done.stderr
 
 
 def test_only_torch_distributed_errors_are_a_lost_peer() -> None:

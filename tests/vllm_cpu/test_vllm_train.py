@@ -13,6 +13,8 @@ against +21.9 over 160 steps); the 30-step learning run that held it here cost C
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from importlib.util import find_spec
 from pathlib import Path
@@ -110,3 +112,42 @@ def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound
         # Weights by our broadcast backend only, never released; every update paused and resumed.
         assert "megatron_dapo_broadcast" in text and "POST /sleep" not in text
         assert text.count(FINISHED) == text.count('POST /resume HTTP/1.1" 200') >= 3
+
+
+def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
+    """Issue 41: the controller SIGKILLed (MEGATRON_DAPO_FAULT=broadcast:0:kill, no cleanup runs) once
+    both servers joined its group and its first broadcast began. Nothing hangs: every server process
+    (API server, engine core, worker in the gloo group) is gone within 15 s, by its reaper (lifetime.py)."""
+    import re
+    import subprocess
+    import time
+
+    from proc_utils import alive
+
+    out = tmp_path / "run"
+    command = train_command(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=vllm",
+                            "rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.max_staleness=1",
+                            "algorithm.rollout_correction.rollout_is=token", "model.sft_warm_start.enable=false",
+                            "rollout.update_weights_bucket_megabytes=1", "trainer.total_training_steps=1",
+                            f"trainer.output_dir={out}")
+    log = tmp_path / "trainer.log"
+    env = {**trainer_env(tmp_path / "cache"), "MEGATRON_DAPO_FAULT": "broadcast:0:kill"}
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        assert proc.wait(timeout=600) == -9, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "rank 0: injected fault at the start of broadcast" in log.read_text()
+    logs = [(out / "engine_logs" / f"vllm{i}.log").read_text(errors="replace") for i in range(2)]
+    for text in logs:  # both had joined the group; no bucket had arrived when the trainer died
+        assert 'POST /init_weight_transfer_engine HTTP/1.1" 200' in text, text[-2000:]
+        assert 'POST /update_weights HTTP/1.1" 200' not in text
+    pids = {int(p) for text in logs for p in re.findall(r"pid=(\d+)\)", text)}
+    assert len(pids) >= 6, pids  # API server, engine core and worker of each
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    assert [p for p in pids if alive(p)] == [], "a server process outlived its killed trainer"

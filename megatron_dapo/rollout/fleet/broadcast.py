@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
 from megatron_dapo.rollout.fleet.group import join_weight_group
@@ -140,7 +141,9 @@ class WeightBroadcast:
                    for e in self.engines}
         start = time.perf_counter()
         try:
-            self._group.broadcast([flat], dist.BroadcastOptions()).wait()  # type: ignore[union-attr]
+            work = self._group.broadcast([flat], dist.BroadcastOptions())  # type: ignore[union-attr]
+            fault_point("broadcast", 0)  # the controller is rank 0 (tests: a trainer killed mid-broadcast)
+            work.wait()
         except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
             self._fail("the broadcast", err, futures)
         self.seconds_broadcast += time.perf_counter() - start

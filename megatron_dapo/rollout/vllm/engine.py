@@ -15,10 +15,10 @@ is how vLLM's own RL examples run it):
   concurrently; vLLM batches them and its prefix cache shares the prompt's prefill.
 - POST /abort_requests ``{}``: aborts every in-flight request (they finish with "abort").
 - POST /init_weight_transfer_engine, /start_weight_update, /update_weights,
-  /finish_weight_update: vLLM's weight-transfer API for RL. The backend is the
-  shared-memory one of transfer.py on CPU (vLLM's NCCL and CUDA-IPC backends need
-  GPUs): each bucket is a safetensors file in /dev/shm that the worker loads with the
-  model's own ``load_weights`` inside vLLM's layerwise reload.
+  /finish_weight_update: vLLM's weight-transfer API for RL, driven by weights.py. The backend
+  is one of transfer.py's (vLLM's NCCL and CUDA-IPC backends need GPUs): shared-memory files
+  for the server on the trainer's node, or a broadcast from the controller for a fleet
+  (``broadcast=True``; /pause and /resume around the update, the version on every token).
 - POST /reset_prefix_cache after an update: cached prefixes hold old-weight KV.
 - POST /sleep?level=1, /wake_up (GPU servers with --enable-sleep-mode): release and take
   back weights and KV cache around training. vLLM's CPU worker has no sleep mode.
