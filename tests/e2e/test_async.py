@@ -8,11 +8,7 @@ command again, neither loses nor repeats a step or a prompt.
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import subprocess
-import time
 import uuid
 from pathlib import Path
 
@@ -31,6 +27,9 @@ from trainer_utils import (
 pytestmark = pytest.mark.e2e
 
 ASYNC = ("rollout.placement=disaggregated", "trainer.test_freq=2")
+# An engine killed mid-run in the asynchronous loop costs a restart, not the run: held by the vLLM
+# fleet's trainer run (tests/vllm_cpu/test_vllm_train.py, a real server killed after step 1) and,
+# for the local engine's process, tests/unit/test_engine_restart.py (this run cost CI 42 s).
 
 
 @pytest.fixture(scope="module")
@@ -100,51 +99,3 @@ def test_kill_9_while_rollouts_run_ahead_loses_and_repeats_nothing(tmp_path: Pat
     assert drawn == sum(int(r["train/num_prompts_taken"]) for r in rows[1:])
     assert run_processes(env["FAULT_TEST_TAG"]) == []
 
-
-def _engine_pids(tag: str) -> list[int]:
-    """The run's engine processes (rollout/local/process.py names them dapo-<engine>)."""
-    return [pid for pid in run_processes(tag) if Path(f"/proc/{pid}/comm").read_text().strip() == "dapo-local0"]
-
-
-def test_an_engine_killed_mid_run_costs_a_restart_not_the_run(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    config = write_config(tmp_path / "tiny.yaml")
-    command = train_command(config, f"trainer.output_dir={out}", "trainer.total_training_steps=5",
-                            "trainer.max_staleness=1", "algorithm.rollout_correction.rollout_is=token", *ASYNC)
-    env = {**trainer_env(tmp_path / "cache"), "FAULT_TEST_TAG": uuid.uuid4().hex}
-    metrics = out / "metrics.jsonl"
-    with (tmp_path / "run.log").open("w") as log:
-        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        # The producer generates step 3's batch while the actor trains step 2: kill the engine then.
-        while not (metrics.is_file() and '"step": 2,' in metrics.read_text()):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "run.log").read_text()[-3000:]
-            time.sleep(0.02)
-        (victim,) = _engine_pids(env["FAULT_TEST_TAG"])
-        os.kill(victim, signal.SIGKILL)
-        assert proc.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = (tmp_path / "run.log").read_text()
-    # Found dead by a generate ("its process (pid N) ..."), by a request it could not send ("its
-    # client failed: ... cannot reach its process (Broken pipe)", seen 2026-11-25) or, on a loaded
-    # machine where the kill lands between two batches, by the next weight update ("its weight
-    # update failed"): each is one restart.
-    assert re.search(r"engine local0 failed \(engine local0: (its process \(pid |its weight update failed|"
-                     r"its client failed: EngineError: engine local0: cannot reach its process)", text), text[-3000:]
-    assert "restarting it in place, restart 1 of at most 3" in text
-    rows = read_rows(out)
-    # A clean run's invariants: every step once, full batches of mixed groups within the bound.
-    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5]
-    for row in rows[1:]:
-        assert row["train/num_groups"] == 4 and row["train/num_responses"] == 16
-        assert 0 < row["train/kept_group_acc_min"] <= row["train/kept_group_acc_max"] < 1
-        assert row["async/staleness_max"] <= 1
-    assert [r["rollout/engine_restarts"] for r in rows[1:3]] == [0, 0]
-    assert rows[-1]["rollout/engine_restarts"] == 1
-    deadline = time.monotonic() + 10  # helpers (resource tracker, forkserver) leave right after the main process
-    while run_processes(env["FAULT_TEST_TAG"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert run_processes(env["FAULT_TEST_TAG"]) == []

@@ -42,13 +42,18 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(checkpoints, tmp_path_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
     logs = tmp_path_factory.mktemp("fleet_logs")
-    engines = []
-    for i in range(2):
+
+    def launch(i: int) -> SGLangEngine:  # both at once, as the factory starts a fleet
         config = SGLangServerConfig(model_path=str(checkpoints[0]), device="cpu", dtype="float32",
                                     max_total_tokens=32768, host="127.0.0.1", log_path=str(logs / f"sglang{i}.log"))
-        engines.append(SGLangEngine.launch(config, name=f"sglang{i}", vocab_size=SHAPE["vocab_size"],
-                                           startup_timeout_s=600, live_updates=True))
+        return SGLangEngine.launch(config, name=f"sglang{i}", vocab_size=SHAPE["vocab_size"], startup_timeout_s=600,
+                                   live_updates=True)
+
+    with ThreadPoolExecutor(2) as pool:
+        engines = list(pool.map(launch, range(2)))
     yield engines
     pids = [e.process.pid for e in engines]
     for e in engines:

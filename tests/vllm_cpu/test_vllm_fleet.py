@@ -24,7 +24,7 @@ import pytest
 import torch
 from proc_utils import alive
 from safetensors.torch import load_file
-from test_vllm_engine import PROMPTS, SHAPE, make_checkpoint, reference_log_probs
+from test_vllm_engine import PROMPTS, SHAPE, reference_log_probs
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
@@ -37,6 +37,23 @@ pytestmark = [
 ]
 
 DEADLINE_S = 60.0
+ROW_TOKENS = 400
+"""The mid-generation row: at least 20 s of decoding here, so an update lands inside it even on a
+loaded CI machine (110 tokens finished before a sync did there once)."""
+
+
+def make_checkpoint(directory: Path, seed: int) -> Path:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(**{**SHAPE, "max_position_embeddings": 512}, num_hidden_layers=2, tie_word_embeddings=True,
+                         rms_norm_eps=1e-5)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2)
+    model.save_pretrained(str(directory))
+    return directory
 
 
 @pytest.fixture(scope="module")
@@ -104,19 +121,19 @@ def test_an_update_mid_generation_is_applied_between_two_tokens_and_recomputes_t
     prefix KV would leave them off by far more than 1e-4)."""
     engine = fleet[0]
     broadcast = WeightBroadcast([engine], master_address="127.0.0.1", backend="gloo", timeout_s=DEADLINE_S)
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=110, seed=5, stop_token_ids=())
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=ROW_TOKENS, seed=5, stop_token_ids=())
     holder = {}
     row = threading.Thread(target=lambda: holder.setdefault("r", engine.generate(PROMPTS[:1], params)))
     try:
         row.start()
         time.sleep(2.0)  # the row is decoding (about 20 tokens a second here)
         sync(broadcast, checkpoints[0], version=4)
-        row.join(timeout=120)
+        row.join(timeout=300)
         result = holder["r"][0]
     finally:
         broadcast.close()
     assert result.weight_versions == (3, 4), result.weight_versions
-    assert len(result.output_ids) == 110
+    assert len(result.output_ids) == ROW_TOKENS
     before = gaps(checkpoints[1], result, 1.0)
     after = gaps(checkpoints[0], result, 1.0)
     cut = next(k for k in range(len(result.output_ids)) if after[k:].max() < 1e-4)
