@@ -142,7 +142,12 @@ class WeightBroadcast:
         start = time.perf_counter()
         try:
             work = self._group.broadcast([flat], dist.BroadcastOptions())  # type: ignore[union-attr]
-            fault_point("broadcast", 0)  # the controller is rank 0 (tests: a trainer killed mid-broadcast)
+        except Exception as err:  # the group broke before this bucket
+            self._fail("the broadcast", err, futures)
+        # The controller is rank 0 (tests: a trainer killed, or failing, mid-broadcast); outside the
+        # handler below, so an injected failure stays the controller's own, not a server's.
+        fault_point("broadcast", 0)
+        try:
             work.wait()
         except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
             self._fail("the broadcast", err, futures)
