@@ -177,9 +177,16 @@ class RolloutController:
         except EngineError as err:
             if not all(self._can_restart(e) for e in self.engines):
                 raise
-            logger.warning("the fleet's weight broadcast failed (%s); every engine is restarted with the current "
-                           "weights before its next use", err)
+            logger.warning("the fleet's weight broadcast failed (%s); every engine is stopped now and restarted "
+                           "with the current weights before its next use", err)
             self._failed.update(range(len(self.engines)))
+            # The survivors are paused mid-update with partly loaded weights: a running stream's
+            # requests to them would wait for their timeout (an hour), so their servers go now;
+            # the stream's threads meet a dead engine, hand its prompts to the others and restart
+            # it (seen: a vLLM fleet hung after a member died during a broadcast).
+            for engine in self.engines:
+                with contextlib.suppress(Exception):  # already dead, or stopping anyway
+                    engine.shutdown()  # type: ignore[attr-defined]
 
     def _can_restart(self, engine: RolloutEngine) -> bool:
         return can_restart(engine) and self.max_restarts > 0

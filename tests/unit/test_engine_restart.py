@@ -188,13 +188,16 @@ class _Member(_Restartable):
     restartable = True
 
     def __init__(self, name):
-        self.name, self.loaded, self.restarts = name, [], 0
+        self.name, self.loaded, self.restarts, self.stopped = name, [], 0, 0
 
     def update_weights(self, bucket):
         self.loaded.append([n for n, _ in bucket])
 
     def restart(self):
         self.restarts += 1
+
+    def shutdown(self):
+        self.stopped += 1
 
 
 class _Broadcast:
@@ -234,6 +237,8 @@ def test_a_failed_fleet_broadcast_restarts_every_member_with_the_whole_sync(new_
         controller.update_weights(bucket)
     controller.finish_weight_update(version=7)
     assert len(transport.sent) == 1 and transport.finished == []  # the rest of the sync was not sent
+    # Stopped at once (paused mid-update, a running stream's requests to them would wait an hour).
+    assert [m.stopped for m in members] == [1, 1] and [m.restarts for m in members] == [0, 0]
     controller._restart_marked()
     assert [m.restarts for m in members] == [1, 1] and sorted(transport.replaced) == [0, 1]
     names = [[n for n, _ in b] for b in buckets]
