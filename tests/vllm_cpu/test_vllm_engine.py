@@ -31,12 +31,13 @@ SHAPE = {**TINY_SHAPE, "hidden_size": 128}
 PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]
 
 
-def make_checkpoint(directory: Path, seed: int) -> Path:
+def make_checkpoint(directory: Path, seed: int, *, max_positions: int | None = None) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
+    shape = SHAPE if max_positions is None else {**SHAPE, "max_position_embeddings": max_positions}
     # Tied like the tiny run's model: a weight sync must keep lm_head == embed_tokens.
-    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_hidden_layers=2, tie_word_embeddings=True, rms_norm_eps=1e-5))
+    model = Qwen2ForCausalLM(Qwen2Config(**shape, num_hidden_layers=2, tie_word_embeddings=True, rms_norm_eps=1e-5))
     with torch.no_grad():
         for param in model.parameters():
             param.normal_(0.0, 0.2)

@@ -24,7 +24,7 @@ import pytest
 import torch
 from proc_utils import alive
 from safetensors.torch import load_file
-from test_vllm_engine import PROMPTS, SHAPE, reference_log_probs
+from test_vllm_engine import PROMPTS, SHAPE, make_checkpoint, reference_log_probs
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
@@ -42,24 +42,11 @@ ROW_TOKENS = 400
 loaded CI machine (110 tokens finished before a sync did there once)."""
 
 
-def make_checkpoint(directory: Path, seed: int) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(seed)
-    config = Qwen2Config(**{**SHAPE, "max_position_embeddings": 512}, num_hidden_layers=2, tie_word_embeddings=True,
-                         rms_norm_eps=1e-5)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.normal_(0.0, 0.2)
-    model.save_pretrained(str(directory))
-    return directory
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_fleet_ckpt")
-    return make_checkpoint(root / "a", seed=0), make_checkpoint(root / "b", seed=1)
+    return (make_checkpoint(root / "a", seed=0, max_positions=512),
+            make_checkpoint(root / "b", seed=1, max_positions=512))
 
 
 @pytest.fixture(scope="module")
