@@ -227,7 +227,8 @@ def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> Di
     if _env is not None:
         return _env
     rank, world_size, local_rank = launcher_ranks()
-    if not _launched():
+    one_process = not _launched()
+    if one_process:
         # A one-process world rendezvous with itself: a MASTER_ADDR left in the shell by
         # another job would make it wait for a host that never answers.
         os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -241,13 +242,23 @@ def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> Di
         # env:// is the launchers' convention: it reads MASTER_ADDR/MASTER_PORT/RANK/
         # WORLD_SIZE (exported above for SLURM and the one-process case) and, under
         # torchrun, joins the agent's store instead of hosting a second one.
-        dist.init_process_group(
-            backend=backend,
-            init_method="env://",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(minutes=timeout_minutes),
-        )
+        for attempt in range(3):
+            try:
+                dist.init_process_group(
+                    backend=backend,
+                    init_method="env://",
+                    rank=rank,
+                    world_size=world_size,
+                    timeout=timedelta(minutes=timeout_minutes),
+                )
+                break
+            except dist.DistNetworkError as err:
+                # A one-process world's port is free when picked and may be taken before its store
+                # binds it (an outgoing connection's ephemeral port; seen in CI-like runs beside the
+                # unit tier): pick another. A launcher's port is the launcher's to choose.
+                if not one_process or "EADDRINUSE" not in str(err) or attempt == 2:
+                    raise
+                os.environ["MASTER_PORT"] = str(free_port())
     _env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
     return _env
 
