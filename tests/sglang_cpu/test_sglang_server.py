@@ -1,8 +1,8 @@
 """The SGLang engine against SGLang's own server on CPU (sglang 0.5.18 + its CPU kernels).
 
 Run by `.ci/run` after `make install-sglang-cpu`; skipped where no SGLang interpreter is
-installed. One float32 server serves the module (start-up is ~25 s on 2 cores); the test
-that kills a server starts its own. What each test holds is a rule of DESIGN.md's "SGLang's
+installed. One float32 server serves the module (start-up is ~25 s on 2 cores); two servers at
+once and a kill of one are the fleet's tests (test_sglang_fleet.py). What each test holds is a rule of DESIGN.md's "SGLang's
 own server, and what it dies of": each failed against the real server before the engine
 was fixed (the abort test: requests sent after an abort ran to full length).
 """
