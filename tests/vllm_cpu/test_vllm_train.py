@@ -106,12 +106,16 @@ def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound
     assert 1 <= rows[-1]["rollout/engine_restarts"] <= 2, rows
     assert sorted(p.name for p in (out / "engine_logs").iterdir()) == ["vllm0.log", "vllm1.log"]
     logs = [(out / "engine_logs" / f"vllm{i}.log").read_text(errors="replace") for i in range(2)]
+    # The killed server restarted (its log holds both lives); when the kill landed in a sync, the
+    # broadcast failed and every member was stopped and restarted (2026-11-28: seen both ways).
     lives = [text.count("Starting vLLM server on") for text in logs]
-    assert sorted(lives) == [1, 2], lives  # one server killed and restarted (its log holds both lives)
+    assert sorted(lives) in ([1, 2], [2, 2]) and sum(lives) - 2 == rows[-1]["rollout/engine_restarts"], (lives, rows)
     for text in logs:
-        # Weights by our broadcast backend only, never released; every update paused and resumed.
+        # Weights by our broadcast backend only, never released; every finished update resumed (but
+        # one a kill cut between the two).
         assert "megatron_dapo_broadcast" in text and "POST /sleep" not in text
-        assert text.count(FINISHED) == text.count('POST /resume HTTP/1.1" 200') >= 3
+        finished, resumed = text.count(FINISHED), text.count('POST /resume HTTP/1.1" 200')
+        assert finished >= 3 and 0 <= finished - resumed <= 1, (finished, resumed)
 
 
 def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
