@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["join_weight_group", "split_flat"]
+__all__ = ["flat_nbytes", "join_weight_group", "split_flat"]
 
 
 def join_weight_group(*, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
@@ -56,12 +56,14 @@ def split_flat(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[
     """
     tensors, offset = [], 0
     for dtype, shape in zip(dtypes, shapes):
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = flat_nbytes([dtype], [shape])
         tensors.append(flat[offset:offset + nbytes].view(dtype).view(shape))
         offset += nbytes
     if offset != flat.numel():
         raise ValueError(f"a flat bucket of {flat.numel()} bytes holds {offset} bytes of the tensors named")
     return tensors
+
+
+def flat_nbytes(dtypes: list[torch.dtype], shapes: list[list[int]]) -> int:
+    """Bytes of the tensors' flat bucket (what a receiver allocates before the broadcast)."""
+    return sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size() for d, shape in zip(dtypes, shapes))

@@ -48,14 +48,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from megatron_dapo.rollout.vllm.weights import BROADCAST_BACKEND, SHM_BACKEND
+
 __all__ = ["BACKEND", "BROADCAST_BACKEND", "BroadcastWeightTransferEngine", "SharedMemoryWeightTransferEngine",
            "register"]
 
-BACKEND = "megatron_dapo_shm"
-"""The backend name passed in ``--weight-transfer-config`` (engine.py)."""
-
-BROADCAST_BACKEND = "megatron_dapo_broadcast"
-"""The fleet's backend name (engine.py, ``broadcast=True``)."""
+BACKEND = SHM_BACKEND
+"""The backend name passed in ``--weight-transfer-config`` (engine.py); the names live in weights.py,
+which imports no vLLM."""
 
 
 @dataclass
@@ -233,7 +233,7 @@ class BroadcastWeightTransferEngine(_LayerwiseReload, WeightTransferEngine[Broad
         """Join the bucket's broadcast (one flat buffer of its bytes) and load its tensors."""
         import torch.distributed as dist
 
-        from megatron_dapo.rollout.fleet.group import split_flat
+        from megatron_dapo.rollout.fleet.group import flat_nbytes, split_flat
 
         if self._group is None:
             raise RuntimeError("megatron_dapo_broadcast: /update_weights before /init_weight_transfer_engine")
@@ -241,8 +241,7 @@ class BroadcastWeightTransferEngine(_LayerwiseReload, WeightTransferEngine[Broad
             raise RuntimeError(f"megatron_dapo_broadcast: the bucket is sent on group {update_info.group_name}, "
                                f"this worker joined {self._group_name}")
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
-        nbytes = sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size()
-                     for d, shape in zip(dtypes, update_info.shapes))
+        nbytes = flat_nbytes(dtypes, update_info.shapes)
         on_cpu = dist.get_backend(self._group) == "gloo"
         flat = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if on_cpu else self.device)
         self._group.broadcast([flat], dist.BroadcastOptions()).wait()

@@ -38,9 +38,9 @@ import torch
 __all__ = ["BROADCAST_BACKEND", "SHM_BACKEND", "WeightTransfer"]
 
 SHM_BACKEND = "megatron_dapo_shm"
-"""transfer.BACKEND (not imported: that module imports vLLM)."""
+"""The shared-memory backend's name in ``--weight-transfer-config`` (transfer.py registers it)."""
 BROADCAST_BACKEND = "megatron_dapo_broadcast"
-"""transfer.BROADCAST_BACKEND."""
+"""The fleet's backend name (transfer.py registers it)."""
 
 
 class WeightTransfer:
