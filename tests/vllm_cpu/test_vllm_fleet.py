@@ -37,16 +37,16 @@ pytestmark = [
 ]
 
 DEADLINE_S = 60.0
-ROW_TOKENS = 400
-"""The mid-generation row: about 2 s of decoding on an idle machine, longer loaded, so an update sent
-0.5 s after it lands inside it (110 tokens finished before a sync on a loaded machine once)."""
+ROW_TOKENS = 1600
+"""The mid-generation row: about 8 s of decoding on an idle machine (400 tokens took 2 s), longer
+loaded; its update goes out 1 s in."""
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm_fleet_ckpt")
-    return (make_checkpoint(root / "a", seed=0, max_positions=512),
-            make_checkpoint(root / "b", seed=1, max_positions=512))
+    return (make_checkpoint(root / "a", seed=0, max_positions=2048),
+            make_checkpoint(root / "b", seed=1, max_positions=2048))
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +112,12 @@ def test_an_update_mid_generation_is_applied_between_two_tokens_and_recomputes_t
     holder = {}
     row = threading.Thread(target=lambda: holder.setdefault("r", engine.generate(PROMPTS[:1], params)))
     try:
+        # The group is formed (with b, version 3) before the row starts, so the update goes out one
+        # second into a row of several seconds however loaded the machine is (CI once formed the
+        # group, a few seconds under load, while a 400-token row finished: versions (3,)).
+        sync(broadcast, checkpoints[1], version=3)
         row.start()
-        time.sleep(0.5)  # the row is decoding (400 tokens take about 2 s on an idle machine, far more loaded)
+        time.sleep(1.0)
         sync(broadcast, checkpoints[0], version=4)
         row.join(timeout=300)
         result = holder["r"][0]
