@@ -20,12 +20,15 @@ from megatron_dapo.errors import SharedUserError
 logger = logging.getLogger(__name__)
 
 FAULT_ENV = "MEGATRON_DAPO_FAULT"
-PHASES = ("rollout", "dispatch", "update", "save", "broadcast")
+PHASES = ("rollout", "dispatch", "update", "save", "fleet_init", "fleet_metadata", "broadcast", "fleet_finish")
 """rollout: before the controller generates (the other ranks are about to wait for it);
 dispatch: before the batch is scattered over data-parallel ranks; update: before the first
-optimizer step; save: inside the checkpoint save, after its temporary directory exists;
-broadcast: a fleet's weight broadcast (rollout/fleet/broadcast.py): the group formed, the
-servers asked for the first bucket and its broadcast begun."""
+optimizer step; save: inside the checkpoint save, after its temporary directory exists.
+A fleet's weight sync (rollout/fleet/broadcast.py), on the controller (rank 0), in its order:
+fleet_init: the servers asked to join the group, the controller not yet in it; fleet_metadata:
+the servers sent the first bucket's names, dtypes and shapes (waiting in its broadcast), the
+broadcast not begun; broadcast: its broadcast begun; fleet_finish: every bucket sent, the
+servers asked to finish the update (set the version, resume)."""
 
 
 class InjectedFault(RuntimeError):

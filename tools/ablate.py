@@ -6,6 +6,8 @@ token budget, and DAPO with one component removed at a time.
     python tools/ablate.py --seeds 1,2 --runs dapo,no-clip-higher,token-mean-off,no-dynamic-sampling,no-overlong
     python tools/ablate.py --seeds 1 --steps 10 [key=value]          # a quick look
     python tools/ablate.py --seeds 1,2,3,4 --jobs 2                  # two seeds at a time, one thread each
+    python tools/ablate.py --seeds 21,22,23 --runs dapo,sglang-fleet,vllm-fleet --equal steps --steps 40
+                                                                     # issue 41: fleets against colocated
 
 Each seed is `trainer.seed=<s>` (scratch model, SFT draws, sampling) on examples/tiny_cpu.yaml
 (DAPO) and examples/grpo_tiny_cpu.yaml (symmetric clip 0.2, seq-mean-token-mean, no dynamic
@@ -65,6 +67,9 @@ class RunKind:
     overrides: tuple[str, ...] = ()
 
 
+FLEET = ("rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.max_staleness=1",
+         "algorithm.rollout_correction.rollout_is=token")
+
 RUNS: dict[str, RunKind] = {
     "dapo": RunKind("DAPO", DAPO_CONFIG),
     "grpo": RunKind("GRPO (naive)", "examples/grpo_tiny_cpu.yaml"),
@@ -74,6 +79,11 @@ RUNS: dict[str, RunKind] = {
     "no-dynamic-sampling": RunKind("DAPO - dynamic sampling", DAPO_CONFIG,
                                    ("algorithm.filter_groups.enable=false", "data.gen_batch_size={train_batch_size}")),
     "no-overlong": RunKind("DAPO - overlong shaping", DAPO_CONFIG, ("reward.overlong_buffer.enable=false",)),
+    # Issue 41's fleets: the default run on two servers beside the trainer, one step off-policy
+    # (weights by broadcast after each update, generation of step t+1 overlapping it), token TIS.
+    # Compared with the default (colocated) run per RL step: --equal steps.
+    "sglang-fleet": RunKind("DAPO on 2 SGLang servers, async", DAPO_CONFIG, (*FLEET, "rollout.engine=sglang")),
+    "vllm-fleet": RunKind("DAPO on 2 vLLM servers, async", DAPO_CONFIG, (*FLEET, "rollout.engine=vllm")),
 }
 
 # Two-sided 95% quantiles of Student's t, df 1..30 (beyond: the normal 1.96 is within 2%).

@@ -4,11 +4,13 @@ Two real servers join one group with the controller; every bucket goes once, as 
 both. The tests hold the weights (both serve checkpoint b's log-probs and the same version
 after the sync) and the deadlines: a server killed before the group forms, between two buckets
 of one sync and before the finish ends the sync with one line naming it, well inside the
-deadline, and the fleet syncs again once it is restarted.
+deadline, and the fleet syncs again once it is restarted. A trainer SIGKILLed at each phase of its
+first sync (init, metadata, finish) leaves no server process behind.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -129,3 +131,59 @@ def test_a_server_killed_during_the_sync_ends_it_in_one_line_naming_it(fleet, ch
             == {(5,)}
     finally:
         broadcast.close()
+
+
+TRAINER_KILL_LOGS = {
+    # phase: (answered in both servers' logs, not answered in either)
+    "fleet_init": ((), ('POST /init_weights_update_group HTTP/1.1" 200',)),
+    "fleet_metadata": (('POST /init_weights_update_group HTTP/1.1" 200',),
+                       ('POST /update_weights_from_distributed HTTP/1.1" 200',)),
+    "fleet_finish": (('POST /update_weights_from_distributed HTTP/1.1" 200',), ()),
+}
+
+
+@pytest.mark.parametrize("phase", sorted(TRAINER_KILL_LOGS))
+def test_a_trainer_killed_in_a_fleet_sync_takes_its_fleet_with_it(tmp_path, phase):
+    """Issue 41: the controller SIGKILLed (MEGATRON_DAPO_FAULT=<phase>:0:kill, no cleanup runs) in
+    its first sync: the servers asked to join its group, sent the first bucket's metadata (waiting
+    in its broadcast), or asked to finish (the vLLM fleet's test kills it in the broadcast itself).
+    Nothing hangs: every process the run started (the server and its scheduler and detokenizer
+    processes) is gone within 15 s, by the servers' reaper (lifetime.py)."""
+    import subprocess
+    import sys
+    import uuid
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+    from trainer_utils import REPO, run_processes, train_command, trainer_env
+
+    out = tmp_path / "run"
+    # A fleet of one server (two cost a minute more of CI for the three phases; the vLLM fleet's
+    # kill has two), the scratch model with a verifier that needs no skill, one small step.
+    command = train_command(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=sglang",
+                            "rollout.placement=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1",
+                            "algorithm.rollout_correction.rollout_is=token", "model.sft_warm_start.enable=false",
+                            "reward.reward_fn=e2e_reward_fns:char_parity", "data.train_batch_size=4",
+                            "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4",
+                            "rollout.update_weights_bucket_megabytes=1", "trainer.total_training_steps=1",
+                            "trainer.test_freq=100", f"trainer.output_dir={out}")
+    tag = uuid.uuid4().hex
+    env = {**trainer_env(tmp_path / "cache"), "MEGATRON_DAPO_FAULT": f"{phase}:0:kill", "FAULT_TEST_TAG": tag}
+    log = tmp_path / "trainer.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        assert proc.wait(timeout=600) == -9, log.read_text()[-3000:]
+        assert f"rank 0: injected fault at the start of {phase}" in log.read_text()
+        deadline = time.monotonic() + 15
+        while run_processes(tag) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = run_processes(tag)
+        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+    finally:
+        for pid in run_processes(tag):  # a failing test leaves nothing behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    answered, unanswered = TRAINER_KILL_LOGS[phase]
+    text = (out / "engine_logs" / "sglang0.log").read_text(errors="replace")  # in the sync, at the phase named
+    assert all(line in text for line in answered) and not any(line in text for line in unanswered), text[-2000:]

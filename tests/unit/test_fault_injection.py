@@ -24,7 +24,8 @@ def test_the_fault_fires_only_on_its_phase_and_rank(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize("value", ["update", "train:1", "update:-1", "update:one", ":1", "update:1:die"])
 def test_a_malformed_fault_is_one_user_error_line(value: str) -> None:
     with pytest.raises(UserError, match=rf"^{FAULT_ENV}='{value}' is not <phase>:<rank>\[:kill\] with phase in "
-                                        "rollout, dispatch, update, save, broadcast"):
+                                        "rollout, dispatch, update, save, fleet_init, fleet_metadata, broadcast, "
+                                        "fleet_finish"):
         parse_fault(value)
 
 

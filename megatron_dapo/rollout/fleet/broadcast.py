@@ -139,6 +139,7 @@ class WeightBroadcast:
         futures = {self._pool.submit(e.receive_distributed, bucket, group_name=self._group_name,
                                      load_format=FLATTENED_BUCKET, timeout_s=self.timeout_s): e
                    for e in self.engines}
+        fault_point("fleet_metadata", 0)
         start = time.perf_counter()
         try:
             work = self._group.broadcast([flat], dist.BroadcastOptions())  # type: ignore[union-attr]
@@ -158,6 +159,7 @@ class WeightBroadcast:
     def finish_weight_update(self, version: int | None = None) -> None:
         """Every server ends the update and takes ``version``."""
         futures = {self._pool.submit(e.finish_weight_update, version): e for e in self.engines}
+        fault_point("fleet_finish", 0)
         self._answers("finish_weight_update", futures, drop_group=False)
 
     def reload(self, index: int, buckets: Sequence[Sequence[tuple[str, torch.Tensor]]], version: int | None) -> None:
@@ -199,6 +201,7 @@ class WeightBroadcast:
                                      backend=self.backend): e
                    for e, offset in zip(self.engines, offsets)}
         holder: dict[str, Any] = {}
+        fault_point("fleet_init", 0)
 
         def create() -> None:
             try:
