@@ -19,6 +19,17 @@ them alike:
 Prints per variant the median step time (timing_s/step over the steps after the first),
 the actor's and the engine's median idle time per step, the median weight-transfer time
 (timing_s/sync) and the ratio of the step time to the synchronous one.
+
+    python benchmarks/async_vs_sync.py --variants none --fleets sglang:1,sglang:2,vllm:1,vllm:2
+
+`--fleets ENGINE:N,...` adds, per fleet (issue 41: N servers of rollout.engine beside the
+trainer, weights by broadcast), `ENGINE:N-k0` (max_staleness 0: generation and update take
+turns, so each is measured alone) and `ENGINE:N-k1` (max_staleness 1, token TIS), and a second
+table: the k1 step against the pipelining limit from the k0 run of the same round, the median
+over its steps of max(generation alone, update alone) (generation: timing_s/collect, the batch
+with its rewards; update: the rest of the step, weight broadcast included). Issue 41's goal is
+<= 1.15x. On a 2-core CPU the servers and the actor share the cores, so the limit (each phase
+with the machine to itself) cannot be reached there; the ratio says how far contention leaves it.
 """
 
 from __future__ import annotations
@@ -60,18 +71,47 @@ def median(rows: list[dict], key: str) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def fleet_variants(spec: str) -> dict[str, list[str]]:
+    """`sglang:1,vllm:2` -> {"sglang:1-k0": [...], "sglang:1-k1": [...], ...}."""
+    variants: dict[str, list[str]] = {}
+    for item in filter(None, spec.split(",")):
+        engine, _, count = item.partition(":")
+        if engine not in ("sglang", "vllm") or not count.isdigit() or int(count) < 1:
+            raise SystemExit(f"--fleets: {item!r} is not ENGINE:N with ENGINE sglang or vllm and N >= 1, e.g. vllm:2")
+        fleet = ["rollout.placement=disaggregated", f"rollout.engine={engine}", f"rollout.num_engines={count}"]
+        # TIS in both: the same actor work per step (its full old-log-prob pass), only the overlap differs.
+        variants[f"{item}-k0"] = [*fleet, "trainer.max_staleness=0", *TIS]
+        variants[f"{item}-k1"] = [*fleet, "trainer.max_staleness=1", *TIS]
+    return variants
+
+
+def pipelining_limit(k0_rows: list[dict]) -> float:
+    """Median over steps of max(generation alone, update alone) in a max_staleness 0 run."""
+    limits = [max(r.get("timing_s/collect", 0.0), r["timing_s/step"] - r.get("timing_s/collect", 0.0))
+              for r in k0_rows]
+    return statistics.median(limits) if limits else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="examples/tiny_cpu.yaml")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {list(VARIANTS)}, or none")
+    parser.add_argument("--fleets", default="", help="ENGINE:N,... fleets to add (k0 and k1 each), e.g. sglang:2,vllm:2")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides for every variant")
     args = parser.parse_args()
-    names = args.variants.split(",")
+    names = [] if args.variants == "none" else args.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    fleets = fleet_variants(args.fleets)
+    variants = {**VARIANTS, **fleets}
+    names += list(fleets)
+    if not names:
+        parser.error("nothing to run: --variants none and no --fleets")
+    limits: dict[str, list[float]] = {name: [] for name in fleets if name.endswith("-k0")}
     rows: dict[str, list[dict]] = {name: [] for name in names}
     walls: dict[str, list[float]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
@@ -79,10 +119,12 @@ def main() -> None:
             order = names if r % 2 == 0 else names[::-1]
             for name in order:
                 start = time.perf_counter()
-                got = run_variant(args.config, args.steps, [*VARIANTS[name], *args.overrides],
-                                  Path(tmp) / f"{name}-{r}")
+                got = run_variant(args.config, args.steps, [*variants[name], *args.overrides],
+                                  Path(tmp) / f"{name.replace(':', '')}-{r}")
                 walls[name].append(time.perf_counter() - start)
                 rows[name].extend(got[1:])  # the first step has nothing to overlap with
+                if name in limits:
+                    limits[name].append(pipelining_limit(got[1:]))
                 print(f"round {r + 1} {name}: {walls[name][-1]:.1f} s", flush=True)
     base = median(rows["sync"], "timing_s/step") if "sync" in rows else None
     print(f"\n{args.steps} steps x {args.rounds} rounds per variant, medians over steps 2..{args.steps}; "
@@ -95,6 +137,16 @@ def main() -> None:
         print(f"| {name} | {step:.3f} | {median(rows[name], 'timing_s/actor_idle'):.3f} | "
               f"{median(rows[name], 'timing_s/engine_idle'):.3f} | {median(rows[name], 'timing_s/sync'):.3f} | "
               f"{statistics.median(walls[name]):.1f} | {ratio} |")
+    if limits:
+        print("\n| fleet | k1 step s | generation alone s | update alone s | limit max(gen, update) s | "
+              "k1 step / limit (goal <= 1.15) |")
+        print("|---|---|---|---|---|---|")
+        for k0 in limits:
+            fleet, k1 = k0.removesuffix("-k0"), k0.replace("-k0", "-k1")
+            step, limit = median(rows[k1], "timing_s/step"), statistics.median(limits[k0])
+            gen = median(rows[k0], "timing_s/collect")
+            update = statistics.median([r["timing_s/step"] - r.get("timing_s/collect", 0.0) for r in rows[k0]])
+            print(f"| {fleet} | {step:.3f} | {gen:.3f} | {update:.3f} | {limit:.3f} | {step / limit:.2f} |")
 
 
 if __name__ == "__main__":

@@ -302,9 +302,26 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
               output_dir=output_dir, hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
               control=control)
+    try:
+        _start_engines_and_resume(run, cfg, env, hf_dir, sources, resume_from)
+    except BaseException:
+        # Engines started and then the build failed (a resume, the first sync): stop them now, as
+        # fit's failures do (train.py), not when their reaper sees this process die.
+        try:
+            run.close()
+        except Exception:  # the build's own error is the one to report
+            logger.exception("stopping the engines after the build failed")
+        raise
+    return run
+
+
+def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sources: dict[str, Any],
+                              resume_from: Path | None) -> None:
+    """_build's last part: the engines and the controller, the resume, the first weight sync (collective)."""
+    dims, actor = run.dims, run.actor
     # Collective: engines the ranks own (colocated SGLang: each node's leader ranks start theirs).
     run.colocated = launch_rank_engines(cfg, hf_dir, rank=env.rank, world_size=env.world_size,
-                                        local_rank=env.local_rank, log_dir=output_dir / "engine_logs",
+                                        local_rank=env.local_rank, log_dir=run.output_dir / "engine_logs",
                                         device=dims.device, dtype=model_dtype(cfg, dims.device))
     _on_controller(lambda: _build_controller(run, hf_dir, sources))
 
@@ -323,7 +340,6 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
         run.metrics.truncate_after(run.start_step if resume_from is not None else -1)
     # The engines start from the HF checkpoint; after a resume (or SFT) they need the actor's weights.
     run.sync_weights(version=run.start_step)
-    return run
 
 
 def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:

@@ -36,7 +36,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, Protocol
 
 import torch
@@ -68,6 +68,31 @@ class FleetMember(Protocol):
     def finish_weight_update(self, version: int | None = None) -> None: ...
 
     def health(self) -> bool: ...
+
+
+class _DaemonCalls:
+    """Each server call on a daemon thread of its own.
+
+    A ThreadPoolExecutor's workers are joined when the interpreter exits, so a controller that
+    failed mid-sync (its exception already printed) waited there for a call its servers could
+    answer only once it joined their group: servers waiting in the rendezvous until their deadline,
+    the controller waiting for them, its servers' reaper waiting for its death (seen: a vLLM fleet's
+    trainer alive 10 minutes after its traceback). A daemon thread never holds the exit.
+    """
+
+    def submit(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
+        future: Future = Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(*args, **kwargs))
+            except BaseException as err:  # the caller reads it from the future
+                future.set_exception(err)
+
+        threading.Thread(target=run, name=f"fleet-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+        return future
 
 
 class FleetSyncError(EngineError):
@@ -106,7 +131,7 @@ class WeightBroadcast:
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
         self._members: tuple[int, ...] = ()
-        self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="fleet")
+        self._pool = _DaemonCalls()
         self.seconds_broadcast = 0.0
         """Seconds spent in broadcasts (the controller's side) since construction."""
         self.bytes_broadcast = 0
@@ -182,7 +207,6 @@ class WeightBroadcast:
 
     def close(self) -> None:
         self._drop_group()
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ the group
 
