@@ -27,4 +27,4 @@ lint: install
 TEST_WORKERS ?= 2
 
 test: lint
-	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
