@@ -86,6 +86,15 @@ def run_processes(tag: str) -> list[int]:
     return found
 
 
+def assert_run_gone(tag: str, within_s: float) -> None:
+    """Every process of the run tagged `tag` has exited within `within_s` (their command lines if not)."""
+    deadline = time.monotonic() + within_s
+    while run_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = run_processes(tag)
+    assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+
+
 def rank_pid(tag: str, rank: int) -> int | None:
     """The pid of the job's global rank `rank` (the launcher's worker, not its helpers), if it runs."""
     for pid in run_processes(tag):
@@ -129,12 +138,7 @@ def kill_main_when(command: list[str], env: dict[str, str], log: Path, ready: Ca
     try:
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
-        tag = env["FAULT_TEST_TAG"]
-        deadline = time.monotonic() + 10
-        while run_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = run_processes(tag)
-        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+        assert_run_gone(env["FAULT_TEST_TAG"], within_s=10)
     finally:
         # A failing test must not leave its run behind: its own session holds only it.
         with contextlib.suppress(ProcessLookupError):

@@ -154,7 +154,7 @@ def test_a_trainer_killed_in_a_fleet_sync_takes_its_fleet_with_it(tmp_path, phas
     import uuid
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-    from trainer_utils import REPO, run_processes, train_command, trainer_env
+    from trainer_utils import REPO, assert_run_gone, run_processes, train_command, trainer_env
 
     out = tmp_path / "run"
     # A fleet of one server (two cost a minute more of CI for the three phases; the vLLM fleet's
@@ -175,11 +175,7 @@ def test_a_trainer_killed_in_a_fleet_sync_takes_its_fleet_with_it(tmp_path, phas
     try:
         assert proc.wait(timeout=600) == -9, log.read_text()[-3000:]
         assert f"rank 0: injected fault at the start of {phase}" in log.read_text()
-        deadline = time.monotonic() + 15
-        while run_processes(tag) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = run_processes(tag)
-        assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:200] for p in left]
+        assert_run_gone(tag, within_s=15)
     finally:
         for pid in run_processes(tag):  # a failing test leaves nothing behind
             with contextlib.suppress(ProcessLookupError):
