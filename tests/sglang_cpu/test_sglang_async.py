@@ -127,6 +127,7 @@ def test_the_asynchronous_loop_runs_on_a_fleet_of_two_sglang_servers_within_the_
     logs = [(out / "engine_logs" / f"sglang{i}.log").read_text() for i in range(2)]
     for log in logs:
         assert "release_memory_occupation" not in log and "disable_radix_cache=True" in log
+        assert "sleep_on_idle=True" in log  # an idle scheduler waits on its sockets, not spinning a core
         assert log.count("POST /init_weights_update_group HTTP/1.1\" 200") == 1
         assert "POST /update_weights_from_tensor" not in log
     updates = [log.count("POST /update_weights_from_distributed HTTP/1.1\" 200") for log in logs]

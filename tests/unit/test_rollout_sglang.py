@@ -417,3 +417,20 @@ def test_cpu_serializer_outlasts_a_slow_shared_memory_manager(monkeypatch) -> No
     with pytest.raises(RuntimeError, match="something else"):
         protocol.cpu_serialize([("w", weight)])
     assert calls["n"] == 1
+
+
+def test_a_cpu_fleet_gives_each_server_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without SGLANG_CPU_OMP_THREADS_BIND every SGLang CPU server pins its threads to all of NUMA
+    node 0: two servers ran two pinned threads per core (DESIGN.md, "A fleet of SGLang servers")."""
+    from megatron_dapo.rollout.factory import cpu_fleet_binding
+
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 5, 6, 7, 8})
+    assert [cpu_fleet_binding(i, 2) for i in range(2)] == [{"SGLANG_CPU_OMP_THREADS_BIND": "4,5"},
+                                                           {"SGLANG_CPU_OMP_THREADS_BIND": "6,7"}]
+    # More servers than cores: one core each, shared round the cores (the 2-core CI: 2 servers).
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert [cpu_fleet_binding(i, 3)["SGLANG_CPU_OMP_THREADS_BIND"] for i in range(3)] == ["0", "1", "0"]
+    assert cpu_fleet_binding(0, 1) == {"SGLANG_CPU_OMP_THREADS_BIND": "0,1"}
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-1")  # the user's binding wins
+    assert cpu_fleet_binding(1, 2) == {}
