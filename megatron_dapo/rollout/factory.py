@@ -115,7 +115,7 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
     (SGLangEngine live_updates). The server settings are the colocated CPU path's (float32, the CPU KV pool)."""
 
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
-    from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig
+    from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, cpu_fleet_binding
 
     if device.type != "cpu":
         raise UserError(f"rollout.placement=disaggregated with rollout.engine=sglang runs on CPU only (trainer device "
@@ -133,24 +133,6 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
                                    live_updates=True)
 
     return _launch_fleet(rollout.num_engines, launch)
-
-
-def cpu_fleet_binding(index: int, num_engines: int) -> dict[str, str]:
-    """The cores of CPU fleet server `index`: its own slice of this process' cores.
-
-    An SGLang CPU server binds its OpenMP threads to every core of NUMA node 0 unless
-    SGLANG_CPU_OMP_THREADS_BIND says otherwise (sglang 0.5.18, srt/utils/numa_utils.py
-    init_threads_binding), so two servers on one node ran two pinned threads per core and a
-    generation round took 2-3x as long (DESIGN.md). A user's own SGLANG_CPU_OMP_THREADS_BIND wins.
-    """
-    import os
-
-    if "SGLANG_CPU_OMP_THREADS_BIND" in os.environ:
-        return {}
-    cores = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cores) // num_engines)
-    start = (index * share) % len(cores)
-    return {"SGLANG_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores[start:start + share])}
 
 
 def _launch_fleet(num_engines: int, launch: Callable[[int], RolloutEngine]) -> list[RolloutEngine]:

@@ -422,7 +422,7 @@ def test_cpu_serializer_outlasts_a_slow_shared_memory_manager(monkeypatch) -> No
 def test_a_cpu_fleet_gives_each_server_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without SGLANG_CPU_OMP_THREADS_BIND every SGLang CPU server pins its threads to all of NUMA
     node 0: two servers ran two pinned threads per core (DESIGN.md, "A fleet of SGLang servers")."""
-    from megatron_dapo.rollout.factory import cpu_fleet_binding
+    from megatron_dapo.rollout.sglang.server import cpu_fleet_binding
 
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 5, 6, 7, 8})

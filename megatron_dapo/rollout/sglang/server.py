@@ -42,6 +42,7 @@ __all__ = [
     "SGLangServerConfig",
     "build_launch_command",
     "copies_lm_head",
+    "cpu_fleet_binding",
     "default_cpu_venv",
     "resolve_server_config",
     "secret_config_path",
@@ -178,6 +179,21 @@ def write_secret_config(config: SGLangServerConfig) -> Path:
     finally:
         os.close(fd)
     return path
+
+def cpu_fleet_binding(index: int, num_engines: int) -> dict[str, str]:
+    """The cores of CPU fleet server `index`: its own slice of this process' cores.
+
+    An SGLang CPU server binds its OpenMP threads to every core of NUMA node 0 unless
+    SGLANG_CPU_OMP_THREADS_BIND says otherwise (sglang 0.5.18, srt/utils/numa_utils.py
+    init_threads_binding), so two servers on one node ran two pinned threads per core and a
+    generation round took 2-3x as long (DESIGN.md, "A CPU fleet's SGLang servers"). A user's own SGLANG_CPU_OMP_THREADS_BIND wins.
+    """
+    if "SGLANG_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // num_engines)
+    start = (index * share) % len(cores)
+    return {"SGLANG_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores[start:start + share])}
 
 
 def server_env(config: SGLangServerConfig) -> dict[str, str]:
