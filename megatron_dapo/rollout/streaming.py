@@ -69,6 +69,16 @@ def continuation(carried: GenerationResult, more: GenerationResult) -> Generatio
                             routed_experts=more.routed_experts)  # its prompt held the carried tokens
 
 
+def settled(carried: GenerationResult, params: SamplingParams) -> GenerationResult:
+    """A carried response as it is to be continued: one cut with all of its max_new_tokens is done,
+    by "length" (an abort that reaches a server together with a row's last token is answered
+    "abort" with every token: SGLang 0.5.18 on the CPU fleet, CI 2026-11-28; continuing it asked
+    for 0 new tokens). Its routes stay what the cut row had (SGLang reports none for an abort)."""
+    if carried.finish_reason == "abort" and len(carried.output_ids) >= params.max_new_tokens:
+        return replace(carried, finish_reason="length")
+    return carried
+
+
 class PromptFeed:
     """Prompts handed out one at a time to whichever engine has room; thread-safe.
 
@@ -230,6 +240,7 @@ def _generate_item(engine: RolloutEngine, item: FeedItem, params: SamplingParams
         return engine.generate([item.prompt], params, index_offset=item.index)
     results = []
     for carried in item.carried:
+        carried = settled(carried, params)
         if carried.finish_reason != "abort":
             results.append(replace(carried, prompt_index=item.index))
             continue

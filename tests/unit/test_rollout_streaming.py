@@ -234,3 +234,37 @@ def test_per_prompt_streaming_continues_a_carried_group_from_its_tokens(tiny):
     # The cut response keeps its token and the log-prob it was sampled with, then goes on.
     assert resumed.output_ids[:1] == cut.output_ids and resumed.logprobs[:1] == cut.logprobs
     assert resumed.finish_reason != "abort" and len(resumed.output_ids) <= PARAMS.max_new_tokens
+
+
+@pytest.mark.parametrize("engine_kind", ["server", "local"])
+def test_a_carried_response_cut_with_all_its_tokens_is_done_not_continued(tiny, engine_kind):
+    """CI 2026-11-28: SGLang answered an abort that met a row's last token "abort" with all
+    max_new_tokens tokens; continuing it asked for 0 more (SamplingParams refuses) and ended the run.
+    Such a response is finished by "length", on the server engines' path and the local engine's."""
+    path, _ = tiny
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3)
+    first = LocalEngine(path).generate([PROMPTS[1]], params)
+    assert all(len(r.output_ids) == 4 for r in first)  # no stop tokens: both run to the cap
+    full_cut = GenerationResult(prompt_index=0, sample_index=0, output_ids=first[0].output_ids,
+                                logprobs=first[0].logprobs, finish_reason="abort")
+    part_cut = GenerationResult(prompt_index=0, sample_index=1, output_ids=first[1].output_ids[:2],
+                                logprobs=first[1].logprobs[:2], finish_reason="abort")
+    carried = CarriedPrompt(prompt=PROMPTS[1], results=(full_cut, part_cut))
+    engine = LocalEngine(path)
+    sent: list[int] = []
+    if engine_kind == "server":
+        class Counting(GenerateOnly):
+            def generate(self, prompts, p, *, index_offset=0):
+                sent.append(p.max_new_tokens)
+                return super().generate(prompts, p, index_offset=index_offset)
+
+        engine = Counting(engine)
+    groups: list = []
+    aborted = stream_per_prompt(engine, PromptFeed(iter([carried])), params, groups.append, max_inflight=1)
+    assert aborted == [] and len(groups) == 1
+    done, resumed = groups[0]
+    assert (done.output_ids, done.finish_reason) == (first[0].output_ids, "length")
+    assert resumed.output_ids[:2] == part_cut.output_ids and resumed.finish_reason == "length"
+    assert len(resumed.output_ids) == 4
+    if engine_kind == "server":
+        assert sent == [2]  # only the part-cut response was sent again, for its 2 missing tokens

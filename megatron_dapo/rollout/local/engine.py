@@ -41,7 +41,7 @@ from megatron_dapo.rollout.local.attention import attention_for
 from megatron_dapo.rollout.local.decoder import ContinuousDecoder, DecodeRow, FinishedRow
 from megatron_dapo.rollout.local.hf_tensors import hf_named_tensors, hf_parameter_names
 from megatron_dapo.rollout.routes import HFRouteRecorder, hf_routers, perturb_router_choice
-from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed
+from megatron_dapo.rollout.streaming import GroupCallback, PromptFeed, settled
 
 __all__ = ["LocalEngine"]
 
@@ -202,6 +202,7 @@ class LocalEngine:
                 rows = self._rows(item.index, item.prompt, params, base_seed)
                 if item.carried is not None:  # a partial rollout: finished mates are final, the rest resume
                     for row, carried in zip(rows, item.carried, strict=True):
+                        carried = settled(carried, params)
                         if carried.finish_reason == "abort":
                             pending.append(replace(row, prefix=tuple(carried.output_ids),
                                                    prefix_logprobs=tuple(carried.logprobs),
