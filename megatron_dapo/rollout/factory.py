@@ -127,8 +127,7 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
                                     max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,
                                     host=rollout.host or "127.0.0.1", python=rollout.sglang.python or "",
                                     log_path=str(output_dir / "engine_logs" / f"sglang{i}.log"),
-                                    return_routes=return_routes, env=cpu_fleet_binding(i, rollout.num_engines),
-                                    extra_args=("--sleep-on-idle",))
+                                    return_routes=return_routes, env=cpu_fleet_binding(i, rollout.num_engines))
         return SGLangEngine.launch(config, name=f"sglang{i}", request_timeout_s=rollout.request_timeout_s,
                                    live_updates=True)
 

@@ -300,6 +300,8 @@ def test_cpu_launch_command_has_the_cpu_flags_and_no_memory_saver():
     assert command[command.index("--attention-backend") + 1] == "torch_native"
     assert command[command.index("--max-total-tokens") + 1] == "4096"
     assert "--disable-overlap-schedule" in command
+    # Every CPU server (colocated, fleet, eval) sleeps when idle instead of spinning a core.
+    assert "--sleep-on-idle" in command
     assert server_env(resolved) == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "false", "SGLANG_USE_CPU_ENGINE": "1"}
     with pytest.raises(ValueError, match="max_total_tokens must be > 0 on a CPU"):
         SGLangServerConfig(model_path="/m", device="cpu")

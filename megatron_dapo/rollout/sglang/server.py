@@ -130,8 +130,10 @@ def build_launch_command(config: SGLangServerConfig) -> list[str]:
     assert config.host and config.port and config.nccl_port and config.api_key and config.python, \
         "resolve the config first"
     if config.device == "cpu":
+        # --sleep-on-idle: an idle scheduler waits on its sockets (a zmq poll that wakes on the next
+        # request) instead of spinning a core the actor or another server needs (DESIGN.md).
         device_args = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
-                       "--skip-server-warmup", "--max-total-tokens", str(config.max_total_tokens)]
+                       "--skip-server-warmup", "--sleep-on-idle", "--max-total-tokens", str(config.max_total_tokens)]
     else:
         # Lets /release_memory_occupation hand weights + KV cache back to Megatron.
         device_args = ["--base-gpu-id", str(config.base_gpu_id), "--enable-memory-saver",
