@@ -120,8 +120,10 @@ def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound
 
 def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
     """Issue 41: the controller SIGKILLed (MEGATRON_DAPO_FAULT=broadcast:0:kill, no cleanup runs) once
-    both servers joined its group and its first broadcast began. Nothing hangs: every server process
-    (API server, engine core, worker in the gloo group) is gone within 15 s, by its reaper (lifetime.py)."""
+    its server joined the group and its first broadcast began. Nothing hangs: every server process
+    (API server, engine core, worker in the gloo group) is gone within 15 s, by its reaper (lifetime.py).
+    A fleet of one server: the reaper is per server, and a second one cost CI 40 s (two servers hold
+    the fleet's other kill, in the loop test above)."""
     import re
     import subprocess
     import time
@@ -130,7 +132,7 @@ def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
 
     out = tmp_path / "run"
     command = train_command(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=vllm",
-                            "rollout.placement=disaggregated", "rollout.num_engines=2", "trainer.max_staleness=1",
+                            "rollout.placement=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1",
                             "algorithm.rollout_correction.rollout_is=token", "model.sft_warm_start.enable=false",
                             "rollout.update_weights_bucket_megabytes=1", "trainer.total_training_steps=1",
                             f"trainer.output_dir={out}")
@@ -145,12 +147,12 @@ def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert "rank 0: injected fault at the start of broadcast" in log.read_text()
-    logs = [(out / "engine_logs" / f"vllm{i}.log").read_text(errors="replace") for i in range(2)]
-    for text in logs:  # both had joined the group; no bucket had arrived when the trainer died
-        assert 'POST /init_weight_transfer_engine HTTP/1.1" 200' in text, text[-2000:]
-        assert 'POST /update_weights HTTP/1.1" 200' not in text
-    pids = {int(p) for text in logs for p in re.findall(r"pid=(\d+)\)", text)}
-    assert len(pids) >= 6, pids  # API server, engine core and worker of each
+    text = (out / "engine_logs" / "vllm0.log").read_text(errors="replace")
+    # It had joined the group; no bucket had arrived when the trainer died.
+    assert 'POST /init_weight_transfer_engine HTTP/1.1" 200' in text, text[-2000:]
+    assert 'POST /update_weights HTTP/1.1" 200' not in text
+    pids = {int(p) for p in re.findall(r"pid=(\d+)\)", text)}
+    assert len(pids) >= 3, pids  # API server, engine core and worker
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(alive(p) for p in pids):
         time.sleep(0.2)
