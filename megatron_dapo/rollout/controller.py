@@ -309,10 +309,12 @@ class RolloutController:
             if drive is not None:
                 return stream_per_prompt(engine, engine_feed, params, done, max_inflight=max_inflight,
                                          generate_item=lambda e, item, p: drive(self._turns(e, item.index), item, p,
-                                                                                self._session_aborted.is_set))
+                                                                                self._session_aborted.is_set),
+                                         abort_asked=self._session_aborted.is_set)
             if isinstance(engine, StreamingEngine):
                 return engine.stream(engine_feed, params, done, max_inflight=max_inflight)
-            return stream_per_prompt(engine, engine_feed, params, done, max_inflight=max_inflight)
+            return stream_per_prompt(engine, engine_feed, params, done, max_inflight=max_inflight,
+                                     abort_asked=self._session_aborted.is_set)
 
         def run(index: int) -> list[GenerationResult]:
             while True:

@@ -193,6 +193,7 @@ class StreamingEngine(Protocol):
 def stream_per_prompt(
     engine: RolloutEngine, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int,
     generate_item: Callable[[RolloutEngine, FeedItem, SamplingParams], list[GenerationResult]] | None = None,
+    abort_asked: Callable[[], bool] | None = None,
 ) -> list[GenerationResult]:
     """Stream through an engine's generate(): one request per prompt, `max_inflight` at a time.
 
@@ -201,6 +202,11 @@ def stream_per_prompt(
 
     A prompt whose responses come back with an abort is not a group (its results are
     returned instead); every worker then takes the next prompt until the feed is exhausted.
+    An abort nobody asked for (`abort_asked` false, the feed still open) is the server's own: a
+    server stopping answers its requests "abort" (vLLM's shutdown). Kept as a cut prompt, it
+    would count as in flight until the session ends and shut the collector's gate for good
+    (seen: a vLLM fleet whose survivor was stopped after a failed broadcast waited forever); it
+    is an EngineError instead, so the controller hands the prompt out again and restarts the engine.
 
     Raises:
         The first error of any request, after the others finished or were aborted by it.
@@ -213,6 +219,9 @@ def stream_per_prompt(
         while (item := feed.take()) is not None:
             results = generate_item(engine, item, params)
             if any(r.finish_reason == "abort" for r in results):
+                if abort_asked is not None and not abort_asked() and not feed.exhausted:
+                    raise EngineError(f"engine {engine.name} answered prompt {item.index} with an abort nobody "
+                                      "asked for (its server is stopping)")
                 with lock:
                     aborted.extend(results)
             else:

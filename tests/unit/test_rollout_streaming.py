@@ -268,3 +268,71 @@ def test_a_carried_response_cut_with_all_its_tokens_is_done_not_continued(tiny, 
     assert len(resumed.output_ids) == 4
     if engine_kind == "server":
         assert sent == [2]  # only the part-cut response was sent again, for its 2 missing tokens
+
+
+def test_an_abort_nobody_asked_for_is_an_engine_failure_not_a_prompt_lost_to_the_gate(tiny):
+    """A vLLM fleet hung (2026-11-28): after a failed broadcast the controller stopped every server,
+    and a server that is stopping answers its requests "abort". Kept as cut prompts, those counted as
+    in flight for the rest of the session, so the collector's gate stayed shut with nothing running.
+    Now such an answer is the engine's failure: the prompt is handed out again and the engine restarted."""
+    path, _ = tiny
+    calls: list[int] = []
+
+    class Stopping(GenerateOnly):
+        name = "server0"
+        log_path = None
+        restartable = True
+
+        def generate(self, prompts, params, *, index_offset=0):
+            calls.append(index_offset)
+            if len(calls) == 2:  # a stopping server: every row cut, no tokens
+                return [GenerationResult(prompt_index=index_offset, sample_index=j, output_ids=[], logprobs=[],
+                                         finish_reason="abort") for j in range(params.n)]
+            return super().generate(prompts, params, index_offset=index_offset)
+
+        def restart(self):
+            calls.append(-1)
+
+    controller = RolloutController([Stopping(LocalEngine(path))], max_restarts=1)
+    groups: list = []
+    # The collector's gate: a prompt is taken only while nothing else is in flight.
+    feed = PromptFeed(iter(PROMPTS), gate=lambda taken: taken - len(groups) < 1)
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(
+        controller.stream(feed, PARAMS, lambda g: (groups.append(g), feed.notify()), max_inflight=1)), daemon=True)
+    try:
+        thread.start()
+        thread.join(timeout=120)
+        assert not thread.is_alive(), "the stream waited on its gate with nothing in flight"
+    finally:
+        feed.close()
+        controller.shutdown()
+    assert results == [[]] and controller.num_restarts == 1 and -1 in calls
+    assert sorted(g[0].prompt_index for g in groups) == list(range(len(PROMPTS)))  # each prompt once
+
+
+def test_an_abort_that_was_asked_for_stays_a_cut_prompt(tiny):
+    """The collector's own abort (the feed still open, as the asynchronous loop's stop sends it) is
+    not an engine failure: the cut rows come back for the carry, no restart."""
+    path, _ = tiny
+
+    class Cut(GenerateOnly):
+        name = "server0"
+        log_path = None
+        restartable = True
+
+        def generate(self, prompts, params, *, index_offset=0):
+            controller.abort()
+            return [GenerationResult(prompt_index=index_offset, sample_index=j, output_ids=[], logprobs=[],
+                                     finish_reason="abort") for j in range(params.n)]
+
+        def restart(self):
+            raise AssertionError("an asked-for abort restarted the engine")
+
+    controller = RolloutController([Cut(LocalEngine(path))], max_restarts=1)
+    feed = PromptFeed(iter(PROMPTS[:2]))
+    try:
+        cut = controller.stream(feed, PARAMS, lambda g: None, max_inflight=1)
+    finally:
+        controller.shutdown()
+    assert controller.num_restarts == 0 and len(cut) == 2 * PARAMS.n
