@@ -47,6 +47,20 @@ class GenerateOnly:
         self._engine.shutdown()
 
 
+
+class Restartable(GenerateOnly):
+    """A server engine the controller may restart in place; its calls (-1 = a restart) are recorded."""
+
+    log_path = None
+    restartable = True
+
+    def __init__(self, engine: LocalEngine, calls: list[int]) -> None:
+        super().__init__(engine)
+        self.calls = calls
+
+    def restart(self):
+        self.calls.append(-1)
+
 def test_rows_joining_a_running_batch_compute_what_they_compute_alone(tiny):
     path, _ = tiny
     engine = LocalEngine(path, max_batch_size=3)  # 8 rows through 3 slots: rows must join mid-flight
@@ -194,21 +208,14 @@ def test_a_server_engine_restarted_mid_stream_keeps_the_shared_feed_open(tiny):
     path, _ = tiny
     calls: list[int] = []
 
-    class DiesOnce(GenerateOnly):
-        name = "server0"
-        log_path = None
-        restartable = True
-
+    class DiesOnce(Restartable):
         def generate(self, prompts, params, *, index_offset=0):
-            calls.append(index_offset)
-            if len(calls) == 3:
+            self.calls.append(index_offset)
+            if len(self.calls) == 3:
                 raise EngineError("engine server0 exited with code -9")
             return super().generate(prompts, params, index_offset=index_offset)
 
-        def restart(self):
-            calls.append(-1)
-
-    controller = RolloutController([DiesOnce(LocalEngine(path))], max_restarts=1)
+    controller = RolloutController([DiesOnce(LocalEngine(path), calls)], max_restarts=1)
     groups: list = []
     try:
         controller.stream(PromptFeed(iter(PROMPTS)), PARAMS, groups.append, max_inflight=2)
@@ -278,22 +285,15 @@ def test_an_abort_nobody_asked_for_is_an_engine_failure_not_a_prompt_lost_to_the
     path, _ = tiny
     calls: list[int] = []
 
-    class Stopping(GenerateOnly):
-        name = "server0"
-        log_path = None
-        restartable = True
-
+    class Stopping(Restartable):
         def generate(self, prompts, params, *, index_offset=0):
-            calls.append(index_offset)
-            if len(calls) == 2:  # a stopping server: every row cut, no tokens
+            self.calls.append(index_offset)
+            if len(self.calls) == 2:  # a stopping server: every row cut, no tokens
                 return [GenerationResult(prompt_index=index_offset, sample_index=j, output_ids=[], logprobs=[],
                                          finish_reason="abort") for j in range(params.n)]
             return super().generate(prompts, params, index_offset=index_offset)
 
-        def restart(self):
-            calls.append(-1)
-
-    controller = RolloutController([Stopping(LocalEngine(path))], max_restarts=1)
+    controller = RolloutController([Stopping(LocalEngine(path), calls)], max_restarts=1)
     groups: list = []
     # The collector's gate: a prompt is taken only while nothing else is in flight.
     feed = PromptFeed(iter(PROMPTS), gate=lambda taken: taken - len(groups) < 1)
