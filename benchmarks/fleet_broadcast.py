@@ -54,18 +54,20 @@ def make_checkpoint(directory: Path, hidden: int) -> Path:
     return directory
 
 
-def launch(engine: str, checkpoint: Path, i: int, log_dir: Path):
+def launch(engine: str, checkpoint: Path, i: int, engines: int, log_dir: Path):
+    """Server i of a fleet of `engines`, as rollout/factory.py starts it (its own cores included)."""
     if engine == "vllm":
-        from megatron_dapo.rollout.vllm.engine import VLLMEngine
+        from megatron_dapo.rollout.vllm.engine import VLLMEngine, cpu_fleet_binding
 
         return VLLMEngine.launch(checkpoint, name=f"vllm{i}", log_path=log_dir / f"vllm{i}.log", host="127.0.0.1",
-                                 device="cpu", broadcast=True)
+                                 device="cpu", broadcast=True, env=cpu_fleet_binding(i, engines))
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
-    from megatron_dapo.rollout.sglang.server import SGLangServerConfig
+    from megatron_dapo.rollout.sglang.server import SGLangServerConfig, cpu_fleet_binding
 
     return SGLangEngine.launch(SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32",
                                                   max_total_tokens=4096, host="127.0.0.1",
-                                                  log_path=str(log_dir / f"sglang{i}.log")),
+                                                  log_path=str(log_dir / f"sglang{i}.log"),
+                                                  env=cpu_fleet_binding(i, engines)),
                                name=f"sglang{i}", startup_timeout_s=900, live_updates=True)
 
 
@@ -76,7 +78,7 @@ def measure_sync(engine: str, checkpoint: Path, engines: int, repeats: int,
     from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
     from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, iter_buckets
 
-    servers = [launch(engine, checkpoint, i, log_dir) for i in range(engines)]
+    servers = [launch(engine, checkpoint, i, engines, log_dir) for i in range(engines)]
     fleet = WeightBroadcast(servers, master_address="127.0.0.1", backend="gloo", timeout_s=600)
     tensors = sorted(load_file(str(checkpoint / "model.safetensors")).items())
     buckets = list(iter_buckets(tensors, DEFAULT_BUCKET_BYTES))

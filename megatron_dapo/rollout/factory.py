@@ -192,7 +192,7 @@ def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:
 
 def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                    output_dir: Path) -> list[RolloutEngine]:
-    from megatron_dapo.rollout.vllm.engine import VLLMEngine
+    from megatron_dapo.rollout.vllm.engine import VLLMEngine, cpu_fleet_binding
 
     r = cfg.rollout
     if r.placement == "disaggregated":
@@ -204,7 +204,7 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
         def launch(i: int) -> RolloutEngine:
             return VLLMEngine.launch(hf_dir, name=f"vllm{i}", log_path=output_dir / "engine_logs" / f"vllm{i}.log",
                                      host=r.host or "127.0.0.1", device="cpu", request_timeout_s=r.request_timeout_s,
-                                     broadcast=True)
+                                     broadcast=True, env=cpu_fleet_binding(i, r.num_engines))
 
         return _launch_fleet(r.num_engines, launch)
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",

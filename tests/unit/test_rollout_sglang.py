@@ -422,17 +422,39 @@ def test_cpu_serializer_outlasts_a_slow_shared_memory_manager(monkeypatch) -> No
 
 
 def test_a_cpu_fleet_gives_each_server_its_own_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without SGLANG_CPU_OMP_THREADS_BIND every SGLang CPU server pins its threads to all of NUMA
-    node 0: two servers ran two pinned threads per core (DESIGN.md, "A fleet of SGLang servers")."""
+    """Each SGLang fleet server gets its slice of the cores and one OpenMP thread per core of it:
+    sglang 0.5.18 binds its threads only on AMX or arm64 CPUs and otherwise leaves torch's pool at
+    every core, so two servers and the trainer ran six threads on two cores (DESIGN.md, "A CPU
+    fleet's servers get cores of their own")."""
     from megatron_dapo.rollout.sglang.server import cpu_fleet_binding
 
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {4, 5, 6, 7, 8})
-    assert [cpu_fleet_binding(i, 2) for i in range(2)] == [{"SGLANG_CPU_OMP_THREADS_BIND": "4,5"},
-                                                           {"SGLANG_CPU_OMP_THREADS_BIND": "6,7"}]
+    assert [cpu_fleet_binding(i, 2) for i in range(2)] == [
+        {"SGLANG_CPU_OMP_THREADS_BIND": "4,5", "OMP_NUM_THREADS": "2"},
+        {"SGLANG_CPU_OMP_THREADS_BIND": "6,7", "OMP_NUM_THREADS": "2"}]
     # More servers than cores: one core each, shared round the cores (the 2-core CI: 2 servers).
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     assert [cpu_fleet_binding(i, 3)["SGLANG_CPU_OMP_THREADS_BIND"] for i in range(3)] == ["0", "1", "0"]
-    assert cpu_fleet_binding(0, 1) == {"SGLANG_CPU_OMP_THREADS_BIND": "0,1"}
-    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-1")  # the user's binding wins
-    assert cpu_fleet_binding(1, 2) == {}
+    assert {cpu_fleet_binding(i, 2)["OMP_NUM_THREADS"] for i in range(2)} == {"1"}
+    assert cpu_fleet_binding(0, 1) == {"SGLANG_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a sweep running trainers side by side asks for fewer
+    assert cpu_fleet_binding(0, 1)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0-1")  # the user's binding wins; the count stays
+    assert cpu_fleet_binding(1, 2) == {"OMP_NUM_THREADS": "1"}
+
+
+def test_the_fleet_binding_reaches_the_server_over_the_trainers_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's environment is this process's with the engine's settings on top: a trainer's
+    OMP_NUM_THREADS=2 does not undo a fleet server's one thread."""
+    from megatron_dapo.rollout.server_process import server_environment
+    from megatron_dapo.rollout.sglang.server import SGLangServerConfig, cpu_fleet_binding, server_env
+
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    config = SGLangServerConfig(model_path="m", device="cpu", max_total_tokens=1024, env=cpu_fleet_binding(1, 2))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    env = server_environment(server_env(config))
+    assert (env["OMP_NUM_THREADS"], env["SGLANG_CPU_OMP_THREADS_BIND"]) == ("1", "1")

@@ -141,3 +141,23 @@ def test_every_route_but_health_needs_the_key(monkeypatch):
     assert status("/health", method="GET") == 200
     assert status("/update_weights", method="OPTIONS") == 200
     assert "/update_weights" in calls and calls.count("/metrics") == 1
+
+
+def test_a_cpu_fleet_binds_each_vllm_server_to_its_own_cores(monkeypatch):
+    """vllm 0.32's default binding (auto) gives every CPU server the same cores (a NUMA node less
+    one reserved: core 0 for both servers on 2 cores); a fleet server gets its own slice instead,
+    one thread per core, fewer if OMP_NUM_THREADS asks (DESIGN.md, "A CPU fleet's servers get
+    cores of their own"). A user's own VLLM_CPU_OMP_THREADS_BIND wins."""
+    from megatron_dapo.rollout.vllm.engine import cpu_fleet_binding
+
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert [cpu_fleet_binding(i, 2) for i in range(2)] == [{"VLLM_CPU_OMP_THREADS_BIND": "0"},
+                                                           {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+    assert cpu_fleet_binding(1, 2) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5,6,7"}
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert cpu_fleet_binding(1, 2) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    assert cpu_fleet_binding(0, 2) == {}

@@ -35,6 +35,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.rollout.fleet.cores import core_share, thread_count
 from megatron_dapo.rollout.server_process import free_port, node_address
 from megatron_dapo.rollout.sglang.interpreter import INSTALL_HINT, default_cpu_venv, sglang_python
 
@@ -183,19 +184,22 @@ def write_secret_config(config: SGLangServerConfig) -> Path:
     return path
 
 def cpu_fleet_binding(index: int, num_engines: int) -> dict[str, str]:
-    """The cores of CPU fleet server `index`: its own slice of this process' cores.
+    """The environment of CPU fleet server `index`: its own slice of this process's cores
+    (rollout/fleet/cores.py) and one OpenMP thread per core of it.
 
-    An SGLang CPU server binds its OpenMP threads to every core of NUMA node 0 unless
-    SGLANG_CPU_OMP_THREADS_BIND says otherwise (sglang 0.5.18, srt/utils/numa_utils.py
-    init_threads_binding), so two servers on one node ran two pinned threads per core and a
-    generation round took 2-3x as long (DESIGN.md, "A CPU fleet's SGLang servers"). A user's own SGLANG_CPU_OMP_THREADS_BIND wins.
+    Read in sglang 0.5.18: a CPU server binds its OpenMP threads to SGLANG_CPU_OMP_THREADS_BIND
+    (default: every core of NUMA node 0; srt/utils/numa_utils.py init_threads_binding) only where
+    sgl_kernel's ``init_cpu_threads_env`` runs, that is on CPUs with AMX or on arm64
+    (srt/distributed/bootstrap.py ``_init_cpu_threads_env``); elsewhere (AVX2 and AVX-512 x86, the
+    CI machines) it logs that the binding is disabled and torch keeps its default pool, one thread
+    per core the process may use. So OMP_NUM_THREADS sizes the pool on every CPU, and the binding
+    pins it where SGLang binds. A user's own SGLANG_CPU_OMP_THREADS_BIND wins over the slice.
     """
-    if "SGLANG_CPU_OMP_THREADS_BIND" in os.environ:
-        return {}
-    cores = sorted(os.sched_getaffinity(0))
-    share = max(1, len(cores) // num_engines)
-    start = (index * share) % len(cores)
-    return {"SGLANG_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores[start:start + share])}
+    cores = core_share(index, num_engines)
+    env = {"OMP_NUM_THREADS": str(thread_count(cores))}
+    if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+    return env
 
 
 def server_env(config: SGLangServerConfig) -> dict[str, str]:

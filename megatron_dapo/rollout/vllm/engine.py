@@ -63,6 +63,7 @@ from megatron_dapo.rollout.engine import (
     check_prompts,
     response_seed,
 )
+from megatron_dapo.rollout.fleet.cores import core_share, thread_count
 from megatron_dapo.rollout.server_process import (
     ServerProcess,
     free_port,
@@ -73,7 +74,8 @@ from megatron_dapo.rollout.server_process import (
 )
 from megatron_dapo.rollout.vllm.weights import BROADCAST_BACKEND, SHM_BACKEND, WeightTransfer
 
-__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "build_launch_command", "check_cpu_moe", "model_eos_ids"]
+__all__ = ["VLLM_VERSION_READ", "VLLMEngine", "build_launch_command", "check_cpu_moe", "cpu_fleet_binding",
+           "model_eos_ids"]
 
 VLLM_VERSION_READ = "0.32.0"
 """The vLLM version whose HTTP API this module was written against."""
@@ -181,6 +183,23 @@ def check_cpu_moe(model_path: str | Path) -> None:
         )
 
 
+def cpu_fleet_binding(index: int, num_engines: int) -> dict[str, str]:
+    """The environment of CPU fleet server `index`: its OpenMP threads bound to its own slice of
+    this process's cores (rollout/fleet/cores.py).
+
+    Read in vllm 0.32.0 (utils/ompmultiprocessing.py): by default (VLLM_CPU_OMP_THREADS_BIND=auto)
+    a CPU worker takes the cores of a NUMA node less one it reserves, the same cores for every
+    server, so on the 2-core CI machine both servers of a fleet were bound to core 0 (their logs:
+    ``core ids=[0]``, ``reserved_cpus=[1]``). A list binds the worker's threads, one per core, to
+    exactly those cores. A user's own VLLM_CPU_OMP_THREADS_BIND wins over the slice.
+    """
+    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = core_share(index, num_engines)
+    cores = cores[:thread_count(cores)]
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores)}
+
+
 def _shared_memory_dir() -> str:
     """Where buckets go: tmpfs (/dev/shm) when the machine has it, so no disk is touched."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
@@ -232,7 +251,7 @@ class VLLMEngine(WeightTransfer):
         cls, model_path: str | Path, *, name: str = "vllm0", log_path: str | Path | None = None,
         host: str | None = None, device: str | None = None, max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.7, vocab_size: int | None = None, request_timeout_s: float = 3600.0,
-        startup_timeout_s: float = 900.0, broadcast: bool = False,
+        startup_timeout_s: float = 900.0, broadcast: bool = False, env: dict[str, str] | None = None,
     ) -> VLLMEngine:
         """Start a server on this node, wait until it answers, and open its weight-transfer API.
 
@@ -249,6 +268,8 @@ class VLLMEngine(WeightTransfer):
             startup_timeout_s: how long the server may take to load.
             broadcast: a fleet member: weights by broadcast (its fleet forms the group at the
                 first sync), versions on every token.
+            env: variables for the server on top of this process's (a CPU fleet's cores:
+                cpu_fleet_binding).
 
         Returns:
             A healthy engine that owns its server process.
@@ -270,6 +291,7 @@ class VLLMEngine(WeightTransfer):
         extra = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key}
         if device == "cpu":
             extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        extra.update(env or {})
         process = ServerProcess(command, name=name, log_path=log_path or f"{name}.log",
                                 env=server_environment(extra), kind="vLLM")
         engine = cls(f"http://{host}:{port}", name=name, api_key=api_key, process=process,
@@ -286,7 +308,7 @@ class VLLMEngine(WeightTransfer):
         engine._relaunch = dict(model_path=model_path, name=name, log_path=process.log_path, host=host, device=device,
                                 max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                 vocab_size=vocab_size, request_timeout_s=request_timeout_s,
-                                startup_timeout_s=startup_timeout_s, broadcast=broadcast)
+                                startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env)
         return engine
 
     @property

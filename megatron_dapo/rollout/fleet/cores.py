@@ -1,0 +1,32 @@
+"""Which CPU cores, and how many threads, each server of a CPU fleet gets.
+
+A fleet's servers run beside the trainer on the same cores. Left alone, every server process
+sizes torch's OpenMP pool to all of them: two servers and the trainer then ran six OpenMP
+threads on two cores, and every parallel region's barrier waited for a descheduled thread (a
+2-server SGLang fleet on the 2-core CI machine: 94 s of generation per step of the tiny run
+against 2.5 s with one thread per server; DESIGN.md, "A CPU fleet's servers get cores of their
+own"). Each server is given its own slice of this process's cores; the engines' launchers turn
+the slice into their own settings (rollout/sglang/server.py, rollout/vllm/engine.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["core_share", "thread_count"]
+
+
+def core_share(index: int, num_engines: int) -> list[int]:
+    """The cores of fleet server `index` of `num_engines`: an equal slice of this process's cores,
+    in order; with more servers than cores one core each, taken round the cores."""
+    cores = sorted(os.sched_getaffinity(0))
+    share = max(1, len(cores) // num_engines)
+    start = (index * share) % len(cores)
+    return cores[start:start + share]
+
+
+def thread_count(cores: list[int]) -> int:
+    """OpenMP threads for a server on `cores`: one per core, fewer if this process's
+    OMP_NUM_THREADS asks for fewer (a sweep that runs several trainers at once sets it)."""
+    inherited = os.environ.get("OMP_NUM_THREADS", "")
+    return min(len(cores), int(inherited)) if inherited.isdigit() and int(inherited) > 0 else len(cores)
