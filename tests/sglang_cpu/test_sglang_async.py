@@ -2,26 +2,21 @@
 
 DESIGN.md "The asynchronous loop": a weight update pauses generation in place, loads the
 buckets, sets the version and continues; rows in flight are neither aborted nor waited for,
-and each reports the versions its tokens came from. The engine test holds the server-level
-rule (a 0.5.18 update without the pause waits for every request in flight: the model's
-writer lock); the trainer test runs the tiny run with rollout.placement=disaggregated.
+and each reports the versions its tokens came from. The server-level rule (a 0.5.18 update
+without the pause waits for every request in flight: the model's writer lock) is held on the
+fleet module's first server (test_sglang_fleet.py); the trainer test here runs the tiny run with
+rollout.placement=disaggregated on a fleet of two.
 """
 
 from __future__ import annotations
 
-import json
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from model_utils import TINY_SHAPE, hf_log_probs
-from safetensors.torch import load_file
+from model_utils import TINY_SHAPE
 
-from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.sglang.engine import SGLangEngine
-from megatron_dapo.rollout.sglang.server import SGLangServerConfig, sglang_python
+from megatron_dapo.rollout.sglang.server import sglang_python
 
 pytestmark = [
     pytest.mark.sglang_cpu,
@@ -44,53 +39,6 @@ def make_checkpoint(directory: Path, seed: int) -> Path:
             param.normal_(0.0, 0.2)
     model.save_pretrained(str(directory))
     return directory
-
-
-def test_an_update_mid_row_pauses_in_place_and_the_row_spans_both_versions(tmp_path):
-    old, new = make_checkpoint(tmp_path / "a", seed=0), make_checkpoint(tmp_path / "b", seed=1)
-    config = SGLangServerConfig(model_path=str(old), device="cpu", dtype="float32", max_total_tokens=32768,
-                                host="127.0.0.1", log_path=str(tmp_path / "sglang0.log"))
-    engine = SGLangEngine.launch(config, name="sglang0", vocab_size=SHAPE["vocab_size"], startup_timeout_s=600,
-                                 live_updates=True)
-    try:
-        engine.update_weights(sorted(load_file(str(old / "model.safetensors")).items()))
-        engine.finish_weight_update(version=0)
-        out: dict = {}
-
-        def run() -> None:
-            out["results"] = engine.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=NUM_TOKENS, seed=3))
-            out["done_s"] = time.monotonic()
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        deadline = time.monotonic() + 30
-        while not engine.num_in_flight and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(2.0)  # decoding on the server
-        start = time.monotonic()
-        engine.update_weights(sorted(load_file(str(new / "model.safetensors")).items()))
-        engine.finish_weight_update(version=1)
-        update_s = time.monotonic() - start
-        assert thread.is_alive(), "the row finished before the update: raise NUM_TOKENS"
-        thread.join(timeout=120)
-        results = out["results"]
-        print(json.dumps({"update_s": round(update_s, 2), "row_end_after_update_s": round(out["done_s"] - start, 2)}))
-        assert [(r.finish_reason, len(r.output_ids), r.weight_versions) for r in results] == \
-            [("length", NUM_TOKENS, (0, 1))] * 2
-        # The first tokens are the old weights' log-probs, the last ones are not: the row went on
-        # under the new weights with its KV cache.
-        tokens = torch.tensor([[1, 2, 3, *results[0].output_ids]])
-        under_old = hf_log_probs(old, tokens)[0, 2:-1].gather(-1, tokens[0, 3:, None])[:, 0]
-        engine_lp = torch.tensor(results[0].logprobs)
-        assert (engine_lp[:10] - under_old[:10]).abs().max() < 1e-4
-        assert (engine_lp[-10:] - under_old[-10:]).abs().max() > 1e-2
-        after = engine.generate([[4, 5, 6]], SamplingParams(n=1, max_new_tokens=8, seed=4))
-        assert after[0].weight_versions == (1,)
-        tokens = torch.tensor([[4, 5, 6, *after[0].output_ids]])
-        under_new = hf_log_probs(new, tokens)[0, 2:-1].gather(-1, tokens[0, 3:, None])[:, 0]
-        assert (torch.tensor(after[0].logprobs) - under_new).abs().max() < 1e-4
-    finally:
-        engine.shutdown()
 
 
 def test_the_asynchronous_loop_runs_on_a_fleet_of_two_sglang_servers_within_the_bound(tmp_path):

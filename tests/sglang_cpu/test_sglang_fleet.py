@@ -5,7 +5,9 @@ both. The tests hold the weights (both serve checkpoint b's log-probs and the sa
 after the sync) and the deadlines: a server killed before the group forms, between two buckets
 of one sync and before the finish ends the sync with one line naming it, well inside the
 deadline, and the fleet syncs again once it is restarted. A trainer SIGKILLed at each phase of its
-first sync (init, metadata, finish) leaves no server process behind.
+first sync (init, metadata, finish) leaves no server process behind. Before them, on the first
+server alone: a weight update mid-row (the in-place pause) and the controller's restart of a server
+killed mid-generate (each had a server of its own: two SGLang starts more in CI).
 """
 
 from __future__ import annotations
@@ -74,6 +76,159 @@ def sync(target, checkpoint: Path, version: int, *, kill_before: int | None = No
             os.killpg(victim.process.pid, signal.SIGKILL)
         target.update_weights(bucket)
     target.finish_weight_update(version)
+
+
+# --- One server of the fleet, before the broadcast tests: the in-place pause, the controller's restart.
+
+MID_ROW_TOKENS = 1500  # long enough that the update lands mid-row on 2 cores
+
+
+def test_an_update_mid_row_pauses_in_place_and_the_row_spans_both_versions(fleet, checkpoints):
+    """DESIGN.md "The asynchronous loop": a weight update pauses generation in place, loads the
+    buckets, sets the version and continues; the row in flight is neither aborted nor waited for
+    and reports both versions (a 0.5.18 update without the pause waits for every request in
+    flight: the model's writer lock). On the module's first server (its own server cost CI a start)."""
+    import json
+    import threading
+
+    import torch
+    from model_utils import hf_log_probs
+
+    old, new = checkpoints
+    engine = fleet[0]
+    engine.update_weights(sorted(load_file(str(old / "model.safetensors")).items()))
+    engine.finish_weight_update(version=0)
+    out: dict = {}
+
+    def run() -> None:
+        out["results"] = engine.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=MID_ROW_TOKENS, seed=3))
+        out["done_s"] = time.monotonic()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not engine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(2.0)  # decoding on the server
+    start = time.monotonic()
+    engine.update_weights(sorted(load_file(str(new / "model.safetensors")).items()))
+    engine.finish_weight_update(version=1)
+    update_s = time.monotonic() - start
+    assert thread.is_alive(), "the row finished before the update: raise MID_ROW_TOKENS"
+    thread.join(timeout=120)
+    results = out["results"]
+    print(json.dumps({"update_s": round(update_s, 2), "row_end_after_update_s": round(out["done_s"] - start, 2)}))
+    assert [(r.finish_reason, len(r.output_ids), r.weight_versions) for r in results] == \
+        [("length", MID_ROW_TOKENS, (0, 1))] * 2
+    # The first tokens are the old weights' log-probs, the last ones are not: the row went on
+    # under the new weights with its KV cache.
+    tokens = torch.tensor([[1, 2, 3, *results[0].output_ids]])
+    under_old = hf_log_probs(old, tokens)[0, 2:-1].gather(-1, tokens[0, 3:, None])[:, 0]
+    engine_lp = torch.tensor(results[0].logprobs)
+    assert (engine_lp[:10] - under_old[:10]).abs().max() < 1e-4
+    assert (engine_lp[-10:] - under_old[-10:]).abs().max() > 1e-2
+    after = engine.generate([[4, 5, 6]], SamplingParams(n=1, max_new_tokens=8, seed=4))
+    assert after[0].weight_versions == (1,)
+    tokens = torch.tensor([[4, 5, 6, *after[0].output_ids]])
+    under_new = hf_log_probs(new, tokens)[0, 2:-1].gather(-1, tokens[0, 3:, None])[:, 0]
+    assert (torch.tensor(after[0].logprobs) - under_new).abs().max() < 1e-4
+
+
+RESTART_PROMPTS = [[i % 90 + 1, 7, (3 * i) % 50 + 1] for i in range(8)]
+# 32 rows of 320 tokens: ~3 s of decoding on this 2-core machine; the kill comes 0.2 s after the
+# send, so it lands while the /generate is in flight (a kill 1 s after 160 tokens came too late in CI).
+RESTART_TOKENS = 320
+RESTART_VERSION = 3
+
+
+def test_a_server_killed_mid_generate_is_restarted_by_the_controller_with_the_synced_weights(fleet, checkpoints):
+    """Issue 31: a server the controller launched, SIGKILLed (its process group) while the
+    controller's /generate runs, is relaunched with the same resolved settings (port, key, log
+    appended), loaded with the last sync's weights and version, and asked again: every response
+    comes at that version with the synced weights' log-probs, one restart is counted, and the
+    dead server's /dev/shm files are gone. The colocated path: the controller hands the kept
+    buckets to the restarted server itself (a fleet's broadcast reload is the trainer run's)."""
+    import threading
+
+    import torch
+    from model_utils import reference_log_probs
+
+    engine = fleet[0]
+    started, synced = checkpoints
+    controller = RolloutController([engine], max_restarts=1)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=RESTART_TOKENS, seed=5)
+    controller.update_weights(sorted(load_file(str(synced / "model.safetensors")).items()))
+    controller.finish_weight_update(version=RESTART_VERSION)
+    old_pid, old_url = engine.process.pid, engine.base_url
+    old_files = {p for p in engine.process.shared_memory_files if Path(p).name.startswith("sglang_loads_")}
+    assert old_files, "the server held no sglang_loads_* file: nothing to check"
+    starts_before = Path(engine.log_path).read_text(errors="replace").count("server_args=ServerArgs(")
+
+    sent = threading.Event()
+    request = engine._request
+
+    def watching(method, path, *args, **kwargs):
+        if path == "/generate":
+            sent.set()
+        return request(method, path, *args, **kwargs)
+
+    engine._request = watching  # kept by restart(): it updates the instance's attributes
+    killed_running: list[bool] = []
+
+    def kill() -> None:
+        sent.wait(timeout=120)
+        time.sleep(0.2)
+        killed_running.append(engine.process.returncode is None and bool(engine._inflight))
+        os.killpg(old_pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    try:
+        results = controller.generate(RESTART_PROMPTS, params)
+    finally:
+        killer.join()
+        engine._request = request
+    assert killed_running == [True], "the /generate had returned before the kill"
+    assert controller.num_restarts == 1
+    assert engine.process.pid != old_pid and engine.process.returncode is None
+    assert engine.base_url == old_url  # the same resolved config: clients of other ranks stay valid
+    assert [(r.prompt_index, r.sample_index) for r in results] == [(i, j) for i in range(8) for j in range(4)]
+    assert all(r.finish_reason == "length" and len(r.output_ids) == RESTART_TOKENS for r in results)
+    # Reloaded with the version: the engine's check of every answer's version passed.
+    assert {r.weight_versions for r in results} == {(RESTART_VERSION,)}
+    assert not any(os.path.exists(p) for p in old_files), sorted(p for p in old_files if os.path.exists(p))
+    assert Path(engine.log_path).read_text(errors="replace").count("server_args=ServerArgs(") == starts_before + 1
+    diffs, stale = [], []
+    for r in results[::11]:
+        got = torch.tensor(r.logprobs)
+        prompt = RESTART_PROMPTS[r.prompt_index]
+        diffs.append((got - reference_log_probs(synced, prompt, r.output_ids, 1.0)).abs())
+        stale.append((got - reference_log_probs(started, prompt, r.output_ids, 1.0)).abs())
+    assert torch.cat(diffs).max().item() < 1e-4
+    assert torch.cat(stale).mean().item() > 1e-2
+
+
+def test_a_server_owned_by_another_rank_fails_without_a_restart():
+    """A client of a server that another rank owns is not restartable: its failure is the usual
+    EngineError naming the owner, no restart counted."""
+    from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted
+    from megatron_dapo.rollout.server_process import free_port
+
+    client = SGLangEngine(f"http://127.0.0.1:{free_port('127.0.0.1')}", name="sglang1", api_key="key",
+                          log_location="node1:/run/sglang1.log (owned by rank 2)")
+    controller = RolloutController([client], max_restarts=1)
+    try:
+        with pytest.raises(EngineError) as info:
+            controller.generate(PROMPTS[:1], SamplingParams(n=1, max_new_tokens=4))
+        assert not isinstance(info.value, EngineRestartsExhausted) and controller.num_restarts == 0
+        assert "SGLang engine sglang1" in str(info.value) and "owned by rank 2" in str(info.value)
+        with pytest.raises(EngineError, match="another rank owns its server"):
+            client.restart()
+    finally:
+        controller.shutdown()
+
+
+# --- The fleet's broadcast.
 
 
 def test_both_servers_take_the_broadcast_weights_and_version(fleet, checkpoints):

@@ -41,9 +41,9 @@ pytestmark = [
 PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]
 
 
-def launch(checkpoint: Path, log: Path, name: str) -> SGLangEngine:
+def launch(checkpoint: Path, log: Path, name: str, *, return_routes: bool = False) -> SGLangEngine:
     config = SGLangServerConfig(model_path=str(checkpoint), device="cpu", dtype="float32", max_total_tokens=32768,
-                                host="127.0.0.1", log_path=str(log))
+                                host="127.0.0.1", log_path=str(log), return_routes=return_routes)
     return SGLangEngine.launch(config, name=name, vocab_size=100, startup_timeout_s=600)
 
 
@@ -59,7 +59,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def engine(checkpoints, tmp_path_factory):
-    engine = launch(checkpoints["a"], tmp_path_factory.mktemp("sglang_moe_log") / "sglang0.log", "sglang0")
+    # With the routes (R3, issue 39): test_sglang_routes.py's row check runs on this server.
+    engine = launch(checkpoints["a"], tmp_path_factory.mktemp("sglang_moe_log") / "sglang0.log", "sglang0",
+                    return_routes=True)
     yield engine
     engine.shutdown()
 
@@ -116,6 +118,33 @@ def test_moe_log_probs_equal_transformers(engine, checkpoints, temperature):
     assert all(len(r.output_ids) == 12 for r in results)
     diff = gaps(checkpoints["a"], results, temperature)
     assert float(diff.mean()) < 5e-6 and float(diff.max()) < 5e-5, (float(diff.mean()), float(diff.max()))
+
+
+def test_every_finished_row_carries_the_experts_the_model_routes_its_tokens_to(engine, checkpoints):
+    """R3 (issue 39; test_sglang_routes.py says what is held): the server runs with
+    --enable-return-routed-experts and every finished row carries the experts transformers' own
+    routers choose for the same tokens. Here, not on a server of its own: the module's server
+    holds checkpoint a until the expert update below."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.rollout.routes import HFRouteRecorder
+
+    results = sample(engine)
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoints["a"]), dtype=torch.float32,
+                                                 experts_implementation="eager").eval()
+    recorder = HFRouteRecorder(model)
+    compared = 0
+    for r in results:
+        fed = [*PROMPTS[r.prompt_index], *r.output_ids][:-1]  # the last sampled token is never forwarded
+        assert r.routed_experts is not None and r.routed_experts.dtype == np.uint8
+        assert r.routed_experts.shape == (len(fed), 3, 2)
+        with torch.no_grad():
+            model(torch.tensor([fed]))
+        own = recorder.take(1, len(fed))[0].numpy()
+        assert np.array_equal(np.sort(r.routed_experts, -1), np.sort(own, -1)), r.sample_index
+        compared += len(fed)
+    assert compared > 60
 
 
 def test_expert_updates_by_hf_names_serve_the_new_experts(engine, checkpoints):

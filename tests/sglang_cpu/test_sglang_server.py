@@ -4,7 +4,8 @@ Run by `.ci/run` after `make install-sglang-cpu`; skipped where no SGLang interp
 installed. One float32 server serves the module (start-up is ~25 s on 2 cores); two servers at
 once and a kill of one are the fleet's tests (test_sglang_fleet.py). What each test holds is a rule of DESIGN.md's "SGLang's
 own server, and what it dies of": each failed against the real server before the engine
-was fixed (the abort test: requests sent after an abort ran to full length).
+was fixed (the abort test: requests sent after an abort ran to full length). Multi-turn episodes
+(issue 40) run on the same server.
 """
 
 from __future__ import annotations
@@ -271,3 +272,22 @@ def test_a_partial_rollouts_continuations_stop_with_the_batch(engine, weights_a)
     assert [r.finish_reason for r in left] == ["abort"] * 3
     # The first continuation ran until the abort; the others were never sent.
     assert len(left[0].output_ids) > 2 and [r.output_ids for r in left[1:]] == [[7, 8], [7, 8]]
+
+
+def test_episodes_on_sglang_are_token_exact(engine, checkpoints, weights_a):
+    """Multi-turn episodes on SGLang's own server: token ids in and out across turns (issue 40), on
+    the module's server (a server of their own cost CI an SGLang start)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from episode_utils import check_episode_exactness, check_streamed_episodes
+
+    from megatron_dapo.rollout.controller import RolloutController
+
+    engine.clear_abort()
+    out = check_episode_exactness(engine.generate, checkpoints[0], vocab_size=SHAPE["vocab_size"])
+    # Streaming collection's driver on the same server: the abort cuts episodes mid-turn or
+    # mid-call, the partial rollout resumes them (issue 40 item 3).
+    streamed = check_streamed_episodes(RolloutController([engine]), checkpoints[0], vocab_size=SHAPE["vocab_size"])
+    assert out["policy_gap"] < 1e-4 and out["tool_tokens"] > 0 and out["turns_max"] >= 2, out
+    assert streamed["policy_gap"] < 1e-4 and streamed["cut"] > 0, streamed

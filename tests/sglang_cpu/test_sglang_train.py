@@ -42,7 +42,7 @@ SHORT = ("rollout.engine=sglang", "model.sft_warm_start.enable=false", "algorith
 
 # One run holds the trainer through SGLang's own servers on CPU: TP=2 under torchrun, two servers
 # at once, a kill of one mid-generation. The one-process layout runs in test_sglang_routes.py
-# (with R3) and the restart of a controller's own server in test_sglang_restart.py; PP=2's
+# (with R3) and the restart of a controller's own server in test_sglang_fleet.py; PP=2's
 # export is the local engine's (tests/multirank), the servers receive the same buckets. A TP=1
 # kill run and a PP=2 run here cost CI 6 minutes and held nothing these do not.
 def test_a_server_another_rank_owns_is_restarted_by_its_owner_mid_generation(tmp_path):

