@@ -158,12 +158,14 @@ class WeightBroadcast:
         # sglang 0.5.23's receiver requires ("Unaligned received tensor"); 0.5.18 does not check.
         bucket = sorted(bucket, key=lambda item: -item[1].element_size())
         self._ensure_group()
-        flat = flat_bytes(bucket)
-        if self.backend == "gloo":
-            flat = flat.cpu()
         futures = {self._pool.submit(e.receive_distributed, bucket, group_name=self._group_name,
                                      load_format=FLATTENED_BUCKET, timeout_s=self.timeout_s): e
                    for e in self.engines}
+        # The servers allocate the bucket while the controller concatenates its bytes (the
+        # requests go first: the copy of the whole bucket no longer delays their broadcast).
+        flat = flat_bytes(bucket)
+        if self.backend == "gloo":
+            flat = flat.cpu()
         fault_point("fleet_metadata", 0)
         start = time.perf_counter()
         try:
