@@ -14,6 +14,7 @@ against +21.9 over 160 steps); the 30-step learning run that held it here cost C
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from importlib.util import find_spec
@@ -116,6 +117,12 @@ def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound
         assert "megatron_dapo_broadcast" in text and "POST /sleep" not in text
         finished, resumed = text.count(FINISHED), text.count('POST /resume HTTP/1.1" 200')
         assert finished >= 3 and 0 <= finished - resumed <= 1, (finished, resumed)
+    # Each server's worker is bound to cores of its own (cpu_fleet_binding): vLLM's default binding
+    # put both servers of a fleet on the same core (DESIGN.md "A CPU fleet's servers get cores ...").
+    bound = [set(re.findall(r"core ids=\[([0-9, ]+)\]", text)) for text in logs]
+    assert all(len(b) == 1 for b in bound) and bound[0] != bound[1], bound
+    cores = [{int(c) for c in b.pop().split(",")} for b in bound]
+    assert not cores[0] & cores[1], cores
 
 
 def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
