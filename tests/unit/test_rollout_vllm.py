@@ -161,3 +161,18 @@ def test_a_cpu_fleet_binds_each_vllm_server_to_its_own_cores(monkeypatch):
     assert cpu_fleet_binding(1, 2) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5"}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     assert cpu_fleet_binding(0, 2) == {}
+
+
+def test_a_second_shutdown_is_a_no_op():
+    """A fleet whose broadcast failed stops every server at once; the run's end stops them again
+    (seen on the two-node SLURM fleet: the second shutdown raised FileNotFoundError and failed the run)."""
+
+    class Stopped:
+        def stop(self) -> None:
+            pass
+
+    engine = VLLMEngine("http://127.0.0.1:1", name="vllm0", api_key="k", process=Stopped())  # type: ignore[arg-type]
+    (engine._bucket_dir / "bucket.safetensors").write_bytes(b"x")
+    engine.shutdown()
+    assert not engine._bucket_dir.exists()
+    engine.shutdown()

@@ -183,7 +183,7 @@ def check_cpu_moe(model_path: str | Path) -> None:
         )
 
 
-def cpu_fleet_binding(index: int, num_engines: int) -> dict[str, str]:
+def cpu_fleet_binding(index: int, num_engines: int, cores: list[int] | None = None) -> dict[str, str]:
     """The environment of CPU fleet server `index`: its OpenMP threads bound to its own slice of
     this process's cores (rollout/fleet/cores.py).
 
@@ -191,12 +191,15 @@ def cpu_fleet_binding(index: int, num_engines: int) -> dict[str, str]:
     a CPU worker takes the cores of a NUMA node less one it reserves, the same cores for every
     server, so on the 2-core CI machine both servers of a fleet were bound to core 0 (their logs:
     ``core ids=[0]``, ``reserved_cpus=[1]``). A list binds the worker's threads, one per core, to
-    exactly those cores. A user's own VLLM_CPU_OMP_THREADS_BIND wins over the slice.
+    exactly those cores. A user's own VLLM_CPU_OMP_THREADS_BIND wins over the slice. `cores`: those
+    of a node of the fleet's own (rollout/fleet/nodes.py), whole: the trainer's OMP_NUM_THREADS
+    is not theirs.
     """
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
-    cores = core_share(index, num_engines)
-    cores = cores[:thread_count(cores)]
+    remote = cores is not None
+    cores = core_share(index, num_engines, cores)
+    cores = cores if remote else cores[:thread_count(cores)]
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores)}
 
 
@@ -252,6 +255,7 @@ class VLLMEngine(WeightTransfer):
         host: str | None = None, device: str | None = None, max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.7, vocab_size: int | None = None, request_timeout_s: float = 3600.0,
         startup_timeout_s: float = 900.0, broadcast: bool = False, env: dict[str, str] | None = None,
+        launcher: Sequence[str] = (),
     ) -> VLLMEngine:
         """Start a server on this node, wait until it answers, and open its weight-transfer API.
 
@@ -270,6 +274,8 @@ class VLLMEngine(WeightTransfer):
                 first sync), versions on every token.
             env: variables for the server on top of this process's (a CPU fleet's cores:
                 cpu_fleet_binding).
+            launcher: argv put before the server's command: an srun step on a node of the fleet's
+                own (rollout/fleet/nodes.py; host is then that node's address).
 
         Returns:
             A healthy engine that owns its server process.
@@ -281,7 +287,7 @@ class VLLMEngine(WeightTransfer):
         if device == "cpu":
             check_cpu_moe(model_path)
         host = host or node_address()
-        port = free_port(host)
+        port = free_port("" if launcher else host)  # another node's address is not ours to bind
         api_key = secrets.token_hex(16)
         command = build_launch_command(model_path, host=host, port=port, device=device,
                                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
@@ -292,7 +298,7 @@ class VLLMEngine(WeightTransfer):
         if device == "cpu":
             extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
         extra.update(env or {})
-        process = ServerProcess(command, name=name, log_path=log_path or f"{name}.log",
+        process = ServerProcess([*launcher, *command], name=name, log_path=log_path or f"{name}.log",
                                 env=server_environment(extra), kind="vLLM")
         engine = cls(f"http://{host}:{port}", name=name, api_key=api_key, process=process,
                      eos_ids=model_eos_ids(model_path), vocab_size=vocab_size, request_timeout_s=request_timeout_s,
@@ -308,7 +314,8 @@ class VLLMEngine(WeightTransfer):
         engine._relaunch = dict(model_path=model_path, name=name, log_path=process.log_path, host=host, device=device,
                                 max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                 vocab_size=vocab_size, request_timeout_s=request_timeout_s,
-                                startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env)
+                                startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env,
+                                launcher=tuple(launcher))
         return engine
 
     @property
@@ -469,11 +476,13 @@ class VLLMEngine(WeightTransfer):
                            what=f"vLLM engine {self.name} at {self.base_url}", process=self.process)
 
     def shutdown(self) -> None:
-        """Stop the server process and remove the bucket directory."""
+        """Stop the server process and remove the bucket directory; again, a no-op (a fleet whose
+        broadcast failed stops every server at once, and the run's end stops them again)."""
         self.process.stop()
         for path in self._bucket_dir.glob("*"):
             path.unlink(missing_ok=True)
-        self._bucket_dir.rmdir()
+        with contextlib.suppress(FileNotFoundError):
+            self._bucket_dir.rmdir()
 
 
 def parse_choice(answer: dict[str, Any], *, prompt_index: int, sample_index: int, engine: str) -> GenerationResult:
