@@ -102,6 +102,10 @@ class RolloutConfig:
     num_engines: int = 1
     """Disaggregated SGLang or vLLM: servers in the fleet, each with its own tensor_model_parallel_size (on
     CPU: processes beside the trainer); their weights arrive by broadcast (rollout/fleet/)."""
+    nodes: list[str] = field(default_factory=list)
+    """Disaggregated SGLang or vLLM inside a SLURM job: nodes of the fleet's own (SLURM node names, none
+    running the actor's ranks); server i starts on nodes[i % len(nodes)] as an srun step of the job
+    (rollout/fleet/nodes.py). slurm/dapo.sbatch sets it from ENGINE_NODES=K. Empty = beside the trainer."""
     fleet_sync_timeout_s: float = 600.0
     """Deadline of the fleet's weight broadcast: forming its group, each bucket's broadcast and each
     server's answer; a server that dies or does not answer ends the sync with one line naming it."""
@@ -161,6 +165,15 @@ class RolloutConfig:
                "num_engines", f"is {self.num_engines}: a fleet of servers is built for rollout.placement=disaggregated "
                "with rollout.engine=sglang or vllm (colocated engines follow the GPUs: "
                "rollout.tensor_model_parallel_size); set rollout.num_engines=1")
+        if self.nodes:
+            _check(self.placement == "disaggregated" and self.engine in ("sglang", "vllm"), "nodes",
+                   "names nodes of the fleet's own, which only a fleet has: set rollout.placement=disaggregated "
+                   "with rollout.engine=sglang or vllm, or leave rollout.nodes empty")
+            _check(len(set(self.nodes)) == len(self.nodes) and all(isinstance(n, str) and n for n in self.nodes),
+                   "nodes", f"is {self.nodes}: name each node once, by its SLURM name")
+            _check(self.num_engines >= len(self.nodes), "nodes",
+                   f"names {len(self.nodes)} nodes for {self.num_engines} engine(s): the rest would stay idle; "
+                   f"set rollout.num_engines={len(self.nodes)} (or a multiple) or name fewer nodes")
         _check(self.fleet_sync_timeout_s > 0, "fleet_sync_timeout_s", "must be > 0 (seconds)")
         _check(self.max_engine_restarts >= 0, "max_engine_restarts", "must be >= 0 (0 = never restart)")
         _check(self.engine_hang_timeout_s > 0, "engine_hang_timeout_s", "must be > 0 (seconds)")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.errors import UserError
+from megatron_dapo.rollout.fleet.nodes import FleetSite, fleet_sites, weight_master_address
 
 if TYPE_CHECKING:
     import torch
@@ -112,26 +113,39 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
                   output_dir: Path, *, return_routes: bool = False) -> list[RolloutEngine]:
     """rollout.num_engines servers the controller starts (at once) and feeds while the actor trains
     (never released): weights arrive mid-stream by broadcast (weight_transport), paused in place
-    (SGLangEngine live_updates). The server settings are the colocated CPU path's (float32, the CPU KV pool)."""
+    (SGLangEngine live_updates). The server settings are the colocated CPU path's (float32, the CPU
+    KV pool); each runs beside the trainer or on a node of the fleet's own (rollout/fleet/nodes.py)."""
 
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, cpu_fleet_binding
 
-    if device.type != "cpu":
-        raise UserError(f"rollout.placement=disaggregated with rollout.engine=sglang runs on CPU only (trainer device "
-                        f"{device.type}): servers on GPUs of their own (weights by NCCL broadcast) are not built; "
-                        "use rollout.placement=colocated")
+    _fleet_device(rollout, device)
+    sites = fleet_sites(rollout.num_engines, nodes=rollout.nodes, host=rollout.host)
 
     def launch(i: int) -> RolloutEngine:
+        site = sites[i]
         config = SGLangServerConfig(model_path=str(hf_dir), device="cpu", dtype="float32",
                                     max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,
-                                    host=rollout.host or "127.0.0.1", python=rollout.sglang.python or "",
+                                    host=site.host, python=rollout.sglang.python or "",
                                     log_path=str(output_dir / "engine_logs" / f"sglang{i}.log"),
-                                    return_routes=return_routes, env=cpu_fleet_binding(i, rollout.num_engines))
+                                    return_routes=return_routes, launcher=site.launcher,
+                                    env=cpu_fleet_binding(site.slot, site.peers, _cores(site)))
         return SGLangEngine.launch(config, name=f"sglang{i}", request_timeout_s=rollout.request_timeout_s,
                                    live_updates=True)
 
     return _launch_fleet(rollout.num_engines, launch)
+
+
+def _fleet_device(rollout: RolloutConfig, device: torch.device) -> None:
+    """Fleets run on CPU: servers on GPUs of their own (weights by NCCL broadcast) are not built."""
+    if device.type != "cpu":
+        raise UserError(f"rollout.placement=disaggregated with rollout.engine={rollout.engine} runs on CPU only "
+                        f"(trainer device {device.type}): servers on GPUs of their own (weights by NCCL broadcast) "
+                        "are not built; use rollout.placement=colocated")
+
+
+def _cores(site: FleetSite) -> list[int] | None:
+    return list(site.cores) if site.cores is not None else None
 
 
 def _launch_fleet(num_engines: int, launch: Callable[[int], RolloutEngine]) -> list[RolloutEngine]:
@@ -155,9 +169,14 @@ def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:
     disaggregated SGLang or vLLM servers gets each bucket by one broadcast (rollout/fleet/broadcast.py)."""
     if cfg.rollout.engine not in ("sglang", "vllm") or cfg.rollout.placement != "disaggregated":
         return None
+    from urllib.parse import urlparse
+
     from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
 
-    return WeightBroadcast(engines, master_address=cfg.rollout.host or "127.0.0.1", backend="gloo",  # type: ignore[arg-type]
+    # Servers on nodes of their own reach the controller on the route to theirs (fleet/nodes.py).
+    remote = urlparse(getattr(engines[0], "base_url", "")).hostname if cfg.rollout.nodes else None
+    master = weight_master_address(cfg.rollout.host, remote)
+    return WeightBroadcast(engines, master_address=master, backend="gloo",  # type: ignore[arg-type]
                            timeout_s=cfg.rollout.fleet_sync_timeout_s)
 
 
@@ -196,15 +215,15 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
 
     r = cfg.rollout
     if r.placement == "disaggregated":
-        if device.type != "cpu":
-            raise UserError(f"rollout.placement=disaggregated with rollout.engine=vllm runs on CPU only (trainer "
-                            f"device {device.type}): servers on GPUs of their own (weights by NCCL broadcast) are "
-                            "not built; use rollout.placement=colocated")
+        _fleet_device(r, device)
+        sites = fleet_sites(r.num_engines, nodes=r.nodes, host=r.host)
 
         def launch(i: int) -> RolloutEngine:
+            site = sites[i]
             return VLLMEngine.launch(hf_dir, name=f"vllm{i}", log_path=output_dir / "engine_logs" / f"vllm{i}.log",
-                                     host=r.host or "127.0.0.1", device="cpu", request_timeout_s=r.request_timeout_s,
-                                     broadcast=True, env=cpu_fleet_binding(i, r.num_engines))
+                                     host=site.host, device="cpu", request_timeout_s=r.request_timeout_s,
+                                     broadcast=True, env=cpu_fleet_binding(site.slot, site.peers, _cores(site)),
+                                     launcher=site.launcher)
 
         return _launch_fleet(r.num_engines, launch)
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",

@@ -53,11 +53,13 @@ HOST_ENV = "MEGATRON_DAPO_ENGINE_HOST"
 LAUNCHER_VARIABLES = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_DEVICE_MAX_CONNECTIONS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_DEVICE_MAX_CONNECTIONS", "SLURM_LABELIO",
 )  # fmt: skip
 """Variables a torchrun/srun trainer rank has that a server must not inherit. Besides the
 rendezvous ones: CUDA_DEVICE_MAX_CONNECTIONS=1 is Megatron's setting for its own
-communication/compute overlap and serialises an inference server's kernels."""
+communication/compute overlap and serialises an inference server's kernels. SLURM_LABELIO (the
+trainer's `srun --label`) would make the srun step of a server on a node of its own
+(rollout/fleet/nodes.py) prefix every line of its log with "0: "."""
 
 _LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
 

@@ -10,6 +10,12 @@ SLURM_CONF, and munge uses a private key and socket.
 
 What the tests cover with it: our sbatch scripts under the real srun (task environment,
 MASTER_ADDR, per-job logs), the pre-timeout signal and `scontrol requeue`.
+
+A second node, `localhost` (a second slurmd on this machine, on a port of its own), is in the
+partition `split` with the first, for jobs that give a rollout fleet a node of its own
+(test_slurm_fleet.py); the default partition holds the first node alone, so the other jobs
+never land there. Its name resolves on every machine, which the fleet needs (the trainer calls
+its servers at the node's address); SLURM's slurmd accepts `-N name` in Debian's build.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ class SlurmCluster:
     conf: Path
     """The slurm.conf the daemons and clients use (exported as SLURM_CONF)."""
     node: str
-    """Name of the only node."""
+    """Name of the first node (this machine's hostname); the default partition's only node."""
+    engine_node: str | None
+    """The second node of partition `split` (None when this machine's hostname is localhost)."""
     cpus: int
     """CPUs the node offers."""
     env: dict[str, str]
@@ -123,9 +131,15 @@ def _node_resources() -> tuple[int, int]:
     return max(2, int(fields["CPUs"])), int(int(fields["RealMemory"]) * 0.95)
 
 
-def _write_conf(root: Path, node: str, cpus: int, mem_mb: int, munge_socket: Path) -> Path:
+def _write_conf(root: Path, node: str, cpus: int, mem_mb: int, munge_socket: Path, engine_node: str | None) -> Path:
     for sub in ("state", "spool", "log", "run"):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    for name in (node, engine_node):
+        if name:
+            (root / "spool" / name).mkdir(exist_ok=True)
+    second = [f"NodeName={engine_node} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} RealMemory={mem_mb} "
+              "State=UNKNOWN", f"PartitionName=split Nodes={node},{engine_node} MaxTime=INFINITE State=UP"] \
+        if engine_node else []
     conf = root / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=megatron-dapo-test",
@@ -138,11 +152,12 @@ def _write_conf(root: Path, node: str, cpus: int, mem_mb: int, munge_socket: Pat
         "CredType=cred/munge",
         f"AuthInfo=socket={munge_socket}",
         f"StateSaveLocation={root / 'state'}",
-        f"SlurmdSpoolDir={root / 'spool'}",
+        # %n: each slurmd (one per node name, both on this machine) keeps its own files.
+        f"SlurmdSpoolDir={root / 'spool'}/%n",
         f"SlurmctldPidFile={root / 'run' / 'slurmctld.pid'}",
-        f"SlurmdPidFile={root / 'run' / 'slurmd.pid'}",
+        f"SlurmdPidFile={root / 'run'}/slurmd-%n.pid",
         f"SlurmctldLogFile={root / 'log' / 'slurmctld.log'}",
-        f"SlurmdLogFile={root / 'log' / 'slurmd.log'}",
+        f"SlurmdLogFile={root / 'log'}/slurmd-%n.log",
         "SlurmctldDebug=info",
         "SlurmdDebug=info",
         # No cgroups in a container: track processes by parentage, bind nothing.
@@ -165,6 +180,7 @@ def _write_conf(root: Path, node: str, cpus: int, mem_mb: int, munge_socket: Pat
         "KillWait=10",
         f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN",
         f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+        *second,
         "",
     ]))
     return conf
@@ -178,16 +194,19 @@ def _start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen[b
 def _wait_idle(cluster: SlurmCluster, procs: list[subprocess.Popen[bytes]], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     state = ""
+    names = [*DAEMONS[:2], *(f"slurmd-{n}" for n in (cluster.node, cluster.engine_node) if n)]
+    # A node in two partitions is listed once per partition.
+    want = {f"{n} idle" for n in (cluster.node, cluster.engine_node) if n}
     while time.monotonic() < deadline:
-        for name, proc in zip(DAEMONS, procs):
+        for name, proc in zip(names, procs):
             if proc.poll() is not None:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{cluster.log_tail(name)}")
         out = cluster.run("sinfo", "-h", "-N", "-o", "%N %T", check=False, timeout=10)
         state = out.stdout.strip()
-        if state == f"{cluster.node} idle":
+        if set(state.splitlines()) == want:
             return
         time.sleep(0.5)
-    raise RuntimeError(f"node not idle after {timeout}s (sinfo: {state!r});\n{cluster.log_tail('slurmd')}")
+    raise RuntimeError(f"nodes not idle after {timeout}s (sinfo: {state!r});\n{cluster.log_tail(f'slurmd-{cluster.node}')}")
 
 
 def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen[bytes]]]:
@@ -204,11 +223,12 @@ def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen[bytes
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
     munge_socket = munge_dir / "munge.socket"
-    conf = _write_conf(root, node, cpus, mem_mb, munge_socket)
+    engine_node = "localhost" if node != "localhost" else None
+    conf = _write_conf(root, node, cpus, mem_mb, munge_socket, engine_node)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for var in [v for v in env if v.startswith(("SLURM_", "SBATCH_", "SRUN_")) and v != "SLURM_CONF"]:
         del env[var]  # a pytest started inside a job must not leak its job's settings
-    cluster = SlurmCluster(root=root, conf=conf, node=node, cpus=cpus, env=env)
+    cluster = SlurmCluster(root=root, conf=conf, node=node, engine_node=engine_node, cpus=cpus, env=env)
     log = root / "log"
     procs: list[subprocess.Popen[bytes]] = []
     try:
@@ -221,7 +241,9 @@ def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen[bytes
             time.sleep(0.1)
         # -i: ignore saved state (a fresh directory has none).
         procs.append(_start([_bin("slurmctld"), "-D", "-i", "-f", str(conf)], log / "slurmctld.out", env))
-        procs.append(_start([_bin("slurmd"), "-D", "-f", str(conf), "-N", node], log / "slurmd.out", env))
+        for name in (node, engine_node):
+            if name:
+                procs.append(_start([_bin("slurmd"), "-D", "-f", str(conf), "-N", name], log / f"slurmd-{name}.out", env))
         _wait_idle(cluster, procs, timeout=60)
     except BaseException:
         stop_cluster(procs)

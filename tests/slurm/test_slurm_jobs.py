@@ -44,8 +44,9 @@ def _trainer_missing() -> str | None:
 
 
 def _submit(cluster: SlurmCluster, script: str, log: Path, *args: str, env: dict[str, str] | None = None,
-            wait: bool = False, timeout: float = 240) -> str:
-    cmd = ["sbatch", "--parsable", f"--output={log}", *(["--wait"] if wait else []), script, *args]
+            wait: bool = False, timeout: float = 240, options: tuple[str, ...] = ()) -> str:
+    """sbatch `script` with `args` (the script's), `options` (sbatch's); returns the job id."""
+    cmd = ["sbatch", "--parsable", f"--output={log}", *(["--wait"] if wait else []), *options, script, *args]
     proc = cluster.run(*cmd, env=env, check=False, timeout=timeout)
     job_id = proc.stdout.strip().split(";")[0]
     if wait:

@@ -6,7 +6,8 @@ threads on two cores, and every parallel region's barrier waited for a deschedul
 2-server SGLang fleet on the 2-core CI machine: 94 s of generation per step of the tiny run
 against 2.5 s with one thread per server; DESIGN.md, "A CPU fleet's servers get cores of their
 own"). Each server is given its own slice of this process's cores; the engines' launchers turn
-the slice into their own settings (rollout/sglang/server.py, rollout/vllm/engine.py).
+the slice into their own settings (rollout/sglang/server.py, rollout/vllm/engine.py). Servers on
+nodes of their own (rollout/fleet/nodes.py) share that node's cores instead.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import os
 __all__ = ["core_share", "thread_count"]
 
 
-def core_share(index: int, num_engines: int) -> list[int]:
-    """The cores of fleet server `index` of `num_engines`: an equal slice of this process's cores,
-    in order; with more servers than cores one core each, taken round the cores."""
-    cores = sorted(os.sched_getaffinity(0))
+def core_share(index: int, num_engines: int, cores: list[int] | None = None) -> list[int]:
+    """The cores of fleet server `index` of the `num_engines` that share `cores` (default: this
+    process's, for servers beside the trainer): an equal slice, in order; with more servers than
+    cores one core each, taken round the cores."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
     share = max(1, len(cores) // num_engines)
     start = (index * share) % len(cores)
     return cores[start:start + share]

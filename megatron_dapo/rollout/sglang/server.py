@@ -99,6 +99,9 @@ class SGLangServerConfig:
     """Further launch_server flags, passed through verbatim."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables of the server process."""
+    launcher: tuple[str, ...] = ()
+    """argv put before the server's command: an srun step on a node of the fleet's own
+    (rollout/fleet/nodes.py; host is then that node's address, the ports free on this one)."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -183,7 +186,7 @@ def write_secret_config(config: SGLangServerConfig) -> Path:
         os.close(fd)
     return path
 
-def cpu_fleet_binding(index: int, num_engines: int) -> dict[str, str]:
+def cpu_fleet_binding(index: int, num_engines: int, cores: list[int] | None = None) -> dict[str, str]:
     """The environment of CPU fleet server `index`: its own slice of this process's cores
     (rollout/fleet/cores.py) and one OpenMP thread per core of it.
 
@@ -194,9 +197,13 @@ def cpu_fleet_binding(index: int, num_engines: int) -> dict[str, str]:
     CI machines) it logs that the binding is disabled and torch keeps its default pool, one thread
     per core the process may use. So OMP_NUM_THREADS sizes the pool on every CPU, and the binding
     pins it where SGLang binds. A user's own SGLANG_CPU_OMP_THREADS_BIND wins over the slice.
+
+    `cores`: the cores of a node of the fleet's own (rollout/fleet/nodes.py), shared by the
+    `num_engines` servers placed there; the trainer's OMP_NUM_THREADS does not apply to them.
     """
-    cores = core_share(index, num_engines)
-    env = {"OMP_NUM_THREADS": str(thread_count(cores))}
+    remote = cores is not None
+    cores = core_share(index, num_engines, cores)
+    env = {"OMP_NUM_THREADS": str(len(cores) if remote else thread_count(cores))}
     if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
     return env
@@ -222,6 +229,9 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         A new config with every launch field set.
     """
     host = config.host or node_address()
+    # A server on another node (launcher) binds an address this node does not have: its ports are
+    # ones free here (rollout/fleet/nodes.py says why that serves).
+    port_host = "" if config.launcher else host
     python = config.python or sglang_python()
     if python is None:
         from megatron_dapo.errors import UserError
@@ -233,8 +243,8 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         base_gpu_id=config.base_gpu_id,
         mem_fraction_static=config.mem_fraction_static,
         host=host,
-        port=config.port or free_port(host),
-        nccl_port=config.nccl_port or free_port(host),
+        port=config.port or free_port(port_host),
+        nccl_port=config.nccl_port or free_port(port_host),
         api_key=config.api_key or secrets.token_hex(24),
         dtype=config.dtype,
         random_seed=config.random_seed,
@@ -246,6 +256,7 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         return_routes=config.return_routes,
         extra_args=config.extra_args,
         env=dict(config.env),
+        launcher=tuple(config.launcher),
     )
 
 

