@@ -136,12 +136,18 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
     return _launch_fleet(rollout.num_engines, launch)
 
 
-def _fleet_device(rollout: RolloutConfig, device: torch.device) -> None:
-    """Fleets run on CPU: servers on GPUs of their own (weights by NCCL broadcast) are not built."""
-    if device.type != "cpu":
+def check_fleet_device(rollout: RolloutConfig, device: str) -> None:
+    """Fleets of SGLang or vLLM servers run on CPU: servers on GPUs of their own (weights by NCCL
+    broadcast) are not built. Checked before anything starts (preflight: `config validate` in
+    dapo.sbatch, with trainer.device=cuda) and when the engines start (trainer.device=auto)."""
+    if rollout.placement == "disaggregated" and rollout.engine in ("sglang", "vllm") and device != "cpu":
         raise UserError(f"rollout.placement=disaggregated with rollout.engine={rollout.engine} runs on CPU only "
-                        f"(trainer device {device.type}): servers on GPUs of their own (weights by NCCL broadcast) "
+                        f"(trainer device {device}): servers on GPUs of their own (weights by NCCL broadcast) "
                         "are not built; use rollout.placement=colocated")
+
+
+def _fleet_device(rollout: RolloutConfig, device: torch.device) -> None:
+    check_fleet_device(rollout, device.type)
 
 
 def _cores(site: FleetSite) -> list[int] | None:

@@ -161,3 +161,14 @@ def test_dry_run_refuses_engine_nodes_that_leave_no_actor(value: str) -> None:
     proc = _dry_run("slurm/dapo_tiny.sbatch", ENGINE_NODES=value, NNODES="2")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().count("\n") == 0 and f"ENGINE_NODES={value}" in proc.stderr
+
+
+def test_a_gpu_fleet_fails_config_validate_in_one_line() -> None:
+    """dapo.sbatch runs `config validate` before any rank starts: a GPU job with ENGINE_NODES stops in
+    seconds, not after the actor is built (the engines' start refuses it too, for trainer.device=auto)."""
+    proc = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "config", "validate", "examples/tiny_cpu.yaml",
+                           "trainer.device=cuda", "rollout.engine=vllm", "rollout.placement=disaggregated",
+                           "model.scratch.hidden_size=128"], cwd=REPO, text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0
+    assert "runs on CPU only (trainer device cuda)" in proc.stderr and "NCCL broadcast" in proc.stderr
