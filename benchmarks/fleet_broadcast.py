@@ -57,7 +57,8 @@ def make_checkpoint(directory: Path, hidden: int) -> Path:
 def launch(engine: str, checkpoint: Path, i: int, engines: int, log_dir: Path):
     """Server i of a fleet of `engines`, as rollout/factory.py starts it (its own cores included)."""
     if engine == "vllm":
-        from megatron_dapo.rollout.vllm.engine import VLLMEngine, cpu_fleet_binding
+        from megatron_dapo.rollout.vllm.engine import VLLMEngine
+        from megatron_dapo.rollout.vllm.server import cpu_fleet_binding
 
         return VLLMEngine.launch(checkpoint, name=f"vllm{i}", log_path=log_dir / f"vllm{i}.log", host="127.0.0.1",
                                  device="cpu", broadcast=True, env=cpu_fleet_binding(i, engines))

@@ -217,7 +217,8 @@ def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:
 
 def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                    output_dir: Path) -> list[RolloutEngine]:
-    from megatron_dapo.rollout.vllm.engine import VLLMEngine, cpu_fleet_binding
+    from megatron_dapo.rollout.vllm.engine import VLLMEngine
+    from megatron_dapo.rollout.vllm.server import cpu_fleet_binding
 
     r = cfg.rollout
     if r.placement == "disaggregated":
@@ -281,7 +282,7 @@ def _sglang_model(model_dir: Path, device: str) -> None:
 
 def _vllm_model(model_dir: Path, device: str) -> None:
     if device == "cpu":
-        from megatron_dapo.rollout.vllm.engine import check_cpu_moe
+        from megatron_dapo.rollout.vllm.server import check_cpu_moe
 
         check_cpu_moe(model_dir)
 

@@ -62,7 +62,7 @@ def test_servers_on_nodes_of_their_own_are_srun_steps_spread_over_the_nodes() ->
 @pytest.mark.usefixtures("slurm_job")
 def test_a_node_of_the_fleet_takes_its_cores_whole_whatever_the_trainer_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     from megatron_dapo.rollout.sglang.server import cpu_fleet_binding as sglang_binding
-    from megatron_dapo.rollout.vllm.engine import cpu_fleet_binding as vllm_binding
+    from megatron_dapo.rollout.vllm.server import cpu_fleet_binding as vllm_binding
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # dapo.sbatch's default for the trainer's ranks
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)

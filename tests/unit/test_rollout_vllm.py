@@ -7,13 +7,8 @@ import pytest
 
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.rollout.vllm.engine import (
-    VLLMEngine,
-    build_launch_command,
-    check_cpu_moe,
-    model_eos_ids,
-    parse_choice,
-)
+from megatron_dapo.rollout.vllm.engine import VLLMEngine, parse_choice
+from megatron_dapo.rollout.vllm.server import build_launch_command, check_cpu_moe, model_eos_ids
 
 
 def _flag(command: list[str], name: str) -> str:
@@ -148,7 +143,7 @@ def test_a_cpu_fleet_binds_each_vllm_server_to_its_own_cores(monkeypatch):
     one reserved: core 0 for both servers on 2 cores); a fleet server gets its own slice instead,
     one thread per core, fewer if OMP_NUM_THREADS asks (DESIGN.md, "A CPU fleet's servers get
     cores of their own"). A user's own VLLM_CPU_OMP_THREADS_BIND wins."""
-    from megatron_dapo.rollout.vllm.engine import cpu_fleet_binding
+    from megatron_dapo.rollout.vllm.server import cpu_fleet_binding
 
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -6,7 +6,7 @@ threads on two cores, and every parallel region's barrier waited for a deschedul
 2-server SGLang fleet on the 2-core CI machine: 94 s of generation per step of the tiny run
 against 2.5 s with one thread per server; DESIGN.md, "A CPU fleet's servers get cores of their
 own"). Each server is given its own slice of this process's cores; the engines' launchers turn
-the slice into their own settings (rollout/sglang/server.py, rollout/vllm/engine.py). Servers on
+the slice into their own settings (rollout/sglang/server.py, rollout/vllm/server.py). Servers on
 nodes of their own (rollout/fleet/nodes.py) share that node's cores instead.
 """
 
