@@ -39,6 +39,7 @@ group, _ = _new_process_group_helper(world, rank, [], Backend("gloo"), PrefixSto
 buffer = torch.empty(numel, dtype=torch.uint8)
 for _ in range(repeats):
     group.broadcast([buffer], dist.BroadcastOptions()).wait()
+group.shutdown()  # else gloo's threads are still joinable at exit: "terminate called without an active exception"
 """
 
 
