@@ -85,6 +85,8 @@ def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None
     for i in range(num_engines):
         node = nodes[i % len(nodes)]
         peers = len(range(i % len(nodes), num_engines, len(nodes)))
+        # --overlap: CPU servers share nothing exclusive. It would not fit GPU servers: since SLURM
+        # 22.05 it shares GRES too (DESIGN.md, "Not yet": steps with --gres=gpu:TP instead).
         launcher = ("srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
                     "--kill-on-bad-exit=1", "--cpu-bind=none", f"--job-name=engine{i}")
         sites.append(FleetSite(host=node_addr(node), launcher=launcher, node=node, slot=i // len(nodes), peers=peers,
