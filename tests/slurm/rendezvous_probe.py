@@ -60,6 +60,11 @@ def preempt(argv: list[str]) -> int:
     if not received:
         print(f"probe rank {rank}: no signal within 120 s", flush=True)
         return 1
+    # As train.py does once it decided on 75: the first rank to exit 75 makes srun
+    # (--kill-on-bad-exit) SIGTERM the rest, and Python's shutdown puts SIGTERM's default action
+    # back in place of a Python handler (not of SIG_IGN), so a rank still exiting died with 143
+    # and the job was not requeued (seen in CI, 2026-11-29).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if rank == 0:
         os.makedirs(cfg.trainer.output_dir, exist_ok=True)
         with open(os.path.join(cfg.trainer.output_dir, "PREEMPTED"), "w") as f:
