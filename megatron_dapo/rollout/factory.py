@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.fleet.nodes import FleetSite, fleet_sites, weight_master_address
+from megatron_dapo.rollout.fleet.nodes import fleet_sites, weight_master_address
 
 if TYPE_CHECKING:
     import torch
@@ -119,7 +119,7 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, cpu_fleet_binding
 
-    _fleet_device(rollout, device)
+    check_fleet_device(rollout, device.type)
     sites = fleet_sites(rollout.num_engines, nodes=rollout.nodes, host=rollout.host)
 
     def launch(i: int) -> RolloutEngine:
@@ -129,7 +129,7 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
                                     host=site.host, python=rollout.sglang.python or "",
                                     log_path=str(output_dir / "engine_logs" / f"sglang{i}.log"),
                                     return_routes=return_routes, launcher=site.launcher,
-                                    env=cpu_fleet_binding(site.slot, site.peers, _cores(site)))
+                                    env=cpu_fleet_binding(site.slot, site.peers, site.cores))
         return SGLangEngine.launch(config, name=f"sglang{i}", request_timeout_s=rollout.request_timeout_s,
                                    live_updates=True)
 
@@ -144,14 +144,6 @@ def check_fleet_device(rollout: RolloutConfig, device: str) -> None:
         raise UserError(f"rollout.placement=disaggregated with rollout.engine={rollout.engine} runs on CPU only "
                         f"(trainer device {device}): servers on GPUs of their own (weights by NCCL broadcast) "
                         "are not built; use rollout.placement=colocated")
-
-
-def _fleet_device(rollout: RolloutConfig, device: torch.device) -> None:
-    check_fleet_device(rollout, device.type)
-
-
-def _cores(site: FleetSite) -> list[int] | None:
-    return list(site.cores) if site.cores is not None else None
 
 
 def _launch_fleet(num_engines: int, launch: Callable[[int], RolloutEngine]) -> list[RolloutEngine]:
@@ -222,14 +214,14 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
 
     r = cfg.rollout
     if r.placement == "disaggregated":
-        _fleet_device(r, device)
+        check_fleet_device(r, device.type)
         sites = fleet_sites(r.num_engines, nodes=r.nodes, host=r.host)
 
         def launch(i: int) -> RolloutEngine:
             site = sites[i]
             return VLLMEngine.launch(hf_dir, name=f"vllm{i}", log_path=output_dir / "engine_logs" / f"vllm{i}.log",
                                      host=site.host, device="cpu", request_timeout_s=r.request_timeout_s,
-                                     broadcast=True, env=cpu_fleet_binding(site.slot, site.peers, _cores(site)),
+                                     broadcast=True, env=cpu_fleet_binding(site.slot, site.peers, site.cores),
                                      launcher=site.launcher)
 
         return _launch_fleet(r.num_engines, launch)

@@ -13,11 +13,12 @@ nodes of their own (rollout/fleet/nodes.py) share that node's cores instead.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
-__all__ = ["core_share", "thread_count"]
+__all__ = ["core_share", "server_cores", "thread_count"]
 
 
-def core_share(index: int, num_engines: int, cores: list[int] | None = None) -> list[int]:
+def core_share(index: int, num_engines: int, cores: Sequence[int] | None = None) -> list[int]:
     """The cores of fleet server `index` of the `num_engines` that share `cores` (default: this
     process's, for servers beside the trainer): an equal slice, in order; with more servers than
     cores one core each, taken round the cores."""
@@ -32,3 +33,14 @@ def thread_count(cores: list[int]) -> int:
     OMP_NUM_THREADS asks for fewer (a sweep that runs several trainers at once sets it)."""
     inherited = os.environ.get("OMP_NUM_THREADS", "")
     return min(len(cores), int(inherited)) if inherited.isdigit() and int(inherited) > 0 else len(cores)
+
+
+def server_cores(index: int, num_engines: int, node_cores: Sequence[int] | None = None) -> tuple[list[int], int]:
+    """(cores, OpenMP threads) of fleet server `index` of the `num_engines` sharing its cores.
+
+    Beside the trainer (node_cores None) they share this process's cores and the trainer's
+    OMP_NUM_THREADS caps the threads (thread_count); on a node of the fleet's own
+    (rollout/fleet/nodes.py) they share that node's cores whole, one thread per core.
+    """
+    cores = core_share(index, num_engines, node_cores)
+    return cores, len(cores) if node_cores is not None else thread_count(cores)

@@ -81,6 +81,7 @@ def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None
     _check_nodes(nodes)
     cpus = job_cpus_per_node()
     job = os.environ["SLURM_JOB_ID"]
+    addresses = {node: node_addr(node) for node in nodes}
     sites = []
     for i in range(num_engines):
         node = nodes[i % len(nodes)]
@@ -89,7 +90,7 @@ def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None
         # 22.05 it shares GRES too (DESIGN.md, "Not yet": steps with --gres=gpu:TP instead).
         launcher = ("srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
                     "--kill-on-bad-exit=1", "--cpu-bind=none", f"--job-name=engine{i}")
-        sites.append(FleetSite(host=node_addr(node), launcher=launcher, node=node, slot=i // len(nodes), peers=peers,
+        sites.append(FleetSite(host=addresses[node], launcher=launcher, node=node, slot=i // len(nodes), peers=peers,
                                cores=tuple(range(cpus[node])) if node in cpus else None))
     return sites
 

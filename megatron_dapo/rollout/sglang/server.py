@@ -32,10 +32,11 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_dapo.rollout.fleet.cores import core_share, thread_count
+from megatron_dapo.rollout.fleet.cores import server_cores
 from megatron_dapo.rollout.server_process import free_port, node_address
 from megatron_dapo.rollout.sglang.interpreter import INSTALL_HINT, default_cpu_venv, sglang_python
 
@@ -186,7 +187,7 @@ def write_secret_config(config: SGLangServerConfig) -> Path:
         os.close(fd)
     return path
 
-def cpu_fleet_binding(index: int, num_engines: int, cores: list[int] | None = None) -> dict[str, str]:
+def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None = None) -> dict[str, str]:
     """The environment of CPU fleet server `index`: its own slice of this process's cores
     (rollout/fleet/cores.py) and one OpenMP thread per core of it.
 
@@ -201,11 +202,10 @@ def cpu_fleet_binding(index: int, num_engines: int, cores: list[int] | None = No
     `cores`: the cores of a node of the fleet's own (rollout/fleet/nodes.py), shared by the
     `num_engines` servers placed there; the trainer's OMP_NUM_THREADS does not apply to them.
     """
-    remote = cores is not None
-    cores = core_share(index, num_engines, cores)
-    env = {"OMP_NUM_THREADS": str(len(cores) if remote else thread_count(cores))}
+    share, threads = server_cores(index, num_engines, cores)
+    env = {"OMP_NUM_THREADS": str(threads)}
     if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cores)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in share)
     return env
 
 

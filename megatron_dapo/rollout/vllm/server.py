@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.fleet.cores import core_share, thread_count
+from megatron_dapo.rollout.fleet.cores import server_cores
 from megatron_dapo.rollout.vllm.weights import BROADCAST_BACKEND, SHM_BACKEND
 
 __all__ = ["AUTH_MIDDLEWARE", "CPU_MOE_ALIGNMENT", "build_launch_command", "check_cpu_moe", "cpu_fleet_binding",
@@ -117,7 +118,7 @@ def check_cpu_moe(model_path: str | Path) -> None:
         )
 
 
-def cpu_fleet_binding(index: int, num_engines: int, cores: list[int] | None = None) -> dict[str, str]:
+def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None = None) -> dict[str, str]:
     """The environment of CPU fleet server `index`: its OpenMP threads bound to its own slice of
     this process's cores (rollout/fleet/cores.py).
 
@@ -131,9 +132,7 @@ def cpu_fleet_binding(index: int, num_engines: int, cores: list[int] | None = No
     """
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
-    remote = cores is not None
-    cores = core_share(index, num_engines, cores)
-    cores = cores if remote else cores[:thread_count(cores)]
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in cores)}
+    share, threads = server_cores(index, num_engines, cores)
+    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in share[:threads])}
 
 
