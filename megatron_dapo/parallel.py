@@ -144,6 +144,11 @@ class ControlGroups:
     """The first rank of every replica (the controller is one); None on the other ranks."""
     leader_ranks: tuple[int, ...]
     """Global rank of each replica's first rank, by data-parallel rank."""
+    stage_sources: dist.ProcessGroup | None = None
+    """The first rank of every pipeline stage (PP > 1; None elsewhere): a fleet's per-stage weight
+    broadcast (rollout/fleet/stages.py) is driven here."""
+    stage_source_ranks: tuple[int, ...] = (0,)
+    """Global rank of each pipeline stage's first rank, by stage (``stage_source``)."""
 
 
 def build_control_groups(dims: ParallelDims, timeout_minutes: float) -> ControlGroups:
@@ -173,8 +178,17 @@ def build_control_groups(dims: ParallelDims, timeout_minutes: float) -> ControlG
             replica = group
     leaders = dist.new_group(list(leader_ranks), backend="gloo", timeout=timeout)
     assert replica is not None and leader_ranks[0] == 0, "the controller leads data-parallel replica 0"
+    sources = tuple(stage_source(dims, stage) for stage in range(dims.pp))
+    stage_sources = dist.new_group(list(sources), backend="gloo", timeout=timeout) if dims.pp > 1 else None
     return ControlGroups(world=world, replica=replica, replica_src=replicas[dims.dp_rank][0],
-                         leaders=leaders if dims.rank in leader_ranks else None, leader_ranks=leader_ranks)
+                         leaders=leaders if dims.rank in leader_ranks else None, leader_ranks=leader_ranks,
+                         stage_sources=stage_sources if dims.rank in sources else None, stage_source_ranks=sources)
+
+
+def stage_source(dims: ParallelDims, stage: int) -> int:
+    """Global rank of pipeline stage ``stage``'s first rank: PP is outermost in megatron's order,
+    so stage s starts at s x TP x CP x DP (the controller is stage 0's)."""
+    return stage * (dims.world_size // dims.pp)
 
 
 def scatter_to_replicas(shares: list[Any] | None, control: ControlGroups) -> Any:

@@ -596,7 +596,8 @@ class DecoderAdapter:
         TP x PP (x EP) replica receives every tensor (colocated engines, one per GPU), each
         data-parallel replica exporting on its own. ``receivers="controller"``: only global
         rank 0 receives, the other ranks send it their shards and yield nothing (consumers
-        on the controller; models/export.py). Order: embeddings, layers 0..L-1, final
+        on the controller; models/export.py); ``receivers="stages"``: each pipeline stage's
+        first rank receives its own stage's tensors (a fleet's per-stage broadcast). Order: embeddings, layers 0..L-1, final
         norm, lm_head (absent when tied). Tensors are in the parameter dtype, on
         dims.device, with padding vocab rows removed. A tensor that needed no
         communication is a view of the parameter: treat it as read-only and consume it
@@ -609,7 +610,7 @@ class DecoderAdapter:
         Args:
             model: this stage's GPTModel (or wrapper / one-chunk list).
             dims: the layout the model was built for.
-            receivers: "all" or "controller".
+            receivers: "all", "controller" or "stages".
 
         Yields:
             (HF name, full tensor), e.g. ("model.layers.0.self_attn.q_proj.weight", [nq*d, H]).
@@ -619,5 +620,6 @@ class DecoderAdapter:
         gpt = unwrap_model(model)
         params = dict(gpt.named_parameters())
         local = [tm for tm in self._maps(gpt, dims) if not tm.mirror]
-        export = export_to_all if receivers == "all" else export_to_controller
-        return export(self.hf, local, params, dims)
+        if receivers == "all":
+            return export_to_all(self.hf, local, params, dims)
+        return export_to_controller(self.hf, local, params, dims, per_stage=receivers == "stages")

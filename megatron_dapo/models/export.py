@@ -21,6 +21,14 @@ experts in global order, final norm, lm_head):
     and the other ranks drop each tensor as it arrives (DESIGN.md, "The controller's export on
     CUDA").
 
+``stages`` (:func:`export_to_controller` with ``per_stage=True``)
+    The first rank of each pipeline stage (the lowest global rank with that ``pp_rank``; the
+    controller for stage 0) yields its own stage's tensors, built from the shards its stage's
+    ranks send it: what a fleet's broadcast groups need, one per stage
+    (rollout/fleet/stages.py), with no stage's tensors crossing to another stage. On CUDA
+    tensors each stage's source keeps its own stage's part of the ``all`` form (no broadcast
+    between stages).
+
 Ranks that hold the same shard (data-parallel and context-parallel copies) send it once:
 the lowest global rank holding it is its source, computed identically on every rank from
 one all-gather of the layout, so no plan is broadcast.
@@ -37,16 +45,17 @@ import torch.distributed as dist
 
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
-from megatron_dapo.parallel import ParallelDims
+from megatron_dapo.parallel import ParallelDims, stage_source
 
 __all__ = ["RECEIVERS", "Receivers", "export_to_all", "export_to_controller"]
 
-Receivers = Literal["all", "controller"]
-RECEIVERS: tuple[str, ...] = ("all", "controller")
+Receivers = Literal["all", "controller", "stages"]
+RECEIVERS: tuple[str, ...] = ("all", "controller", "stages")
 
 
 def export_to_all(
-    hf: HFModelConfig, local: list[mapping.TensorMap], params: dict[str, torch.Tensor], dims: ParallelDims
+    hf: HFModelConfig, local: list[mapping.TensorMap], params: dict[str, torch.Tensor], dims: ParallelDims,
+    *, own_stage: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every rank of the replica receives every tensor (see the module docstring).
 
@@ -55,6 +64,7 @@ def export_to_all(
         local: this rank's tensor maps, mirrors excluded.
         params: this rank's parameters by Megatron name.
         dims: the layout the model was built for.
+        own_stage: only this rank's pipeline stage's tensors (no broadcast between stages).
 
     Yields:
         (HF name, full tensor) on every rank.
@@ -71,7 +81,9 @@ def export_to_all(
         local = sorted([tm for tm in local if tm.expert is None] + [tm for tm, _ in experts],
                        key=lambda m: m.sort_key)
     stage_maps: list[list[mapping.TensorMap]] = [local]
-    if dims.pp > 1:
+    if dims.pp > 1 and own_stage:
+        stage_maps = [local if stage == dims.pp_rank else [] for stage in range(dims.pp)]
+    elif dims.pp > 1:
         stage_maps = [[] for _ in range(dims.pp)]
         dist.all_gather_object(stage_maps, local, group=dims.pp_group)
     for stage, maps in enumerate(stage_maps):
@@ -85,7 +97,7 @@ def export_to_all(
                 if src is not None:
                     tensor = tensor.contiguous()
                     dist.broadcast(tensor, src=src, group=dims.ep_group)
-                if dims.pp > 1:
+                if dims.pp > 1 and not own_stage:
                     tensor = tensor.contiguous()
                     dist.broadcast(tensor, src=dims.pp_global_ranks[stage], group=dims.pp_group)
                 yield name, tensor
@@ -138,7 +150,8 @@ class _Shard:
 
 
 def export_to_controller(
-    hf: HFModelConfig, local: list[mapping.TensorMap], params: dict[str, torch.Tensor], dims: ParallelDims
+    hf: HFModelConfig, local: list[mapping.TensorMap], params: dict[str, torch.Tensor], dims: ParallelDims,
+    *, per_stage: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Only global rank 0 receives; the other ranks send their shards to it (see the module docstring).
 
@@ -151,37 +164,46 @@ def export_to_controller(
         local: this rank's tensor maps, mirrors excluded.
         params: this rank's parameters by Megatron name.
         dims: the layout the model was built for.
+        per_stage: each pipeline stage's first rank receives its stage's tensors instead
+            (``receivers="stages"``); the others yield nothing.
 
     Yields:
-        (HF name, full tensor) on rank 0 only, in export order.
+        (HF name, full tensor) on rank 0 only (each stage's first rank with ``per_stage``), in
+        export order.
     """
     if dims.device.type != "cpu":
         # Point-to-point only on gloo (DESIGN.md, "The controller's export on CUDA"): on NCCL the
         # proven collective export runs and the other ranks drop what they receive.
-        for item in export_to_all(hf, local, params, dims):
-            if dims.rank == 0:
+        receiver = stage_source(dims, dims.pp_rank) if per_stage else 0
+        for item in export_to_all(hf, local, params, dims, own_stage=per_stage):
+            if dims.rank == receiver:
                 yield item
         return
-    mine = [_describe(tm, params[tm.mcore_name], dims) for tm in local]
-    layout: list[list[_Shard]] = [[] for _ in range(dims.world_size)]
+    mine = (dims.pp_rank, [_describe(tm, params[tm.mcore_name], dims) for tm in local])
+    layout: list[tuple[int, list[_Shard]]] = [(0, [])] * dims.world_size
     dist.all_gather_object(layout, mine)
-    # Every rank derives the same plan: for each parameter, the lowest rank holding each shard sends it.
+    # Every rank derives the same plan: for each parameter, the lowest rank holding each shard
+    # sends it to its receiver (rank 0, or the first rank of the stage that holds it).
     plan: dict[tuple[int, ...], dict[int, tuple[int, _Shard]]] = {}
-    for rank, shards in enumerate(layout):
+    stage_of: dict[tuple[int, ...], int] = {}
+    for rank, (stage, shards) in enumerate(layout):
         for shard in shards:
             plan.setdefault(shard.tm.sort_key, {}).setdefault(shard.index, (rank, shard))
+            stage_of.setdefault(shard.tm.sort_key, stage)
     for key in sorted(plan):
         sources = plan[key]
         first = sources[0][1]
         assert sorted(sources) == list(range(first.count)), f"{first.tm.mcore_name}: shards {sorted(sources)} of {first.count}"
-        if dims.rank != 0:
+        receiver = stage_source(dims, stage_of[key]) if per_stage else 0
+        if dims.rank != receiver:
             for index in range(first.count):
                 src, shard = sources[index]
                 if src == dims.rank:
-                    dist.send(params[shard.tm.mcore_name].detach().contiguous(), dst=0)
+                    dist.send(params[shard.tm.mcore_name].detach().contiguous(), dst=receiver)
             continue
         yield from zip(first.tm.hf_names, _receive(hf, [sources[i] for i in range(first.count)], params, dims),
                        strict=True)
+
 
 
 def _describe(tm: mapping.TensorMap, param: torch.Tensor, dims: ParallelDims) -> _Shard:
@@ -193,22 +215,23 @@ def _describe(tm: mapping.TensorMap, param: torch.Tensor, dims: ParallelDims) ->
 
 def _receive(hf: HFModelConfig, sources: list[tuple[int, _Shard]], params: dict[str, torch.Tensor],
              dims: ParallelDims) -> list[torch.Tensor]:
-    """Rank 0: one parameter's shards, its own as they are and the others received, as full HF tensors."""
+    """The receiver: one parameter's shards, its own as they are and the others received, as full HF tensors."""
     tm, shape, dtype = sources[0][1].tm, sources[0][1].shape, sources[0][1].dtype
-    if all(src == 0 for src, _ in sources):
+    me = dims.rank
+    if all(src == me for src, _ in sources):
         return mapping.hf_from_shards(tm, [params[shard.tm.mcore_name].detach() for _, shard in sources], hf)
     if tm.kind == "vocab":
         # Received in place, block of rows by block of rows: the embedding exists once on rank 0.
         full = torch.empty((len(sources) * shape[0], *shape[1:]), dtype=dtype, device=dims.device)
         for (src, shard), rows in zip(sources, full.split(shape[0]), strict=True):
-            if src == 0:
+            if src == me:
                 rows.copy_(params[shard.tm.mcore_name].detach())
             else:
                 dist.recv(rows, src=src)
         return [full[: hf.vocab_size]]
     shards = []
     for src, shard in sources:
-        if src == 0:
+        if src == me:
             shards.append(params[shard.tm.mcore_name].detach())
         else:
             shards.append(torch.empty(shape, dtype=dtype, device=dims.device))

@@ -1,4 +1,5 @@
-"""export_hf(receivers="controller"): rank 0 alone receives the model, the same tensors as every rank does with "all".
+"""export_hf(receivers="controller"): rank 0 alone receives the model, the same tensors as every rank does with "all";
+receivers="stages": each pipeline stage's first rank receives its own stage's part, no byte crosses stages.
 
 Four gloo ranks, tiny checkpoints: Qwen2 untied at TP2 x PP2 (padded vocab rows, lm_head on
 the last stage) and at TP2 x DP2 (the second replica holds copies and must send nothing),
@@ -26,12 +27,13 @@ def _export_both_ways(layouts: list[tuple[int, int, int, str]]) -> dict:
     from megatron_dapo import parallel
     from megatron_dapo.models import adapter_for
 
-    sent = {"bytes": 0, "calls": 0}
+    sent = {"bytes": 0, "calls": 0, "dsts": set()}
     send = dist.send
 
     def counting_send(tensor: torch.Tensor, dst: int, *args, **kwargs):
         sent["bytes"] += tensor.numel() * tensor.element_size()
         sent["calls"] += 1
+        sent["dsts"].add(dst)
         return send(tensor, dst, *args, **kwargs)
 
     dist.send = counting_send
@@ -43,15 +45,20 @@ def _export_both_ways(layouts: list[tuple[int, int, int, str]]) -> dict:
             model = adapter.build_model(dims, dtype=torch.float32, init_weights=False)
             adapter.load_hf(model, directory, dims)
             everywhere = [(n, t.clone()) for n, t in adapter.export_hf(model, dims, receivers="all")]
-            sent.update(bytes=0, calls=0)
+            sent.update(bytes=0, calls=0, dsts=set())
             controller = [(n, t.clone()) for n, t in adapter.export_hf(model, dims, receivers="controller")]
+            controller_sent = dict(sent)
+            sent.update(bytes=0, calls=0, dsts=set())
+            stages = [(n, t.clone()) for n, t in adapter.export_hf(model, dims, receivers="stages")]
             params = dict(model.named_parameters())
             own = sum(params[tm.mcore_name].numel() * params[tm.mcore_name].element_size()
                       for tm in adapter.tensor_maps(model, dims) if not tm.mirror)
             vocab_tensors = 1 if adapter.hf.tie_word_embeddings else 2
             padding = (adapter.padded_vocab_size(tp) - adapter.hf.vocab_size) * adapter.hf.hidden_size * 4 * vocab_tensors
             results[(tp, pp, ep)] = {
-                "all": everywhere, "controller": controller, "sent": dict(sent), "dp_rank": dims.dp_rank,
+                "all": everywhere, "controller": controller, "sent": controller_sent, "dp_rank": dims.dp_rank,
+                "stages": stages, "stages_sent": dict(sent), "pp_rank": dims.pp_rank, "rank": dims.rank,
+                "stage_source": parallel.stage_source(dims, dims.pp_rank),
                 "own_bytes": own, "padding_bytes": padding, "model_bytes": sum(t.numel() * t.element_size() for _, t in everywhere),
             }
     finally:
@@ -77,6 +84,22 @@ def test_controller_export_equals_export_to_all_and_sends_each_shard_once(tmp_pa
         assert total == r0["model_bytes"] + r0["padding_bytes"] - r0["own_bytes"], (layout, total)
         if pp == 1 and ep == 1:  # DP 2: the second replica's copies stay home
             assert all(rank[layout]["sent"]["bytes"] == 0 for rank in ranks if rank[layout]["dp_rank"] == 1), layout
+        # "stages": the stages' first ranks hold, in stage order, exactly the controller's export.
+        sources = sorted({rank[layout]["stage_source"] for rank in ranks})
+        assert sources == [s * (4 // pp) for s in range(pp)], layout
+        staged = [item for src in sources for item in ranks[src][layout]["stages"]]
+        assert [n for n, _ in staged] == [n for n, _ in r0["all"]], layout
+        assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(staged, r0["all"])), layout
+        for rank in ranks:
+            result = rank[layout]
+            if result["rank"] not in sources:
+                assert result["stages"] == [], layout
+            # Every shard goes to its own stage's first rank: none crosses to another stage.
+            assert result["stages_sent"]["dsts"] <= {result["stage_source"]} - {result["rank"]}, (layout, result["rank"])
+        if pp == 2:
+            stage0, stage1 = ([n for n, _ in ranks[src][layout]["stages"]] for src in sources)
+            assert "model.embed_tokens.weight" in stage0 and "model.norm.weight" in stage1, layout
+            assert not any("model.layers.0." in n for n in stage1), layout
 
 
 

@@ -185,17 +185,20 @@ def test_the_engines_grouped_kv_attention_is_cpu_only():
     assert attention_for("gemma2", "cpu") is None  # other attention variants keep their default
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_the_controllers_export_of_cuda_tensors_runs_the_collective_export(monkeypatch, rank):
-    """DESIGN.md, "The controller's export on CUDA": no point-to-point on NCCL; rank 0 alone keeps the tensors."""
+@pytest.mark.parametrize("per_stage", [False, True])
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_the_controllers_export_of_cuda_tensors_runs_the_collective_export(monkeypatch, rank, per_stage):
+    """DESIGN.md, "The controller's export on CUDA": no point-to-point on NCCL; rank 0 alone keeps the
+    tensors, or with receivers="stages" (TP 2 x PP 2 here) each stage's first rank its own stage's,
+    from the collective export of that stage alone."""
     from types import SimpleNamespace
 
     from megatron_dapo.models import export
 
     calls = []
 
-    def collective(hf, local, params, dims):
-        calls.append(dims.rank)
+    def collective(hf, local, params, dims, *, own_stage=False):
+        calls.append((dims.rank, own_stage))
         yield "model.embed_tokens.weight", torch.zeros(2)
         yield "model.norm.weight", torch.ones(2)
 
@@ -206,7 +209,8 @@ def test_the_controllers_export_of_cuda_tensors_runs_the_collective_export(monke
     monkeypatch.setattr(export.dist, "send", no_p2p)
     monkeypatch.setattr(export.dist, "recv", no_p2p)
     monkeypatch.setattr(export.dist, "all_gather_object", no_p2p)
-    dims = SimpleNamespace(device=torch.device("cuda", rank), rank=rank)
-    names = [name for name, _ in export.export_to_controller(None, [], {}, dims)]
-    assert calls == [rank]  # every rank drives the collectives
-    assert names == (["model.embed_tokens.weight", "model.norm.weight"] if rank == 0 else [])
+    dims = SimpleNamespace(device=torch.device("cuda", rank), rank=rank, world_size=4, pp=2, pp_rank=rank // 2)
+    names = [name for name, _ in export.export_to_controller(None, [], {}, dims, per_stage=per_stage)]
+    assert calls == [(rank, per_stage)]  # every rank drives the collectives
+    receivers = (0, 2) if per_stage else (0,)
+    assert names == (["model.embed_tokens.weight", "model.norm.weight"] if rank in receivers else [])
