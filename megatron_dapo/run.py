@@ -46,7 +46,13 @@ from megatron_dapo.output_dir import RunLock, check_output_dir, prepare_output_d
 from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
-from megatron_dapo.rollout.factory import launch_rank_engines, training_engines, weight_transport
+from megatron_dapo.rollout.factory import (
+    broadcasts_weights,
+    launch_rank_engines,
+    training_engines,
+    weight_transport,
+)
+from megatron_dapo.rollout.fleet.stages import StageSender, sync_by_stage
 from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
 from megatron_dapo.tools.registry import episode_runner
@@ -92,6 +98,8 @@ class Run:
     rollout: RolloutController | None = None
     colocated: ColocatedEngines | None = None
     """rollout.engine=sglang: this rank's share of the engines on every node (all ranks)."""
+    stage_sender: StageSender = field(default_factory=StageSender)
+    """A fleet under PP: this rank's group when it is a pipeline stage's first rank (fleet/stages.py)."""
     rewards: RewardPool | None = None
     collect_settings: CollectSettings | None = None
     collect_state: CollectState = field(default_factory=CollectState)
@@ -139,6 +147,13 @@ class Run:
             stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes, version=version)
             release_cached_memory(self.dims.device)
             return stats
+        if broadcasts_weights(self.cfg) and self.dims.pp > 1:
+            # A fleet under PP: each stage's first rank broadcasts its own stage's tensors to the
+            # servers in a group of its own, in turns the controller sets (fleet/stages.py).
+            export = self.adapter.export_hf(self.actor.model, self.dims, receivers="stages")
+            return sync_by_stage(export, fleet=self.rollout, sender=self.stage_sender,  # type: ignore[arg-type]
+                                 group=self.control.stage_sources, source_ranks=self.control.stage_source_ranks,
+                                 rank=self.dims.rank, bucket_bytes=bucket_bytes, version=version)
         # The controller forwards each bucket to its engines and keeps it for an engine it may
         # restart; the other ranks only send it their shards (models/export.py).
         export = self.adapter.export_hf(self.actor.model, self.dims, receivers="controller")
@@ -224,6 +239,7 @@ class Run:
             self.rollout.shutdown()
         if self.colocated is not None:
             self.colocated.shutdown()
+        self.stage_sender.drop()
         if self.lock is not None:
             self.lock.release()
 

@@ -60,6 +60,15 @@ class WeightTransport(Protocol):
 
     def close(self) -> None: ...
 
+    # With pipeline stages (fleet/stages.py): each stage's first rank broadcasts its own buckets.
+
+    def prepare_stages(self, stages: int) -> Any: ...
+
+    def form(self) -> None: ...
+
+    def receive_stage(self, stage: int, header: Sequence[tuple[str, str, list[int]]]
+                      ) -> list[tuple[str, torch.Tensor]]: ...
+
 
 @dataclass(kw_only=True, slots=True)
 class EngineThroughput:
@@ -138,6 +147,50 @@ class RolloutController:
                 self._fleet_call(lambda: self._transport.update_weights(bucket))  # type: ignore[union-attr]
             else:
                 self._each_engine(lambda engine: engine.update_weights(bucket))
+
+    # ------------------------------------------------------------------ a fleet's per-stage sync (fleet/stages.py)
+
+    @property
+    def weights_lock(self) -> threading.RLock:
+        """Held through a sync, a restart waits for it to end."""
+        return self._weights_lock
+
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether the last sync's weights are kept on the host for a restarted engine."""
+        return self._keep_weights
+
+    @property
+    def sync_failed(self) -> bool:
+        """A broadcast failed: every engine is restarted before its next use, this sync sends no more."""
+        return bool(self._failed)
+
+    def prepare_stage_groups(self, stages: int) -> Any:
+        """The groups the pipeline stages' first ranks join this sync, or None (see WeightBroadcast.prepare_stages)."""
+        return self._transport.prepare_stages(stages)  # type: ignore[union-attr]
+
+    def form_weight_groups(self) -> bool:
+        """Form the fleet's groups with every server; False when that failed (the failure is handled
+        as a failed broadcast's: every engine restarted before its next use, or raised)."""
+        with self._weights_lock:
+            self._fleet_call(self._transport.form)  # type: ignore[union-attr]
+            return not self._failed
+
+    def receive_stage_weights(self, stage: int, header: Sequence[tuple[str, str, list[int]]]) -> bool:
+        """Every server and the controller receive pipeline stage ``stage``'s bucket from its first rank;
+        the controller keeps it for restarts. False when the broadcast failed (nothing kept)."""
+        with self._weights_lock:
+            received: list[list[tuple[str, torch.Tensor]]] = []
+            self._fleet_call(lambda: received.append(self._transport.receive_stage(stage, header)))  # type: ignore[union-attr]
+            if received and self._keep_weights:
+                self._incoming.append(received[0])
+            return bool(received)
+
+    def keep_weights_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """A bucket of this sync that reached the controller alone (the broadcast had failed): kept for restarts."""
+        with self._weights_lock:
+            if self._keep_weights:
+                self._incoming.append(bucket)
 
     def finish_weight_update(self, version: int | None = None) -> None:
         """End the update on every engine; the kept buckets become the weights a restart loads."""

@@ -161,11 +161,17 @@ def _launch_fleet(num_engines: int, launch: Callable[[int], RolloutEngine]) -> l
             raise
 
 
+def broadcasts_weights(cfg: Config) -> bool:
+    """A fleet of disaggregated SGLang or vLLM servers: weights reach it by broadcast (fleet/broadcast.py;
+    with pipeline stages, one group per stage, fleet/stages.py)."""
+    return cfg.rollout.engine in ("sglang", "vllm") and cfg.rollout.placement == "disaggregated"
+
+
 def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:
     """How step 7 reaches the controller's engines: None = each engine loads every bucket itself
     (colocated shared memory, the local engines, the vLLM server on the trainer's node); a fleet of
     disaggregated SGLang or vLLM servers gets each bucket by one broadcast (rollout/fleet/broadcast.py)."""
-    if cfg.rollout.engine not in ("sglang", "vllm") or cfg.rollout.placement != "disaggregated":
+    if not broadcasts_weights(cfg):
         return None
     from urllib.parse import urlparse
 

@@ -102,6 +102,32 @@ def test_both_servers_take_the_broadcast_weights_and_version(fleet, checkpoints)
         broadcast.close()
 
 
+def test_two_pipeline_stages_each_broadcast_their_own_buckets_in_groups_of_their_own(fleet, checkpoints):
+    """Issue 41 item 2 (fleet/stages.py): stage 0's buckets in the controller's group, stage 1's
+    broadcast by its own first rank (rank 0 of a second group, the controller rank 1): both servers
+    join both groups through our transfer engine and serve checkpoint b; the controller's copy for
+    restarts holds every tensor (stage 1's from the broadcast it joined)."""
+    from fleet_utils import kept_equal, split_stages, sync_two_stages
+
+    broadcast = WeightBroadcast(fleet, master_address="127.0.0.1", backend="gloo", timeout_s=DEADLINE_S)
+    rollout = RolloutController(fleet, transport=broadcast, max_restarts=1)
+    try:
+        stage0, stage1 = split_stages(buckets(checkpoints[1]))
+        sync_two_stages(rollout, checkpoints[1], stage0, stage1, version=4)
+        for engine in fleet:
+            assert engine._call("GET", "/weight_info") == {"weight_version": "4"}
+            results = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1))
+            assert max(float(gaps(checkpoints[1], r, 1.0).max()) for r in results) < 1e-4
+            assert max(float(gaps(checkpoints[0], r, 1.0).max()) for r in results) > 1e-2
+        assert kept_equal(rollout, buckets(checkpoints[1]))
+        assert broadcast.bytes_broadcast == sum(t.numel() * t.element_size() for b in buckets(checkpoints[1])
+                                                for _, t in b)
+        # The groups hold every server: the next sync forms none.
+        assert rollout.prepare_stage_groups(2) is None
+    finally:
+        broadcast.close()
+
+
 def test_an_update_mid_generation_is_applied_between_two_tokens_and_recomputes_the_rows_kv(fleet, checkpoints):
     """The row started under checkpoint b (version 3) gets checkpoint a (version 4) mid-way: its
     first tokens are b's log-probs, its last ones a's over the whole context, recomputed (an old

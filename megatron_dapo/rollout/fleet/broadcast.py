@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from concurrent.futures import Future, wait
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -45,9 +46,9 @@ import torch.distributed as dist
 from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
-from megatron_dapo.rollout.fleet.group import join_weight_group
+from megatron_dapo.rollout.fleet.group import flat_nbytes, join_weight_group, split_flat
 
-__all__ = ["FleetMember", "FleetSyncError", "WeightBroadcast", "flat_bytes"]
+__all__ = ["FleetMember", "FleetSyncError", "StageGroup", "WeightBroadcast", "flat_bytes", "wire_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,27 @@ class FleetSyncError(EngineError):
         self.engines = tuple(engines)
 
 
+def wire_order(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The bucket in the order its bytes travel: wider dtypes first, so every tensor starts at a multiple
+    of its element size, which sglang 0.5.23's receiver requires ("Unaligned received tensor";
+    0.5.18 does not check)."""
+    return sorted(bucket, key=lambda item: -item[1].element_size())
+
+
+@dataclass(frozen=True, slots=True)
+class StageGroup:
+    """The group a pipeline stage's first rank joins as rank 0, the source of its broadcasts
+    (fleet/stages.py); the controller (rank 1) hosts its store."""
+
+    stage: int
+    name: str
+    master_address: str
+    master_port: int
+    world_size: int
+    backend: str
+    timeout_s: float
+
+
 def flat_bytes(bucket: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
     """The bucket's tensors as one uint8 buffer, each ``flatten().view(uint8)`` in order (what the
     server allocates for ``flattened_bucket``)."""
@@ -131,6 +153,10 @@ class WeightBroadcast:
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
         self._members: tuple[int, ...] = ()
+        self._base_name = ""
+        self._base_port = 0
+        self._stage_groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
+        self._planned: list[StageGroup] = []
         self._pool = _DaemonCalls()
         self.seconds_broadcast = 0.0
         """Seconds spent in broadcasts (the controller's side) since construction."""
@@ -154,9 +180,7 @@ class WeightBroadcast:
         """
         if not bucket:
             return
-        # Wider dtypes first: every tensor then starts at a multiple of its element size, which
-        # sglang 0.5.23's receiver requires ("Unaligned received tensor"); 0.5.18 does not check.
-        bucket = sorted(bucket, key=lambda item: -item[1].element_size())
+        bucket = wire_order(bucket)
         self._ensure_group()
         futures = {self._pool.submit(e.receive_distributed, bucket, group_name=self._group_name,
                                      load_format=FLATTENED_BUCKET, timeout_s=self.timeout_s): e
@@ -182,6 +206,37 @@ class WeightBroadcast:
         self.seconds_broadcast += time.perf_counter() - start
         self.bytes_broadcast += flat.numel()
         self._answers("the broadcast", futures)
+
+    def receive_stage(self, stage: int, header: Sequence[tuple[str, str, list[int]]]) -> list[tuple[str, torch.Tensor]]:
+        """Receive, with every server, one bucket that pipeline stage ``stage``'s first rank broadcasts
+        in its group (fleet/stages.py); returns the bucket (the copy a restarted server is loaded from).
+
+        Args:
+            header: the bucket's (name, dtype name, shape) in the order of its flat bytes.
+
+        Raises:
+            FleetSyncError: a server died or did not answer, or the stage's broadcast did not come
+                within timeout_s.
+        """
+        self._ensure_group()
+        group, name = self._stage_groups[stage]
+        dtypes = [getattr(torch, d) for _, d, _ in header]
+        shapes = [list(shape) for _, _, shape in header]
+        meta = [(n, torch.empty(shape, dtype=dtype, device="meta")) for (n, _, _), dtype, shape in zip(header, dtypes, shapes)]
+        futures = {self._pool.submit(e.receive_distributed, meta, group_name=name,
+                                     load_format=FLATTENED_BUCKET, timeout_s=self.timeout_s): e
+                   for e in self.engines}
+        flat = torch.empty(flat_nbytes(dtypes, shapes), dtype=torch.uint8)
+        fault_point("fleet_metadata", 0)
+        start = time.perf_counter()
+        try:
+            group.broadcast([flat], dist.BroadcastOptions()).wait()
+        except Exception as err:  # the stage's source or a server died, or the deadline passed
+            self._fail(f"pipeline stage {stage}'s broadcast", err, futures)
+        self.seconds_broadcast += time.perf_counter() - start
+        self.bytes_broadcast += flat.numel()
+        self._answers(f"pipeline stage {stage}'s broadcast", futures)
+        return list(zip([n for n, _, _ in header], split_flat(flat, dtypes, shapes), strict=True))
 
     def finish_weight_update(self, version: int | None = None) -> None:
         """Every server ends the update and takes ``version``."""
@@ -212,18 +267,63 @@ class WeightBroadcast:
 
     # ------------------------------------------------------------------ the group
 
+    def prepare_stages(self, stages: int) -> list[StageGroup] | None:
+        """The groups pipeline stages 1..stages-1 join as rank 0 before the next bucket (fleet/stages.py),
+        or None while the groups formed before still hold every server.
+
+        The controller is rank 1 of each (it hosts the group's store at ``master_address`` and
+        receives every bucket too: the copy a restarted server is loaded from), the servers'
+        workers ranks 2.. . ``_ensure_group`` forms them, after stage 0's, in stage order.
+        """
+        members = tuple(id(e) for e in self.engines)
+        if self._group is not None and members == self._members and len(self._stage_groups) == stages - 1:
+            return None
+        self._drop_group()
+        from megatron_dapo.rollout.server_process import free_ports
+
+        base = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
+        self._base_port, *ports = free_ports(self.master_address, stages)
+        self._planned = [StageGroup(stage=s, name=f"{base}-stage{s}", master_address=self.master_address,
+                                    master_port=port, world_size=self.world_size + 1, backend=self.backend,
+                                    timeout_s=self.timeout_s) for s, port in zip(range(1, stages), ports)]
+        self._base_name = base
+        return list(self._planned)
+
+    def form(self) -> None:
+        """Form the fleet's groups now (every planned stage group too) unless they hold every server.
+
+        Raises:
+            FleetSyncError: a server died or did not join within timeout_s.
+        """
+        self._ensure_group()
+
     def _ensure_group(self) -> None:
         members = tuple(id(e) for e in self.engines)
         if self._group is not None and members == self._members:
             return
-        self._drop_group()
-        from megatron_dapo.rollout.server_process import free_port
+        if self._group is not None or not self._base_name:  # no stage groups planned for these members
+            from megatron_dapo.rollout.server_process import free_port
 
-        port = free_port(self.master_address)
-        name = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
-        offsets = [1 + sum(e.tp_size for e in self.engines[:i]) for i in range(len(self.engines))]
+            self._drop_group()
+            self._base_name = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
+            self._base_port = free_port(self.master_address)
+        name = self._base_name
+        self._group = self._form(name, self._base_port, rank=0, world_size=self.world_size)
+        self._group_name, self._members = name, members
+        for plan in self._planned:
+            self._stage_groups[plan.stage] = (self._form(plan.name, plan.master_port, rank=1,
+                                                         world_size=plan.world_size), plan.name)
+        logger.info("weight broadcast group %s: %d servers, world size %d, %s, %d pipeline stage group(s)", name,
+                    len(self.engines), self.world_size, self.backend, len(self._planned))
+        self._planned = []
+
+    def _form(self, name: str, port: int, *, rank: int, world_size: int) -> dist.ProcessGroup:
+        """Form one group with every server: the controller joins as ``rank`` (and hosts the store),
+        the servers' workers follow it; a stage's first rank, rank 0 of a stage group, joins on its own."""
+        first = rank + 1
+        offsets = [first + sum(e.tp_size for e in self.engines[:i]) for i in range(len(self.engines))]
         futures = {self._pool.submit(e.init_weight_update_group, master_address=self.master_address, master_port=port,
-                                     rank_offset=offset, world_size=self.world_size, group_name=name,
+                                     rank_offset=offset, world_size=world_size, group_name=name,
                                      backend=self.backend): e
                    for e, offset in zip(self.engines, offsets)}
         holder: dict[str, Any] = {}
@@ -232,8 +332,8 @@ class WeightBroadcast:
         def create() -> None:
             try:
                 holder["group"] = join_weight_group(
-                    master_address=self.master_address, master_port=port, world_size=self.world_size, rank=0,
-                    group_name=name, backend=self.backend, timeout_s=self.timeout_s)
+                    master_address=self.master_address, master_port=port, world_size=world_size, rank=rank,
+                    group_name=name, backend=self.backend, timeout_s=self.timeout_s, store_master=True)
             except BaseException as err:  # reported below with the servers' side
                 holder["error"] = err
 
@@ -250,13 +350,14 @@ class WeightBroadcast:
         if creator.is_alive() or "error" in holder:
             self._raise("forming the weight broadcast group", futures, holder.get("error"))
         self._answers("forming the weight broadcast group", futures)
-        self._group, self._group_name, self._members = holder["group"], name, members
-        logger.info("weight broadcast group %s: %d servers, world size %d, %s", name, len(self.engines),
-                    self.world_size, self.backend)
+        return holder["group"]
 
     def _drop_group(self) -> None:
-        group, self._group, self._members = self._group, None, ()
-        if group is not None:
+        groups = [self._group, *(g for g, _ in self._stage_groups.values())]
+        self._group, self._members, self._stage_groups, self._planned, self._base_name = None, (), {}, [], ""
+        for group in groups:
+            if group is None:
+                continue
             try:
                 group.shutdown()
             except Exception as err:  # a broken group may not shut down cleanly; it is dropped either way
@@ -290,7 +391,7 @@ class WeightBroadcast:
             parts.append(f"{', '.join(silent)} did not answer within {self.timeout_s:g} s")
         if failed and not dead:
             parts.append("; ".join(f"{n}: {str(e).splitlines()[0][:300]}" for n, e in failed[:2]))
-        if cause is not None and not parts:
+        if cause is not None and (silent or not parts):  # its own side failed (or it waited in vain)
             parts.append(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
         raise FleetSyncError(f"weight broadcast to the fleet failed at {what}: {'; '.join(parts)} "
                              f"(rollout.fleet_sync_timeout_s={self.timeout_s:g})", named or [e.name for e in self.engines])

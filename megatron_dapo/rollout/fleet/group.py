@@ -23,7 +23,8 @@ __all__ = ["flat_nbytes", "join_weight_group", "split_flat"]
 
 
 def join_weight_group(*, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
-                      backend: str = "gloo", timeout_s: float = 600.0) -> dist.ProcessGroup:
+                      backend: str = "gloo", timeout_s: float = 600.0, store_master: bool | None = None
+                      ) -> dist.ProcessGroup:
     """Form (rank 0) or join (the others) the broadcast group; returns once every rank joined.
 
     Args:
@@ -34,11 +35,15 @@ def join_weight_group(*, master_address: str, master_port: int, world_size: int,
         group_name: the group's name (the store's key prefix); fresh for each forming.
         backend: "nccl" (GPUs) or "gloo" (CPU tensors).
         timeout_s: the rendezvous's and every collective's deadline.
+        store_master: whether this process hosts the TCP store (default: rank 0). A pipeline
+            stage's group (fleet/stages.py) has the stage's first rank as rank 0, the source
+            of its broadcasts, while the controller, rank 1, hosts the store at its own address.
     """
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
 
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0 if store_master is None else store_master,
+                         timeout=timeout)
     options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
         else "pg_options"
     group, _ = _new_process_group_helper(

@@ -205,29 +205,33 @@ class SharedMemoryWeightTransferEngine(_LayerwiseReload,
 
 
 class BroadcastWeightTransferEngine(_LayerwiseReload, WeightTransferEngine[BroadcastInitInfo, BroadcastUpdateInfo]):
-    """Receives buckets by broadcast from the controller (rank 0) of a fleet's group."""
+    """Receives buckets by broadcast from rank 0 of a fleet's groups (the controller, or a pipeline stage's first rank)."""
 
     init_info_cls = BroadcastInitInfo
     update_info_cls = BroadcastUpdateInfo
 
-    _group: Any = None
-    _group_name: str = ""
+    _groups: dict[str, Any] | None = None
+    _fleet: str = ""
 
     def init_transfer_engine(self, init_info: BroadcastInitInfo) -> None:
-        """Join the controller's group (a fresh one each time the fleet forms it; the old one is dropped).
+        """Join one of the controller's groups; returns once every member joined or ``timeout_s`` passed.
 
-        Blocks until every member joined or ``timeout_s`` passed (the controller forms its
-        side at the same time).
+        A fleet forms one group for the controller's buckets and, with pipeline stages, one per
+        further stage (fleet/stages.py), all named ``<fleet>`` or ``<fleet>-stage<s>``: a group of
+        a new fleet name (formed again after a failure or restart) drops the ones held before.
         """
         from megatron_dapo.rollout.fleet.group import join_weight_group
 
-        self.shutdown()
+        fleet = init_info.group_name.rsplit("-stage", 1)[0]
+        if fleet != self._fleet:
+            self.shutdown()
+            self._fleet = fleet
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
-        self._group = join_weight_group(master_address=init_info.master_address, master_port=init_info.master_port,
-                                        world_size=init_info.world_size, rank=rank, group_name=init_info.group_name,
-                                        backend=init_info.backend, timeout_s=init_info.timeout_s)
-        self._group_name = init_info.group_name
+        group = join_weight_group(master_address=init_info.master_address, master_port=init_info.master_port,
+                                  world_size=init_info.world_size, rank=rank, group_name=init_info.group_name,
+                                  backend=init_info.backend, timeout_s=init_info.timeout_s)
+        self._groups = {**(self._groups or {}), init_info.group_name: group}
 
     def receive_weights(self, update_info: BroadcastUpdateInfo) -> None:
         """Join the bucket's broadcast (one flat buffer of its bytes) and load its tensors."""
@@ -235,24 +239,27 @@ class BroadcastWeightTransferEngine(_LayerwiseReload, WeightTransferEngine[Broad
 
         from megatron_dapo.rollout.fleet.group import flat_nbytes, split_flat
 
-        if self._group is None:
+        groups = self._groups or {}
+        if not groups:
             raise RuntimeError("megatron_dapo_broadcast: /update_weights before /init_weight_transfer_engine")
-        if update_info.group_name and update_info.group_name != self._group_name:
-            raise RuntimeError(f"megatron_dapo_broadcast: the bucket is sent on group {update_info.group_name}, "
-                               f"this worker joined {self._group_name}")
+        name = update_info.group_name or (next(iter(groups)) if len(groups) == 1 else "")
+        group = groups.get(name)
+        if group is None:
+            raise RuntimeError(f"megatron_dapo_broadcast: the bucket is sent on group {update_info.group_name!r}, "
+                               f"this worker joined {sorted(groups)}")
         dtypes = [getattr(torch, name) for name in update_info.dtype_names]
         nbytes = flat_nbytes(dtypes, update_info.shapes)
-        on_cpu = dist.get_backend(self._group) == "gloo"
+        on_cpu = dist.get_backend(group) == "gloo"
         flat = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if on_cpu else self.device)
-        self._group.broadcast([flat], dist.BroadcastOptions()).wait()
+        group.broadcast([flat], dist.BroadcastOptions()).wait()
         tensors = split_flat(flat, dtypes, update_info.shapes)
         self.model.load_weights([(n, t if t.device == self.device else t.to(self.device))
                                  for n, t in zip(update_info.names, tensors)])
 
     def shutdown(self) -> None:
-        """Leave the group (the controller forms a new one after any failure or restart)."""
-        group, self._group, self._group_name = self._group, None, ""
-        if group is not None:
+        """Leave the groups (the controller forms new ones after any failure or restart)."""
+        groups, self._groups, self._fleet = self._groups or {}, None, ""
+        for group in groups.values():
             with contextlib.suppress(Exception):  # a broken group may not shut down cleanly
                 group.shutdown()
 
