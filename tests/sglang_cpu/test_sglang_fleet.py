@@ -251,6 +251,30 @@ def test_both_servers_take_the_broadcast_weights_and_version(fleet, checkpoints)
         broadcast.close()
 
 
+def test_two_pipeline_stages_each_broadcast_their_own_buckets_in_groups_of_their_own(fleet, checkpoints):
+    """Issue 41 item 2 (fleet/stages.py): stage 0's buckets in the controller's group, stage 1's
+    broadcast by its own first rank, rank 0 of a second group SGLang keeps beside the first (by
+    name); the controller, rank 1 there, keeps every tensor for restarts."""
+    from fleet_utils import kept_equal, split_stages, sync_two_stages
+    from model_utils import sampled_gaps
+
+    broadcast = WeightBroadcast(fleet, master_address="127.0.0.1", backend="gloo", timeout_s=DEADLINE_S)
+    rollout = RolloutController(fleet, transport=broadcast, max_restarts=1)
+    try:
+        stage0, stage1 = split_stages(buckets(checkpoints[1]))
+        sync_two_stages(rollout, checkpoints[1], stage0, stage1, version=5)
+        for engine in fleet:
+            results = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=1))
+            assert {r.weight_versions for r in results} == {(5,)}
+            assert float(sampled_gaps(checkpoints[1], PROMPTS, results, 1.0).max()) < 5e-5
+            assert float(sampled_gaps(checkpoints[0], PROMPTS, results, 1.0).max()) > 1e-2
+        assert kept_equal(rollout, buckets(checkpoints[1]))
+        assert rollout.prepare_stage_groups(2) is None  # the groups hold every server
+        sync(rollout, checkpoints[0], version=6)  # and the controller's group still serves alone
+    finally:
+        broadcast.close()
+
+
 @pytest.mark.parametrize("phase", ["group", "between buckets", "finish"])
 def test_a_server_killed_during_the_sync_ends_it_in_one_line_naming_it(fleet, checkpoints, phase):
     broadcast = WeightBroadcast(fleet, master_address="127.0.0.1", backend="gloo", timeout_s=DEADLINE_S)
