@@ -23,10 +23,10 @@ split it would become.
   N x 2 B, unpadded vocabulary, every expert), broadcast over NCCL in one group per pipeline
   stage, each stage's first DP/TP rank sending its stage's tensors to every TP worker of every
   engine. A pipelined (ring) broadcast delivers B bytes to every receiver in about B / link
-  bandwidth whatever the number of receivers, so the senders' links set the pace and the
-  stages run in parallel: W = max over stages of stage bytes / (sync_gbps x sync_efficiency).
-  That assumes a NIC per GPU on the engine nodes (PP streams into a node do not share one
-  link), as H100/H200 clusters have. The default link is one InfiniBand NDR port, 400 Gb/s =
+  bandwidth whatever the number of receivers, but a server takes one bucket at a time, so
+  the stages take turns (rollout/fleet/stages.py; per-stage groups save the gather of every
+  stage to one rank, not receive time): W = sum over stages of stage bytes / (sync_gbps x
+  sync_efficiency) = N x 2 B / that rate. The default link is one InfiniBand NDR port, 400 Gb/s =
   50 GB/s, at 0.8 of it for NCCL's large-message broadcast (an assumption, like the MFU).
 - **Step time**: G(N_e) generation on the engines (model.generation_line), U(N_a) the old
   log-probs and training on the actor's GPUs, W. With trainer.max_staleness >= 1 the engines
@@ -255,7 +255,7 @@ def _timing(cfg: Config, dims: ModelDims, hw: Hardware, a: Assumptions, plan: Fl
     actor = {line.label: line.value for line in plan.actor.timing}
     update = actor["old/ref log-probs"] + actor["training"]
     rate = plan.link.gbps * 1e9 * plan.link.efficiency
-    sync = max(plan.stage_sync_bytes) / rate
+    sync = sum(plan.stage_sync_bytes) / rate
     split = max(gen.value, update + sync)
     colocated = plan.colocated.step_seconds
     gib = [f"{b / GIB:.2f}" for b in plan.stage_sync_bytes]
@@ -266,8 +266,9 @@ def _timing(cfg: Config, dims: ModelDims, hw: Hardware, a: Assumptions, plan: Fl
              formula=f"on {plan.actor_gpus} actor GPUs: old/ref log-probs {actor['old/ref log-probs']:.0f} s + "
                      f"training {actor['training']:.0f} s (the actor's own plan, DP {plan.actor.dp})"),
         Line(label="W weight sync", value=sync, unit="s",
-             formula=f"max over the PP {plan.actor.pp} stage(s) of stage bytes [{', '.join(gib)} GiB] / "
-                     f"({plan.link.gbps:g} GB/s x {plan.link.efficiency:g}); a broadcast per stage, in parallel"),
+             formula=f"sum over the PP {plan.actor.pp} stage(s) of stage bytes [{', '.join(gib)} GiB] / "
+                     f"({plan.link.gbps:g} GB/s x {plan.link.efficiency:g}); a group per stage, the stages in "
+                     "turns (a server takes one bucket at a time)"),
         Line(label="split step", value=split, unit="s",
              formula="max(G(N_e), U(N_a) + W): trainer.max_staleness >= 1, the engines generate while the actor "
                      "trains"),

@@ -45,10 +45,11 @@ def test_sync_bytes_are_the_whole_model_in_bf16_split_by_stage() -> None:
     assert plan.sync_bytes == 2 * N == 65_527_752_704
     # PP 2: 32 layers each; stage 0 adds embed_tokens (V x h, unpadded), the last lm_head (V x h) and the final norm.
     assert plan.stage_sync_bytes == (2 * (32 * LAYER + V * H), 2 * (32 * LAYER + V * H + H))
-    # One NDR port at 0.8 per stage, the two stages in parallel: the larger stage sets the time.
+    # One NDR port at 0.8, the two stages in turns (a server takes one bucket at a time,
+    # rollout/fleet/stages.py): the whole model's bytes set the time.
     w = plan.seconds("W weight sync")
-    assert w == pytest.approx(2 * (32 * LAYER + V * H + H) / (50e9 * 0.8), rel=1e-12)
-    assert w == pytest.approx(0.8191, abs=1e-4)
+    assert w == pytest.approx(2 * N / (50e9 * 0.8), rel=1e-12)
+    assert w == pytest.approx(1.6382, abs=1e-4)
     # Twice the link's speed halves it.
     assert _fleet(link=SyncLink(gbps=100)).seconds("W weight sync") == pytest.approx(w / 2, rel=1e-12)
 
@@ -163,7 +164,7 @@ def test_cli_prints_the_split(capsys: pytest.CaptureFixture[str]) -> None:
     assert "disaggregated split: --engine-nodes 4 of 8 nodes x 8 GPUs: actor 32 GPUs (TP 8 PP 2 CP 1 DP 2)" in out
     assert "  engine GPU           57.20 GiB  weights + KV pool + overhead: fits in 80 GiB" in out
     assert "weight sync: 61.03 GiB per sync = N x 2 B" in out
-    assert "  W weight sync           0.82 s  max over the PP 2 stage(s)" in out
+    assert "  W weight sync           1.64 s  sum over the PP 2 stage(s)" in out
     assert "split verdict: FITS" in out
     assert out.index("verdict: FITS on 80 GiB GPUs") < out.index("disaggregated split")
 

@@ -125,6 +125,35 @@ def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound
     assert not cores[0] & cores[1], cores
 
 
+def test_a_fleet_under_two_pipeline_stages_serves_each_stages_broadcast_weights_through_a_restart(tmp_path):
+    """Issue 41 item 2 under the trainer: TP 1 x PP 2 on two ranks, a fleet of one vLLM server; each
+    stage's first rank broadcasts its own stage's buckets in a group of its own (fleet/stages.py:
+    two groups, turns over the stage sources' gloo group). Synchronous steps, so every step's rows
+    come from the weights the last sync sent: the engine/actor gap stays at the float32 level on
+    each step (a stage's tensors lost or misplaced would show at once). The server is SIGKILLed
+    once step 1 is logged; the controller restarts it with its copy of the weights (stage 1's
+    from the broadcast it joined as rank 1), the groups are formed again with the new process, and
+    step 2's gap stays there."""
+    out = tmp_path / "run"
+    command = train_command(
+        REPO / "examples" / "tiny_cpu.yaml", *SHORT, "rollout.placement=disaggregated", "rollout.num_engines=1",
+        "parallel.pipeline_model_parallel_size=2", "trainer.total_training_steps=2", f"trainer.output_dir={out}",
+        nproc=2)  # fmt: skip
+    log = tmp_path / "trainer.log"
+    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, step_logged(out, 1),
+                            marker="vllm.entrypoints.openai.api_server", timeout_s=900)
+    assert code == 0, log.read_text()[-4000:]
+    rows = [r for r in read_rows(out) if "train/num_responses" in r]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["rollout/train_logprob_abs_diff"] < 1e-4 for r in rows), [r["rollout/train_logprob_abs_diff"] for r in rows]
+    assert rows[-1]["rollout/engine_restarts"] == 1, rows[-1]
+    assert "1 pipeline stage group(s)" in log.read_text()
+    text = (out / "engine_logs" / "vllm0.log").read_text(errors="replace")
+    # Two lives, each joined both groups (the controller's, stage 1's) before its first bucket.
+    assert text.count("Starting vLLM server on") == 2
+    assert text.count('POST /init_weight_transfer_engine HTTP/1.1" 200') >= 4, text.count("init_weight_transfer")
+
+
 def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
     """Issue 41: the controller SIGKILLed (MEGATRON_DAPO_FAULT=broadcast:0:kill, no cleanup runs) once
     its server joined the group and its first broadcast began. Nothing hangs: every server process

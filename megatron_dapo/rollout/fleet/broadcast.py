@@ -22,6 +22,10 @@ the begin/end weight-update session the engine opens. The server's side of the g
 deadline of its own (torch's 30 min default): a trainer that dies takes its servers with it
 (lifetime.py), so only the controller's side needs one.
 
+With pipeline stages (fleet/stages.py) each further stage gets a group of its own, its first
+rank the source (rank 0) and the controller rank 1 (``prepare_stages``, ``receive_stage``);
+they are formed with the controller's, after it, in stage order.
+
 Deadlines, never a hang. The group is formed with ``timeout_s`` (rendezvous and every
 collective); each server's request has the same HTTP deadline; the controller waits for the
 answers at most that long. A server that died or did not answer ends the sync with one
