@@ -32,11 +32,11 @@ from megatron_dapo.rollout.engine import (
     can_restart,
 )
 from megatron_dapo.rollout.streaming import (
-    FeedItem,
     GroupCallback,
     ItemDriver,
     PromptFeed,
     StreamingEngine,
+    TrackedFeed,
     Turns,
     stream_per_prompt,
 )
@@ -375,9 +375,9 @@ class RolloutController:
                 if not can_restart(engine):
                     return run_once(engine, feed, serialised)
                 # What this engine took and has not handed back: sent again if it dies.
-                tracked = _TrackedFeed(feed)
+                tracked = TrackedFeed(feed)
 
-                def done(group: list[GenerationResult], tracked: _TrackedFeed = tracked) -> None:
+                def done(group: list[GenerationResult], tracked: TrackedFeed = tracked) -> None:
                     tracked.finished(group[0].prompt_index)
                     serialised(group)
 
@@ -476,52 +476,6 @@ class RolloutController:
         futures = [self._pool.submit(getattr(engine, method)) for engine in self.engines]
         for future in futures:
             future.result()
-
-
-class _TrackedFeed:
-    """One engine's view of the shared PromptFeed that remembers what it took and has not finished.
-
-    Closing it ends this view only (its takers get None, blocked ones are woken): when the
-    engine fails, its streaming loop closes what it was given, and the shared feed must stay
-    open for the other engines and for the restarted engine's new view (stream_per_prompt
-    closes its feed on any error; a closed shared feed ended the step with no group).
-    """
-
-    def __init__(self, feed: PromptFeed) -> None:
-        self._feed = feed
-        self._lock = threading.Lock()
-        self._taken: dict[int, FeedItem] = {}
-        self._closed = threading.Event()
-
-    def take(self, *, block: bool = True) -> FeedItem | None:
-        item = self._feed.take(block=block, stop=self._closed.is_set)
-        if item is not None:
-            with self._lock:
-                self._taken[item.index] = item
-        return item
-
-    def finished(self, index: int) -> None:
-        with self._lock:
-            self._taken.pop(index, None)
-
-    def in_flight(self) -> list[FeedItem]:
-        with self._lock:
-            return list(self._taken.values())
-
-    def close(self) -> None:
-        self._closed.set()
-        self._feed.notify()
-
-    def notify(self) -> None:
-        self._feed.notify()
-
-    @property
-    def exhausted(self) -> bool:
-        return self._closed.is_set() or self._feed.exhausted
-
-    @property
-    def num_taken(self) -> int:
-        return self._feed.num_taken
 
 
 def _split(num_prompts: int, num_engines: int) -> list[tuple[int, int]]:

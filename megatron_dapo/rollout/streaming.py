@@ -23,7 +23,7 @@ from typing import Protocol, runtime_checkable
 
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, RolloutEngine, SamplingParams
 
-__all__ = ["CarriedPrompt", "FeedItem", "GroupCallback", "ItemDriver", "PromptFeed", "StreamingEngine", "Turns",
+__all__ = ["CarriedPrompt", "FeedItem", "GroupCallback", "ItemDriver", "PromptFeed", "StreamingEngine", "TrackedFeed", "Turns",
            "continuation", "stream_per_prompt"]
 
 GroupCallback = Callable[[list[GenerationResult]], None]
@@ -114,7 +114,7 @@ class PromptFeed:
             block: wait while the gate holds prompts back; False returns None at once then
                 (check `exhausted` to tell "not now" from "no more").
             stop: one taker's own end (a view that was closed, see the controller's
-                _TrackedFeed): None at once when it is true; waiters are woken by notify().
+                TrackedFeed): None at once when it is true; waiters are woken by notify().
 
         Returns:
             The prompt, or None once closed or exhausted (or held back, without block).
@@ -260,3 +260,49 @@ def _generate_item(engine: RolloutEngine, item: FeedItem, params: SamplingParams
                                index_offset=item.index * params.n + carried.sample_index)[0]
         results.append(replace(continuation(carried, more), prompt_index=item.index))
     return results
+
+
+class TrackedFeed:
+    """One engine's view of the shared PromptFeed that remembers what it took and has not finished.
+
+    Closing it ends this view only (its takers get None, blocked ones are woken): when the
+    engine fails, its streaming loop closes what it was given, and the shared feed must stay
+    open for the other engines and for the restarted engine's new view (stream_per_prompt
+    closes its feed on any error; a closed shared feed ended the step with no group).
+    """
+
+    def __init__(self, feed: PromptFeed) -> None:
+        self._feed = feed
+        self._lock = threading.Lock()
+        self._taken: dict[int, FeedItem] = {}
+        self._closed = threading.Event()
+
+    def take(self, *, block: bool = True) -> FeedItem | None:
+        item = self._feed.take(block=block, stop=self._closed.is_set)
+        if item is not None:
+            with self._lock:
+                self._taken[item.index] = item
+        return item
+
+    def finished(self, index: int) -> None:
+        with self._lock:
+            self._taken.pop(index, None)
+
+    def in_flight(self) -> list[FeedItem]:
+        with self._lock:
+            return list(self._taken.values())
+
+    def close(self) -> None:
+        self._closed.set()
+        self._feed.notify()
+
+    def notify(self) -> None:
+        self._feed.notify()
+
+    @property
+    def exhausted(self) -> bool:
+        return self._closed.is_set() or self._feed.exhausted
+
+    @property
+    def num_taken(self) -> int:
+        return self._feed.num_taken
