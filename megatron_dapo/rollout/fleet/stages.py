@@ -185,8 +185,9 @@ def _controller(named_tensors: Iterable[tuple[str, torch.Tensor]], fleet: StageF
                     dist.send_object_list([answer], dst=src, group=group)
                 if answer == "host":
                     fleet.keep_weights_bucket(_receive_host_copy(header, src, group))
-                num_buckets, num_tensors = num_buckets + 1, num_tensors + len(header)
-                num_bytes += flat_nbytes([getattr(torch, d) for _, d, _ in header], [s for _, _, s in header])
+                if answer != "skip":
+                    num_buckets, num_tensors = num_buckets + 1, num_tensors + len(header)
+                    num_bytes += flat_nbytes([getattr(torch, d) for _, d, _ in header], [s for _, _, s in header])
         fleet.finish_weight_update(version)
     return num_bytes, num_tensors, num_buckets
 
