@@ -19,7 +19,9 @@ first rank of every stage): for each bucket the stage's first rank sends the con
 header (names, dtypes, shapes in wire order), the controller answers
 
 - ``go``: asks every server to receive the bucket on the stage's group and joins its broadcast
-  (then ``done``, or ``host`` when that failed and the controller still needs its copy);
+  (then ``done``; or, when that failed, ``host`` if the controller still needs its copy, else
+  ``dropped``: the stage's send is left to end at its deadline on a thread of its own, the group
+  formed anew at the next sync, so no rank waits on a broken group);
 - ``host``: the sync already failed (every server is restarted with the kept weights before its
   next use), so only the controller takes the bucket, point to point, to keep it;
 - ``skip``: the sync failed and no copy is kept (no restarts): the stage only drains its export.
@@ -90,6 +92,27 @@ class StageSender:
                 group.shutdown()
             except Exception as err:  # a broken group may not shut down cleanly; it is dropped either way
                 logger.debug("stage weight group shutdown: %s", err)
+
+    def broadcast(self, flat: torch.Tensor, stage: int) -> threading.Thread:
+        """Broadcast one bucket's bytes as the group's rank 0, on a thread (``abandon`` leaves it)."""
+        group = self.group
+
+        def send() -> None:
+            try:
+                if group is None:
+                    raise RuntimeError("this stage's weight group is not formed")
+                group.broadcast([flat], dist.BroadcastOptions()).wait()
+            except Exception as err:  # the controller's FleetSyncError names who failed
+                logger.warning("pipeline stage %d's weight broadcast failed: %s", stage, err)
+
+        thread = threading.Thread(target=send, name=f"stage-broadcast-{stage}", daemon=True)
+        thread.start()
+        return thread
+
+    def abandon(self) -> None:
+        """Forget a group whose broadcast failed elsewhere; its send ends at the group's deadline (a
+        gloo group is not shut down under an operation in flight)."""
+        self.group, self.name = None, ""
 
     def start_join(self, plan: StageGroup) -> tuple[threading.Thread, dict[str, Any]]:
         """Join ``plan``'s group in a thread (its rendezvous waits for the servers the controller asks)."""
@@ -180,8 +203,8 @@ def _controller(named_tensors: Iterable[tuple[str, torch.Tensor]], fleet: StageF
                 dist.send_object_list([answer], dst=src, group=group)
                 if answer == "go":
                     # A failed broadcast leaves the controller without the bucket: sent again, to keep.
-                    kept = fleet.receive_stage_weights(stage, header)
-                    answer = "host" if not kept and fleet.keeps_weights else "done"
+                    received = fleet.receive_stage_weights(stage, header)
+                    answer = "done" if received else "host" if fleet.keeps_weights else "dropped"
                     dist.send_object_list([answer], dst=src, group=group)
                 if answer == "host":
                     fleet.keep_weights_bucket(_receive_host_copy(header, src, group))
@@ -224,15 +247,15 @@ def _stage_source(named_tensors: Iterable[tuple[str, torch.Tensor]], sender: Sta
         dist.send_object_list([header], dst=controller, group=group)
         dist.recv_object_list(box, src=controller, group=group)
         if box[0] == "go":
-            flat = flat_bytes(ordered)
-            try:
-                if sender.group is None:
-                    raise RuntimeError("this stage's weight group is not formed")
-                sender.group.broadcast([flat], dist.BroadcastOptions()).wait()
-            except Exception as err:  # the controller's side names who failed (FleetSyncError)
-                logger.warning("pipeline stage %d's weight broadcast failed: %s", stage, err)
-                sender.drop()
-            dist.recv_object_list(box, src=controller, group=group)  # "host": the controller lacks it
+            sending = sender.broadcast(flat_bytes(ordered), stage)
+            # "done": every receiver took it. Otherwise the broadcast failed on the controller's side
+            # ("host": it still needs its copy): the stage's send, which gloo would hold until the
+            # group's deadline, is left to end there on its thread, and the group is formed anew.
+            dist.recv_object_list(box, src=controller, group=group)
+            if box[0] == "done":
+                sending.join()
+            else:
+                sender.abandon()
         if box[0] == "host":
             dist.send(flat_bytes(ordered), dst=controller, group=group)
         if box[0] != "skip":
