@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
+import slurm_jobs
 from slurm_testbed import SlurmCluster, start_cluster, stop_cluster
 
 
@@ -19,3 +21,12 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
         yield cluster
     finally:
         stop_cluster(procs)
+
+
+@pytest.fixture(scope="module")
+def trainer_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Environment for trainer jobs: the test reward importable, caches (tokenizer) in one tmp dir."""
+    if (reason := slurm_jobs.trainer_missing()) is not None:
+        pytest.skip(reason)
+    return {"PYTHON": sys.executable, "PYTHONPATH": f"{slurm_jobs.PROBE_DIR}:{slurm_jobs.REPO}",
+            "MEGATRON_DAPO_CACHE": str(tmp_path_factory.mktemp("cache"))}

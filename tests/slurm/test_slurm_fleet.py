@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+from slurm_jobs import TINY_FAST, job_steps, read_log, submit, wait_for
 from slurm_testbed import SlurmCluster
-from test_slurm_jobs import TINY_FAST, _read, _steps, _submit, _wait_for, trainer_env  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.slurm
 
@@ -35,7 +35,7 @@ def _fleet_processes() -> list[str]:
 
 
 def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: SlurmCluster,
-                                                            trainer_env: dict[str, str], tmp_path: Path) -> None:  # noqa: F811
+                                                            trainer_env: dict[str, str], tmp_path: Path) -> None:
     if slurm_cluster.engine_node is None:
         pytest.skip("this machine's hostname is localhost: the test cluster has no second node")
     if importlib.util.find_spec("vllm") is None:
@@ -51,7 +51,7 @@ def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: Slur
         "algorithm.rollout_correction.rollout_is=token", f"trainer.total_training_steps={total}",
         "trainer.save_interval=100", f"trainer.output_dir={out_dir}",
     ])  # fmt: skip
-    job = _submit(slurm_cluster, "slurm/dapo_tiny.sbatch", log,
+    job = submit(slurm_cluster, "slurm/dapo_tiny.sbatch", log,
                   options=("--partition=split", "--nodes=2", "--ntasks-per-node=1"),
                   env={**trainer_env, "OVERRIDES": overrides, "ENGINE_NODES": "1", "GPUS_PER_NODE": "1",
                        "LOG_ROOT": str(tmp_path / "logs")})
@@ -59,12 +59,12 @@ def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: Slur
 
     def engine_up() -> bool:
         seen.update(_engine_steps(slurm_cluster, job))
-        return bool(seen) and len(_steps(out_dir)) >= 1
+        return bool(seen) and len(job_steps(out_dir)) >= 1
 
-    _wait_for(engine_up, 300, "the engine's step and the first training step", log)
+    wait_for(engine_up, 300, "the engine's step and the first training step", log)
     # The server runs as a step of the job on the node of its own (the job's last), not the actor's.
-    match = re.search(r"^job \d+ attempt 0 on (\S+): 1 ranks, .*, engines on (\S+)$", _read(log), re.M)
-    assert match is not None, _read(log)
+    match = re.search(r"^job \d+ attempt 0 on (\S+): 1 ranks, .*, engines on (\S+)$", read_log(log), re.M)
+    assert match is not None, read_log(log)
     actor_node, engine_node = match.groups()
     assert {actor_node, engine_node} == {slurm_cluster.node, slurm_cluster.engine_node}
     assert {(name, node) for _, name, node in seen} == {("engine0", engine_node)}, seen
@@ -75,12 +75,12 @@ def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: Slur
         seen.update(_engine_steps(slurm_cluster, job))
         return len({step for step, _, _ in seen}) >= 2
 
-    _wait_for(restarted, 240, "the engine's restart as a new step", log)
+    wait_for(restarted, 240, "the engine's restart as a new step", log)
     state = slurm_cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 360)
-    text = _read(log)
+    text = read_log(log)
     assert state == "COMPLETED", text
     assert {(name, node) for _, name, node in seen} == {("engine0", engine_node)}, seen
-    assert _steps(out_dir) == list(range(1, total + 1)), text
+    assert job_steps(out_dir) == list(range(1, total + 1)), text
     metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert metrics[-1]["rollout/engine_restarts"] == 1, metrics[-1]
     assert all(m["async/staleness_max"] <= 1 for m in metrics), metrics
