@@ -147,7 +147,7 @@ class Run:
             stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes, version=version)
             release_cached_memory(self.dims.device)
             return stats
-        if broadcasts_weights(self.cfg) and self.dims.pp > 1:
+        if broadcasts_weights(self.cfg) and self.dims.pp > 1 and self.cfg.rollout.fleet_stage_groups:
             # A fleet under PP: each stage's first rank broadcasts its own stage's tensors to the
             # servers in a group of its own, in turns the controller sets (fleet/stages.py).
             export = self.adapter.export_hf(self.actor.model, self.dims, receivers="stages")

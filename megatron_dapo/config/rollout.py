@@ -109,6 +109,11 @@ class RolloutConfig:
     fleet_sync_timeout_s: float = 600.0
     """Deadline of the fleet's weight broadcast: forming its group, each bucket's broadcast and each
     server's answer; a server that dies or does not answer ends the sync with one line naming it."""
+    fleet_stage_groups: bool = True
+    """A fleet under pipeline parallelism: each stage's first rank broadcasts its own stage's weights in a
+    group of its own, the stages in turns (rollout/fleet/stages.py). false: every stage's tensors are
+    gathered to the controller and broadcast in one group (verl's way; for networks where the servers
+    cannot reach the actor's other ranks)."""
     engine_threads: int = 1
     """Disaggregated on CPU: torch threads of the engine's process (the actor keeps its own)."""
     max_engine_restarts: int = 3
