@@ -2,9 +2,9 @@
 
     python benchmarks/fleet_stages.py [--engine vllm|sglang] [--engines 1] [--steps 6] [--rounds 2] [--hidden 512]
 
-The tiny run of examples/tiny_cpu.yaml (scratch model, no warm start, widened to --hidden so the
-sync moves more than the tiny model's 3 MB) on two ranks at TP 1 x PP 2 with a fleet of --engines
-servers, max_staleness 0 (the sync sits between the steps), once per variant per round, the
+The tiny run of examples/tiny_cpu.yaml (scratch model, no warm start, no dynamic sampling: the
+scratch model solves nothing and every group is kept; widened to --hidden so the sync moves more
+than the tiny model's 3 MB) on two ranks at TP 1 x PP 2 with a fleet of --engines servers, max_staleness 0 (the sync sits between the steps), once per variant per round, the
 variants interleaved round by round:
 
     stages   rollout.fleet_stage_groups=true (the default): stage 1's first rank broadcasts its
@@ -43,6 +43,7 @@ def run(variant: str, args: argparse.Namespace, workdir: Path) -> dict:
         "-m", "megatron_dapo.train", str(REPO / "examples" / "tiny_cpu.yaml"),
         f"rollout.engine={args.engine}", "rollout.placement=disaggregated", f"rollout.num_engines={args.engines}",
         "parallel.pipeline_model_parallel_size=2", "model.sft_warm_start.enable=false",
+        "algorithm.filter_groups.enable=false",  # the scratch model solves nothing: keep every group
         f"model.scratch.hidden_size={args.hidden}", f"model.scratch.num_attention_heads={heads}",
         f"model.scratch.num_key_value_heads={heads // 2}", f"model.scratch.intermediate_size={3 * args.hidden}",
         "trainer.save_interval=1000", "trainer.test_freq=1000", "trainer.val_before_train=false",
