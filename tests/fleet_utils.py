@@ -42,6 +42,7 @@ def _stage_source(plan, checkpoint: str, names: list[list[str]], pipe) -> None:
 def sync_two_stages(rollout: RolloutController, checkpoint: Path, stage0: Sequence[list], stage1: Sequence[list],
                     version: int) -> None:
     from megatron_dapo.rollout.fleet.broadcast import wire_order
+    from megatron_dapo.rollout.fleet.group import bucket_header
 
     plans = rollout.prepare_stage_groups(2)
     assert plans is not None and len(plans) == 1
@@ -56,7 +57,7 @@ def sync_two_stages(rollout: RolloutController, checkpoint: Path, stage0: Sequen
         for bucket in stage0:
             rollout.update_weights(bucket)
         for bucket in stage1:
-            header = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in wire_order(bucket)]
+            header = bucket_header(wire_order(bucket))
             ours.send("go")
             assert rollout.receive_stage_weights(1, header)
             assert ours.poll(plans[0].timeout_s) and ours.recv() == "sent"

@@ -205,7 +205,6 @@ def export_to_controller(
                        strict=True)
 
 
-
 def _describe(tm: mapping.TensorMap, param: torch.Tensor, dims: ParallelDims) -> _Shard:
     size, rank, _ = _shard_axis(tm, dims)
     if tm.kind == "replicated" or size == 1:
@@ -221,7 +220,7 @@ def _receive(hf: HFModelConfig, sources: list[tuple[int, _Shard]], params: dict[
     if all(src == me for src, _ in sources):
         return mapping.hf_from_shards(tm, [params[shard.tm.mcore_name].detach() for _, shard in sources], hf)
     if tm.kind == "vocab":
-        # Received in place, block of rows by block of rows: the embedding exists once on rank 0.
+        # Received in place, block of rows by block of rows: the embedding exists once on the receiver.
         full = torch.empty((len(sources) * shape[0], *shape[1:]), dtype=dtype, device=dims.device)
         for (src, shard), rows in zip(sources, full.split(shape[0]), strict=True):
             if src == me:

@@ -87,6 +87,8 @@ def test_controller_export_equals_export_to_all_and_sends_each_shard_once(tmp_pa
         # "stages": the stages' first ranks hold, in stage order, exactly the controller's export.
         sources = sorted({rank[layout]["stage_source"] for rank in ranks})
         assert sources == [s * (4 // pp) for s in range(pp)], layout
+        # stage_source's rule (PP outermost in megatron's order): the rank it names holds stage s.
+        assert [ranks[src][layout]["pp_rank"] for src in sources] == list(range(pp)), layout
         staged = [item for src in sources for item in ranks[src][layout]["stages"]]
         assert [n for n, _ in staged] == [n for n, _ in r0["all"]], layout
         assert all(torch.equal(a, b) and a.dtype == b.dtype for (_, a), (_, b) in zip(staged, r0["all"])), layout

@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
-from megatron_dapo.rollout.fleet.group import flat_nbytes, join_weight_group, split_flat
+from megatron_dapo.rollout.fleet.group import flat_nbytes, header_layout, join_weight_group, split_flat
 
 __all__ = ["FleetMember", "FleetSyncError", "StageGroup", "WeightBroadcast", "flat_bytes", "wire_order"]
 
@@ -186,30 +186,12 @@ class WeightBroadcast:
             return
         bucket = wire_order(bucket)
         self._ensure_group()
-        futures = {self._pool.submit(e.receive_distributed, bucket, group_name=self._group_name,
-                                     load_format=FLATTENED_BUCKET, timeout_s=self.timeout_s): e
-                   for e in self.engines}
-        # The servers allocate the bucket while the controller concatenates its bytes (the
-        # requests go first: the copy of the whole bucket no longer delays their broadcast).
-        flat = flat_bytes(bucket)
-        if self.backend == "gloo":
-            flat = flat.cpu()
-        fault_point("fleet_metadata", 0)
-        start = time.perf_counter()
-        try:
-            work = self._group.broadcast([flat], dist.BroadcastOptions())  # type: ignore[union-attr]
-        except Exception as err:  # the group broke before this bucket
-            self._fail("the broadcast", err, futures)
-        # The controller is rank 0 (tests: a trainer killed, or failing, mid-broadcast); outside the
-        # handler below, so an injected failure stays the controller's own, not a server's.
-        fault_point("broadcast", 0)
-        try:
-            work.wait()
-        except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
-            self._fail("the broadcast", err, futures)
-        self.seconds_broadcast += time.perf_counter() - start
-        self.bytes_broadcast += flat.numel()
-        self._answers("the broadcast", futures)
+
+        def concatenate() -> torch.Tensor:
+            flat = flat_bytes(bucket)
+            return flat.cpu() if self.backend == "gloo" else flat
+
+        self._carry(self._group, self._group_name, bucket, concatenate, "the broadcast")  # type: ignore[arg-type]
 
     def receive_stage(self, stage: int, header: Sequence[tuple[str, str, list[int]]]) -> list[tuple[str, torch.Tensor]]:
         """Receive, with every server, one bucket that pipeline stage ``stage``'s first rank broadcasts
@@ -224,23 +206,40 @@ class WeightBroadcast:
         """
         self._ensure_group()
         group, name = self._stage_groups[stage]
-        dtypes = [getattr(torch, d) for _, d, _ in header]
-        shapes = [list(shape) for _, _, shape in header]
-        meta = [(n, torch.empty(shape, dtype=dtype, device="meta")) for (n, _, _), dtype, shape in zip(header, dtypes, shapes)]
-        futures = {self._pool.submit(e.receive_distributed, meta, group_name=name,
+        names, dtypes, shapes = header_layout(header)
+        meta = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, dtype, shape in zip(names, dtypes, shapes)]
+        flat = self._carry(group, name, meta, lambda: torch.empty(flat_nbytes(dtypes, shapes), dtype=torch.uint8),
+                           f"pipeline stage {stage}'s broadcast")
+        return list(zip(names, split_flat(flat, dtypes, shapes), strict=True))
+
+    def _carry(self, group: dist.ProcessGroup, name: str, bucket: Sequence[tuple[str, torch.Tensor]],
+               buffer: Callable[[], torch.Tensor], what: str) -> torch.Tensor:
+        """One bucket through ``group``: every server is asked to receive it (names, dtypes, shapes
+        of ``bucket``), then the broadcast of ``buffer()`` (the bytes, or room for them when another
+        rank sends), then every server's answer. Returns the buffer."""
+        futures = {self._pool.submit(e.receive_distributed, bucket, group_name=name,
                                      load_format=FLATTENED_BUCKET, timeout_s=self.timeout_s): e
                    for e in self.engines}
-        flat = torch.empty(flat_nbytes(dtypes, shapes), dtype=torch.uint8)
+        # The servers allocate the bucket while the controller makes its buffer (the requests go
+        # first: the copy of the whole bucket no longer delays their broadcast).
+        flat = buffer()
         fault_point("fleet_metadata", 0)
         start = time.perf_counter()
         try:
-            group.broadcast([flat], dist.BroadcastOptions()).wait()
-        except Exception as err:  # the stage's source or a server died, or the deadline passed
-            self._fail(f"pipeline stage {stage}'s broadcast", err, futures)
+            work = group.broadcast([flat], dist.BroadcastOptions())
+        except Exception as err:  # the group broke before this bucket
+            self._fail(what, err, futures)
+        # A trainer killed, or failing, mid-broadcast (tests); outside the handler below, so an
+        # injected failure stays the controller's own, not a server's.
+        fault_point("broadcast", 0)
+        try:
+            work.wait()
+        except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
+            self._fail(what, err, futures)
         self.seconds_broadcast += time.perf_counter() - start
         self.bytes_broadcast += flat.numel()
-        self._answers(f"pipeline stage {stage}'s broadcast", futures)
-        return list(zip([n for n, _, _ in header], split_flat(flat, dtypes, shapes), strict=True))
+        self._answers(what, futures)
+        return flat
 
     def finish_weight_update(self, version: int | None = None) -> None:
         """Every server ends the update and takes ``version``."""

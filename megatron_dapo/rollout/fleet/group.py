@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["flat_nbytes", "join_weight_group", "split_flat"]
+__all__ = ["bucket_header", "flat_nbytes", "header_layout", "join_weight_group", "split_flat"]
 
 
 def join_weight_group(*, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,
@@ -72,3 +72,13 @@ def split_flat(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[
 def flat_nbytes(dtypes: list[torch.dtype], shapes: list[list[int]]) -> int:
     """Bytes of the tensors' flat bucket (what a receiver allocates before the broadcast)."""
     return sum(torch.Size(shape).numel() * torch.empty((), dtype=d).element_size() for d, shape in zip(dtypes, shapes))
+
+
+def bucket_header(bucket: list[tuple[str, torch.Tensor]]) -> list[tuple[str, str, list[int]]]:
+    """What a receiver needs to allocate a flat bucket: (name, dtype name, shape) per tensor, in order."""
+    return [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in bucket]
+
+
+def header_layout(header: list[tuple[str, str, list[int]]]) -> tuple[list[str], list[torch.dtype], list[list[int]]]:
+    """bucket_header's inverse: the names, dtypes and shapes (split_flat's and flat_nbytes' arguments)."""
+    return [n for n, _, _ in header], [getattr(torch, d) for _, d, _ in header], [list(s) for _, _, s in header]

@@ -46,7 +46,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.rollout.fleet.broadcast import StageGroup, flat_bytes, wire_order
-from megatron_dapo.rollout.fleet.group import flat_nbytes, join_weight_group, split_flat
+from megatron_dapo.rollout.fleet.group import (
+    bucket_header,
+    flat_nbytes,
+    header_layout,
+    join_weight_group,
+    split_flat,
+)
 from megatron_dapo.rollout.weight_sync import BucketMeter, WeightSyncStats, iter_buckets
 
 __all__ = ["StageFleet", "StageSender", "sync_by_stage"]
@@ -209,17 +215,18 @@ def _controller(named_tensors: Iterable[tuple[str, torch.Tensor]], fleet: StageF
                 if answer == "host":
                     fleet.keep_weights_bucket(_receive_host_copy(header, src, group))
                 if answer != "skip":
+                    _, dtypes, shapes = header_layout(header)
                     num_buckets, num_tensors = num_buckets + 1, num_tensors + len(header)
-                    num_bytes += flat_nbytes([getattr(torch, d) for _, d, _ in header], [s for _, _, s in header])
+                    num_bytes += flat_nbytes(dtypes, shapes)
         fleet.finish_weight_update(version)
     return num_bytes, num_tensors, num_buckets
 
 
 def _receive_host_copy(header: Header, src: int, group: dist.ProcessGroup) -> list[tuple[str, torch.Tensor]]:
-    dtypes, shapes = [getattr(torch, d) for _, d, _ in header], [s for _, _, s in header]
+    names, dtypes, shapes = header_layout(header)
     flat = torch.empty(flat_nbytes(dtypes, shapes), dtype=torch.uint8)
     dist.recv(flat, src=src, group=group)
-    return list(zip([n for n, _, _ in header], split_flat(flat, dtypes, shapes), strict=True))
+    return list(zip(names, split_flat(flat, dtypes, shapes), strict=True))
 
 
 def _stage_source(named_tensors: Iterable[tuple[str, torch.Tensor]], sender: StageSender, group: dist.ProcessGroup,
@@ -243,7 +250,7 @@ def _stage_source(named_tensors: Iterable[tuple[str, torch.Tensor]], sender: Sta
     for bucket in iter_buckets(named_tensors, bucket_bytes, meter):
         ordered = wire_order(bucket)
         del bucket
-        header = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in ordered]
+        header = bucket_header(ordered)
         dist.send_object_list([header], dst=controller, group=group)
         dist.recv_object_list(box, src=controller, group=group)
         if box[0] == "go":
