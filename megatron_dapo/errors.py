@@ -21,6 +21,30 @@ class SharedUserError(UserError):
 
 EXIT_USER_ERROR = 2
 
+# What gloo/NCCL say when the other side of a collective is gone.
+PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                     "remote process exited", "communicator was aborted")
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether `err` is torch.distributed saying the other side of a collective is gone.
+
+    Only torch.distributed's own errors count (gloo raises a plain RuntimeError, NCCL a
+    DistError): an engine's or a reward's error may quote a "Connection reset by peer" of its
+    own, and that is the root cause, not an echo.
+    """
+    from torch.distributed import DistError
+
+    if type(err) is not RuntimeError and not isinstance(err, DistError):
+        return False
+    return lost_peer_marker(str(err)) is not None
+
+
+def lost_peer_marker(text: str) -> str | None:
+    """The words in `text` that say a collective lost its peer (a server's answer may quote its
+    gloo error), or None."""
+    return next((marker for marker in PEER_GONE_MARKERS if marker in text), None)
+
 
 class CliParser(argparse.ArgumentParser):
     """argparse that exits 2 with a one-line message (its default is also 2, plus usage)."""

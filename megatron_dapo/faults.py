@@ -28,7 +28,9 @@ A fleet's weight sync (rollout/fleet/broadcast.py), on the controller (rank 0), 
 fleet_init: the servers asked to join the group, the controller not yet in it; fleet_metadata:
 the servers sent the first bucket's names, dtypes and shapes (waiting in its broadcast), the
 broadcast not begun; broadcast: its broadcast begun; fleet_finish: every bucket sent, the
-servers asked to finish the update (set the version, resume)."""
+servers asked to finish the update (set the version, resume). With one group per pipeline stage
+(rollout/fleet/stages.py) `broadcast` is also reached on each stage's first rank, its broadcast of
+its stage's first bucket begun."""
 
 
 class InjectedFault(RuntimeError):

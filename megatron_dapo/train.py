@@ -16,7 +16,13 @@ import signal
 import sys
 import time
 
-from megatron_dapo.errors import EXIT_USER_ERROR, SharedUserError, UserError, quiet_optional_backend_warnings
+from megatron_dapo.errors import (
+    EXIT_USER_ERROR,
+    SharedUserError,
+    UserError,
+    lost_peer,
+    quiet_optional_backend_warnings,
+)
 
 # Dynamic sampling could not fill a batch: the run's data or policy, not its config, is at fault.
 EXIT_DYNAMIC_SAMPLING = 3
@@ -31,9 +37,6 @@ EXIT_ENGINE_FAILED = 4
 EXIT_PREEMPTED = 75
 # A rank whose peer died in a collective: the peer's error is the story, this rank's is an echo.
 EXIT_PEER_GONE = 1
-# What gloo/NCCL say when the other side of a collective is gone.
-PEER_GONE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-                     "remote process exited", "communicator was aborted")
 # torchrun names the first rank to exit as the root cause and SIGTERMs the rest: the rank that
 # only lost its peer waits this long so the failing rank's exit (and code) comes first.
 PEER_GONE_GRACE_S = 5.0
@@ -56,20 +59,6 @@ def train(config_path: str, overrides: list[str]) -> dict[str, float]:
     finally:
         run.close()
         parallel.destroy()
-
-
-def lost_peer(err: BaseException) -> bool:
-    """Whether `err` is torch.distributed saying the other side of a collective is gone.
-
-    Only torch.distributed's own errors count (gloo raises a plain RuntimeError, NCCL a
-    DistError): an engine's or a reward's error may quote a "Connection reset by peer" of its
-    own, and that is the root cause, not an echo.
-    """
-    from torch.distributed import DistError
-
-    if type(err) is not RuntimeError and not isinstance(err, DistError):
-        return False
-    return any(marker in str(err) for marker in PEER_GONE_MARKERS)
 
 
 def main(argv: list[str] | None = None) -> int:

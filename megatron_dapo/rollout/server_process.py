@@ -288,18 +288,27 @@ class ServerProcess:
             )
 
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the process group, SIGKILL it after timeout_s; then remove its /dev/shm leftovers."""
-        self._reaper.release()
+        """SIGTERM the process group, SIGKILL it after timeout_s; then remove its /dev/shm leftovers.
+
+        The reaper is released only once the group is gone: a trainer that dies while it waits
+        here (torchrun's SIGTERM when another rank failed, seen 2026-11-29 with an SGLang server
+        that outlived its SIGTERM) still takes the server with it.
+        """
         if self._popen.poll() is None:
             self.note_shared_memory()
             try:
                 os.killpg(self._popen.pid, 15)
                 self._popen.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self._popen.pid, 9)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self._popen.pid, 9)
                 self._popen.wait(timeout=timeout_s)
             except ProcessLookupError:
                 pass
+        # The leader's exit does not end its group: a child it left is ended here, not orphaned.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._popen.pid, 9)
+        self._reaper.release()
         self._remove_shared_memory()
 
 

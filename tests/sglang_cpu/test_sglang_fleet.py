@@ -362,3 +362,64 @@ def test_a_trainer_killed_in_a_fleet_sync_takes_its_fleet_with_it(tmp_path, phas
     answered, unanswered = TRAINER_KILL_LOGS[phase]
     text = (out / "engine_logs" / "sglang0.log").read_text(errors="replace")  # in the sync, at the phase named
     assert all(line in text for line in answered) and not any(line in text for line in unanswered), text[-2000:]
+
+
+def test_a_stage_source_killed_mid_broadcast_ends_the_job_in_one_line_and_takes_its_fleet_with_it(tmp_path):
+    """Issue 41 with one broadcast group per pipeline stage (fleet/stages.py): the actor at PP 2 on
+    two ranks, rank 1 (stage 1's first rank, the source of its own group) SIGKILLed once its first
+    broadcast began (the run's first sync, before step 1), the controller and the server waiting in
+    it. The job ends within a bound, far below the groups' deadline (rollout.fleet_sync_timeout_s):
+    torchrun names rank 1 and its signal as the root cause and stops rank 0 (before fit, rank 0 has
+    no SIGTERM handler of its own, so it ends by the signal; in fit it would print its "stopped"
+    line, tests/e2e/test_rank_faults.py), and every process the run started, the server's
+    included, is gone. The controller's FleetSyncError names the gone source, not the servers'
+    echo of it (checked where it was logged before torchrun's signal came)."""
+    import subprocess
+    import sys
+    import uuid
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+    from trainer_utils import REPO, assert_run_gone, run_processes, train_command, trainer_env
+
+    out = tmp_path / "run"
+    command = train_command(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=sglang",
+                            "rollout.placement=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1",
+                            "algorithm.rollout_correction.rollout_is=token", "model.sft_warm_start.enable=false",
+                            "reward.reward_fn=e2e_reward_fns:char_parity", "data.train_batch_size=4",
+                            "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4",
+                            "parallel.pipeline_model_parallel_size=2", "rollout.update_weights_bucket_megabytes=1",
+                            "trainer.total_training_steps=1", "trainer.test_freq=100", f"trainer.output_dir={out}",
+                            nproc=2)
+    tag = uuid.uuid4().hex
+    env = {**trainer_env(tmp_path / "cache"), "MEGATRON_DAPO_FAULT": "broadcast:1:kill", "FAULT_TEST_TAG": tag}
+    log = tmp_path / "trainer.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while "rank 1: injected fault at the start of broadcast" not in log.read_text():
+            assert proc.poll() is None, f"the job ended (rc {proc.returncode}) before the fault:\n" + \
+                log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        fault_at = time.monotonic()
+        rc = proc.wait(timeout=DEADLINE_S)
+        elapsed = time.monotonic() - fault_at
+        text = log.read_text()
+        assert rc == 1, text[-3000:]  # torchrun's own code when a worker failed
+        assert elapsed < DEADLINE_S and "[rank0]: Traceback" not in text, text[-4000:]
+        root = text.split("Root Cause (first observed failure):")[1].split("=====")[0]
+        assert "rank      : 1 (local_rank: 1)" in root and "Signal 9" in root, root
+        assert_run_gone(tag, within_s=15)
+        failed = [x for x in text.splitlines() if "the fleet's weight broadcast failed" in x]
+        assert all("pipeline stage 1's broadcast: pipeline stage 1's first rank is gone (" in x for x in failed), failed
+        print(f"the job ended {elapsed:.1f} s after the kill; rank 0 logged: {failed}")
+    finally:
+        for pid in run_processes(tag):  # a failing test leaves nothing behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    # The server had joined both groups (the controller's, stage 1's) and taken stage 0's buckets.
+    text = (out / "engine_logs" / "sglang0.log").read_text(errors="replace")
+    assert text.count('POST /init_weights_update_group HTTP/1.1" 200') == 2, text[-2000:]
+    assert 'POST /update_weights_from_distributed HTTP/1.1" 200' in text, text[-2000:]

@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from megatron_dapo.errors import UserError
+from megatron_dapo.errors import UserError, lost_peer
 from megatron_dapo.faults import FAULT_ENV, InjectedFault, fault_point, parse_fault
 from megatron_dapo.rollout.engine import EngineError
-from megatron_dapo.train import lost_peer
 
 
 def test_the_fault_fires_only_on_its_phase_and_rank(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -60,18 +60,25 @@ def test_helpers_die_within_10s_of_a_kill_9_of_their_parent(tmp_path: Path) -> N
             os.killpg(parent.pid, signal.SIGKILL)
 
 
-# A "trainer" that starts two servers the way engines do (ServerProcess: a session of their own),
-# one of them with a child that ignores SIGTERM, and a third that it stops itself.
+# A "trainer" that starts servers the way engines do (ServerProcess: a session of their own): s0
+# plain, s1 with a child that ignores SIGTERM; s2 it stops itself (its leader ends on SIGTERM, a
+# child that ignores it must not outlive the stop); s3, whose leader ignores SIGTERM, it is still
+# stopping when it dies (torchrun's SIGTERM once another rank failed, seen with an SGLang server
+# stopped after a failed broadcast): the reaper must not have been released yet.
 SERVER_PARENT = """
-import sys, time
+import sys, threading, time
 from megatron_dapo.rollout.server_process import ServerProcess
 
 log = sys.argv[1]
 stubborn = "trap '' TERM; sleep 600 & wait"
 servers = [ServerProcess(["/bin/sh", "-c", "sleep 600 & sleep 600"], name="s0", log_path=log),
            ServerProcess(["/bin/sh", "-c", stubborn], name="s1", log_path=log),
-           ServerProcess(["/bin/sh", "-c", "sleep 600"], name="s2", log_path=log)]
+           ServerProcess(["/bin/sh", "-c", "(trap '' TERM; exec sleep 600) & sleep 600"], name="s2", log_path=log),
+           ServerProcess(["/bin/sh", "-c", stubborn], name="s3", log_path=log)]
+time.sleep(0.5)  # the shells have started their children
 servers[2].stop(timeout_s=5)
+threading.Thread(target=servers[3].stop, kwargs={"timeout_s": 600}, daemon=True).start()
+time.sleep(0.5)  # s3 has its SIGTERM and ignores it
 print(" ".join(str(s.pid) for s in servers), servers[2]._reaper.pid, flush=True)
 time.sleep(600)
 """
@@ -94,18 +101,19 @@ def test_engine_servers_die_within_10s_of_a_kill_9_of_their_trainer(tmp_path: Pa
                                text=True, env=env, start_new_session=True)
     try:
         fields = trainer.stdout.readline().split()
-        servers, released_reaper = [int(p) for p in fields[:3]], fields[3]
+        servers, released_reaper = [int(p) for p in fields[:4]], fields[4]
         assert released_reaper == "None"
         assert _group_alive(servers[0]) and _group_alive(servers[1]) and not _group_alive(servers[2])
+        assert _group_alive(servers[3])
         if how == "kill -9 of the trainer":
             trainer.send_signal(signal.SIGKILL)
         else:
             os.killpg(trainer.pid, signal.SIGKILL)  # torchrun's way: the servers' sessions are not in it
         trainer.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and any(_group_alive(p) for p in servers[:2]):
+        while time.monotonic() < deadline and any(_group_alive(p) for p in servers):
             time.sleep(0.2)
-        assert [p for p in servers[:2] if _group_alive(p)] == []
+        assert [p for p in servers if _group_alive(p)] == []
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(trainer.pid, signal.SIGKILL)

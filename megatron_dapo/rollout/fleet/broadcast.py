@@ -47,6 +47,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.errors import lost_peer, lost_peer_marker
 from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
@@ -209,14 +210,14 @@ class WeightBroadcast:
         names, dtypes, shapes = header_layout(header)
         meta = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, dtype, shape in zip(names, dtypes, shapes)]
         flat = self._carry(group, name, meta, lambda: torch.empty(flat_nbytes(dtypes, shapes), dtype=torch.uint8),
-                           f"pipeline stage {stage}'s broadcast")
+                           f"pipeline stage {stage}'s broadcast", source=f"pipeline stage {stage}'s first rank")
         return list(zip(names, split_flat(flat, dtypes, shapes), strict=True))
 
     def _carry(self, group: dist.ProcessGroup, name: str, bucket: Sequence[tuple[str, torch.Tensor]],
-               buffer: Callable[[], torch.Tensor], what: str) -> torch.Tensor:
+               buffer: Callable[[], torch.Tensor], what: str, source: str | None = None) -> torch.Tensor:
         """One bucket through ``group``: every server is asked to receive it (names, dtypes, shapes
         of ``bucket``), then the broadcast of ``buffer()`` (the bytes, or room for them when another
-        rank sends), then every server's answer. Returns the buffer."""
+        rank sends: ``source`` names that rank), then every server's answer. Returns the buffer."""
         futures = {self._pool.submit(e.receive_distributed, bucket, group_name=name,
                                      load_format=FLATTENED_BUCKET, timeout_s=self.timeout_s): e
                    for e in self.engines}
@@ -228,17 +229,17 @@ class WeightBroadcast:
         try:
             work = group.broadcast([flat], dist.BroadcastOptions())
         except Exception as err:  # the group broke before this bucket
-            self._fail(what, err, futures)
+            self._fail(what, err, futures, source)
         # A trainer killed, or failing, mid-broadcast (tests); outside the handler below, so an
         # injected failure stays the controller's own, not a server's.
         fault_point("broadcast", 0)
         try:
             work.wait()
         except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
-            self._fail(what, err, futures)
+            self._fail(what, err, futures, source)
         self.seconds_broadcast += time.perf_counter() - start
         self.bytes_broadcast += flat.numel()
-        self._answers(what, futures)
+        self._answers(what, futures, source=source)
         return flat
 
     def finish_weight_update(self, version: int | None = None) -> None:
@@ -368,25 +369,35 @@ class WeightBroadcast:
 
     # ------------------------------------------------------------------ answers and failures
 
-    def _answers(self, what: str, futures: dict, *, drop_group: bool = True) -> None:
+    def _answers(self, what: str, futures: dict, *, drop_group: bool = True, source: str | None = None) -> None:
         """Wait for every server's answer (at most timeout_s); raise naming who failed or did not answer."""
         _, pending = wait(futures, timeout=self.timeout_s)
         if pending or any(f.exception() is not None for f in futures):
             if drop_group:
                 self._drop_group()
-            self._raise(what, futures)
+            self._raise(what, futures, source=source)
 
-    def _fail(self, what: str, err: BaseException, futures: dict) -> None:
+    def _fail(self, what: str, err: BaseException, futures: dict, source: str | None = None) -> None:
         self._drop_group()
         # The servers' requests fail too once the group broke; give them a moment to say so.
         wait(futures, timeout=min(self.timeout_s, 30.0))
-        self._raise(what, futures, err)
+        self._raise(what, futures, err, source)
 
-    def _raise(self, what: str, futures: dict, cause: BaseException | None = None) -> None:
+    def _raise(self, what: str, futures: dict, cause: BaseException | None = None, source: str | None = None) -> None:
         failed = [(e.name, f.exception()) for f, e in futures.items() if f.done() and f.exception() is not None]
         silent = [e.name for f, e in futures.items() if not f.done()]
         dead = [e.name for e in self.engines if not _alive(e)]
         named = list(dict.fromkeys([*dead, *silent, *(n for n, _ in failed)]))
+        echoes = [lost_peer_marker(str(cause))] if cause is not None and lost_peer(cause) else []
+        echoes += [m for _, e in failed if (m := lost_peer_marker(str(e))) is not None]
+        if source is not None and not dead and not silent and echoes \
+                and len(echoes) == len(failed) + (cause is not None):
+            # Another rank's broadcast, every server alive and answering, and every failure (the
+            # controller's own receive, the servers' answers) a lost peer: the member gone is the
+            # source (the controller is alive, and a dead server is named above), the rest echo it.
+            # Every server is named: each may hold a partly updated model.
+            raise FleetSyncError(f"weight broadcast to the fleet failed at {what}: {source} is gone (the "
+                                 f"broadcast's other members saw \"{echoes[0]}\")", [e.name for e in self.engines])
         parts = []
         if dead:
             parts.append(f"{', '.join(dead)} died")

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.fleet.broadcast import StageGroup, flat_bytes, wire_order
 from megatron_dapo.rollout.fleet.group import (
     bucket_header,
@@ -255,6 +256,7 @@ def _stage_source(named_tensors: Iterable[tuple[str, torch.Tensor]], sender: Sta
         dist.recv_object_list(box, src=controller, group=group)
         if box[0] == "go":
             sending = sender.broadcast(flat_bytes(ordered), stage)
+            fault_point("broadcast", source_ranks[stage])
             # "done": every receiver took it. Otherwise the broadcast failed on the controller's side
             # ("host": it still needs its copy): the stage's send, which gloo would hold until the
             # group's deadline, is left to end there on its thread, and the group is formed anew.

@@ -1,0 +1,90 @@
+"""Who a failed fleet broadcast names (rollout/fleet/broadcast.py ``_raise``).
+
+A broadcast whose source is another rank (a pipeline stage's first rank, fleet/stages.py) that
+dies mid-bucket leaves every other member with gloo's "Connection reset by peer": the
+controller's own receive and each server's answer (HTTP 400 quoting it). The line must name the
+source, not the first server that echoed it; a server that died, or one that failed for a reason
+of its own, is still named as before. Here the group and the servers are stand-ins; the same
+failure with a real SGLang server and a SIGKILLed rank is tests/sglang_cpu/test_sglang_fleet.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_dapo.rollout.engine import EngineError
+from megatron_dapo.rollout.fleet.broadcast import FleetSyncError, WeightBroadcast
+
+RESET = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4242: Connection reset by peer"
+
+
+class _Process:
+    def __init__(self, dead: bool) -> None:
+        self.dead = dead
+
+    def check_alive(self) -> None:
+        if self.dead:
+            raise EngineError("exited with -9")
+
+
+class _Server:
+    tp_size = 1
+
+    def __init__(self, name: str, answer: str | None, dead: bool = False) -> None:
+        self.name, self.answer, self.process = name, answer, _Process(dead)
+
+    def receive_distributed(self, bucket, **kwargs) -> None:
+        if self.answer is not None:
+            raise EngineError(f"SGLang engine {self.name}: POST /update_weights_from_distributed failed with HTTP 400: "
+                              f"Failed to update parameter online: {self.answer}")
+
+
+class _Work:
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+
+    def wait(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(self.error)
+
+
+class _Group:
+    def __init__(self, error: str | None) -> None:
+        self.error = error
+
+    def broadcast(self, tensors, options) -> _Work:
+        return _Work(self.error)
+
+
+def _carry(servers: list[_Server], own_error: str | None, source: str | None) -> str:
+    fleet = WeightBroadcast(servers, master_address="127.0.0.1", timeout_s=5)
+    bucket = [("w", torch.empty(4, device="meta"))]
+    with pytest.raises(FleetSyncError) as failed:
+        fleet._carry(_Group(own_error), "g", bucket, lambda: torch.empty(16, dtype=torch.uint8),
+                     "pipeline stage 1's broadcast", source=source)
+    return str(failed.value)
+
+
+@pytest.mark.parametrize("own_error", [RESET, None], ids=["controller-reset", "controller-got-its-bytes"])
+def test_a_gone_source_is_named_not_the_servers_that_echo_it(own_error) -> None:
+    message = _carry([_Server("sglang0", RESET), _Server("sglang1", RESET)], own_error, "pipeline stage 1's first rank")
+    assert message.startswith("weight broadcast to the fleet failed at pipeline stage 1's broadcast: pipeline stage 1's "
+                              "first rank is gone (the broadcast's other members saw \"Connection reset by peer\")"), message
+
+
+def test_a_dead_server_is_named_even_in_another_ranks_broadcast() -> None:
+    message = _carry([_Server("sglang0", RESET), _Server("sglang1", RESET, dead=True)], RESET,
+                     "pipeline stage 1's first rank")
+    assert "sglang1 died" in message and "is gone" not in message, message
+
+
+def test_a_server_failing_for_its_own_reason_is_named() -> None:
+    message = _carry([_Server("sglang0", RESET), _Server("sglang1", "not enough memory")], None,
+                     "pipeline stage 1's first rank")
+    assert "is gone" not in message and "sglang1" in message, message
+
+
+def test_the_controllers_own_broadcast_names_the_servers() -> None:
+    message = _carry([_Server("sglang0", RESET)], RESET, None)
+    assert "is gone" not in message and "sglang0: SGLang engine sglang0" in message, message
