@@ -48,6 +48,7 @@ from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.factory import (
     broadcasts_weights,
+    fleet_trainer_threads,
     launch_rank_engines,
     training_engines,
     weight_transport,
@@ -356,6 +357,12 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
         run.metrics.truncate_after(run.start_step if resume_from is not None else -1)
     # The engines start from the HF checkpoint; after a resume (or SFT) they need the actor's weights.
     run.sync_weights(version=run.start_step)
+    # A CPU fleet beside an overlapped loop has its cores; the trainer keeps the rest (fleet/cores.py).
+    local_ranks = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+    threads = fleet_trainer_threads(cfg, int(local_ranks) if local_ranks.isdigit() else 1)
+    if threads is not None and threads < torch.get_num_threads():
+        torch.set_num_threads(threads)
+        logger.info("the fleet beside the trainer overlaps its update: %d torch thread(s) per trainer rank", threads)
 
 
 def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:

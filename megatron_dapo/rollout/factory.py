@@ -98,7 +98,8 @@ def _local_eval(args: EvalEngineArgs) -> RolloutEngine:
 def _sglang_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                      output_dir: Path) -> list[RolloutEngine]:
     if cfg.rollout.placement == "disaggregated":
-        return _sglang_fleet(cfg.rollout, hf_dir, device, output_dir, return_routes=_wants_routes(cfg))
+        return _sglang_fleet(cfg.rollout, hf_dir, device, output_dir, return_routes=_wants_routes(cfg),
+                             overlapped=cfg.trainer.max_staleness > 0)
     assert shared is not None and shared.clients, "launch_rank_engines runs before the controller's engines"
     return shared.clients
 
@@ -110,7 +111,7 @@ def _wants_routes(cfg: Config) -> bool:
 
 
 def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
-                  output_dir: Path, *, return_routes: bool = False) -> list[RolloutEngine]:
+                  output_dir: Path, *, return_routes: bool = False, overlapped: bool = False) -> list[RolloutEngine]:
     """rollout.num_engines servers the controller starts (at once) and feeds while the actor trains
     (never released): weights arrive mid-stream by broadcast (weight_transport), paused in place
     (SGLangEngine live_updates). The server settings are the colocated CPU path's (float32, the CPU
@@ -129,7 +130,7 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
                                     host=site.host, python=rollout.sglang.python or "",
                                     log_path=str(output_dir / "engine_logs" / f"sglang{i}.log"),
                                     return_routes=return_routes, launcher=site.launcher,
-                                    env=cpu_fleet_binding(site.slot, site.peers, site.cores))
+                                    env=cpu_fleet_binding(site.slot, site.peers, site.cores, overlapped=overlapped))
         return SGLangEngine.launch(config, name=f"sglang{i}", request_timeout_s=rollout.request_timeout_s,
                                    live_updates=True)
 
@@ -165,6 +166,16 @@ def broadcasts_weights(cfg: Config) -> bool:
     """A fleet of disaggregated SGLang or vLLM servers: weights reach it by broadcast (fleet/broadcast.py;
     with pipeline stages, one group per stage, fleet/stages.py)."""
     return cfg.rollout.engine in ("sglang", "vllm") and cfg.rollout.placement == "disaggregated"
+
+
+def fleet_trainer_threads(cfg: Config, local_ranks: int) -> int | None:
+    """torch threads for each trainer rank on this node when a CPU fleet beside it overlaps
+    generation with the update (rollout/fleet/cores.py split_beside_trainer), else None."""
+    if not broadcasts_weights(cfg) or cfg.rollout.nodes:
+        return None
+    from megatron_dapo.rollout.fleet.cores import trainer_threads
+
+    return trainer_threads(cfg.rollout.num_engines, cfg.trainer.max_staleness > 0, local_ranks)
 
 
 def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:
@@ -227,8 +238,9 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
             site = sites[i]
             return VLLMEngine.launch(hf_dir, name=f"vllm{i}", log_path=output_dir / "engine_logs" / f"vllm{i}.log",
                                      host=site.host, device="cpu", request_timeout_s=r.request_timeout_s,
-                                     broadcast=True, env=cpu_fleet_binding(site.slot, site.peers, site.cores),
-                                     launcher=site.launcher)
+                                     broadcast=True, launcher=site.launcher,
+                                     env=cpu_fleet_binding(site.slot, site.peers, site.cores,
+                                                           overlapped=cfg.trainer.max_staleness > 0))
 
         return _launch_fleet(r.num_engines, launch)
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",

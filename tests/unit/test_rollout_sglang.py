@@ -445,6 +445,34 @@ def test_a_cpu_fleet_gives_each_server_its_own_cores(monkeypatch: pytest.MonkeyP
     assert cpu_fleet_binding(1, 2) == {"OMP_NUM_THREADS": "1"}
 
 
+def test_an_overlapped_loop_leaves_the_trainer_cores_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """max_staleness > 0: the actor updates while the servers generate, so beside them the trainer
+    keeps an equal slice (the first cores and the remainder) and sizes its ranks' pools to it; one
+    server on two cores took both, and the update ran on the same two (rollout/fleet/cores.py)."""
+    from megatron_dapo.rollout.fleet.cores import split_beside_trainer, trainer_threads
+    from megatron_dapo.rollout.sglang.server import cpu_fleet_binding
+
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    assert cpu_fleet_binding(0, 1, overlapped=True) == {"SGLANG_CPU_OMP_THREADS_BIND": "1", "OMP_NUM_THREADS": "1"}
+    assert trainer_threads(1, True, local_ranks=1) == 1
+    # Synchronous: generation and update take turns, each on every core; the trainer is left alone.
+    assert cpu_fleet_binding(0, 1) == {"SGLANG_CPU_OMP_THREADS_BIND": "0,1", "OMP_NUM_THREADS": "2"}
+    assert trainer_threads(1, False, local_ranks=1) is None
+    # Two servers on two cores: a core each, the trainer shares (too few cores to keep one).
+    assert [cpu_fleet_binding(i, 2, overlapped=True)["SGLANG_CPU_OMP_THREADS_BIND"] for i in range(2)] == ["0", "1"]
+    assert trainer_threads(2, True, local_ranks=1) is None
+    # Eleven cores, two servers, two ranks: 3 + 3 for the servers, 5 for the trainer, 2 threads a rank.
+    assert split_beside_trainer(2, True, range(11)) == ([5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4])
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(11)))
+    assert [cpu_fleet_binding(i, 2, overlapped=True)["SGLANG_CPU_OMP_THREADS_BIND"] for i in range(2)] == \
+        ["5,6,7", "8,9,10"]
+    assert trainer_threads(2, True, local_ranks=2) == 2
+    # A node of the fleet's own is the servers' alone, whatever the loop.
+    assert cpu_fleet_binding(0, 1, (0, 1, 2, 3), overlapped=True)["SGLANG_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
+
+
 def test_the_fleet_binding_reaches_the_server_over_the_trainers_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's environment is this process's with the engine's settings on top: a trainer's
     OMP_NUM_THREADS=2 does not undo a fleet server's one thread."""

@@ -187,7 +187,8 @@ def write_secret_config(config: SGLangServerConfig) -> Path:
         os.close(fd)
     return path
 
-def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None = None) -> dict[str, str]:
+def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None = None, *,
+                      overlapped: bool = False) -> dict[str, str]:
     """The environment of CPU fleet server `index`: its own slice of this process's cores
     (rollout/fleet/cores.py) and one OpenMP thread per core of it.
 
@@ -202,7 +203,7 @@ def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None 
     `cores`: the cores of a node of the fleet's own (rollout/fleet/nodes.py), shared by the
     `num_engines` servers placed there; the trainer's OMP_NUM_THREADS does not apply to them.
     """
-    share, threads = server_cores(index, num_engines, cores)
+    share, threads = server_cores(index, num_engines, cores, overlapped=overlapped)
     env = {"OMP_NUM_THREADS": str(threads)}
     if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
         env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in share)

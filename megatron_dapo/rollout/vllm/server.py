@@ -118,7 +118,8 @@ def check_cpu_moe(model_path: str | Path) -> None:
         )
 
 
-def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None = None) -> dict[str, str]:
+def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None = None, *,
+                      overlapped: bool = False) -> dict[str, str]:
     """The environment of CPU fleet server `index`: its OpenMP threads bound to its own slice of
     this process's cores (rollout/fleet/cores.py).
 
@@ -132,7 +133,7 @@ def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None 
     """
     if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
         return {}
-    share, threads = server_cores(index, num_engines, cores)
+    share, threads = server_cores(index, num_engines, cores, overlapped=overlapped)
     return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in share[:threads])}
 
 
