@@ -15,13 +15,19 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 from proc_utils import alive
 from safetensors.torch import load_file
 from test_sglang_server import PROMPTS, SHAPE, make_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+from trainer_utils import REPO, assert_run_gone, run_processes, train_command, trainer_env
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
@@ -312,6 +318,27 @@ def test_a_server_killed_during_the_sync_ends_it_in_one_line_naming_it(fleet, ch
         broadcast.close()
 
 
+def _start_faulted_trainer(tmp_path: Path, fault: str, *overrides: str, nproc: int = 1):
+    """The tiny run on a fleet of one SGLang server (two cost a minute more of CI for the three
+    phases; the vLLM fleet's kill has two), the scratch model with a verifier that needs no skill,
+    one small step, MEGATRON_DAPO_FAULT=`fault`: (its process, its log, its output dir, its tag)."""
+    out = tmp_path / "run"
+    command = train_command(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=sglang",
+                            "rollout.placement=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1",
+                            "algorithm.rollout_correction.rollout_is=token", "model.sft_warm_start.enable=false",
+                            "reward.reward_fn=e2e_reward_fns:char_parity", "data.train_batch_size=4",
+                            "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4",
+                            "rollout.update_weights_bucket_megabytes=1", "trainer.total_training_steps=1",
+                            "trainer.test_freq=100", f"trainer.output_dir={out}", *overrides, nproc=nproc)
+    tag = uuid.uuid4().hex
+    env = {**trainer_env(tmp_path / "cache"), "MEGATRON_DAPO_FAULT": fault, "FAULT_TEST_TAG": tag}
+    log = tmp_path / "trainer.log"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    return proc, log, out, tag
+
+
 TRAINER_KILL_LOGS = {
     # phase: (answered in both servers' logs, not answered in either)
     "fleet_init": ((), ('POST /init_weights_update_group HTTP/1.1" 200',)),
@@ -328,29 +355,7 @@ def test_a_trainer_killed_in_a_fleet_sync_takes_its_fleet_with_it(tmp_path, phas
     in its broadcast), or asked to finish (the vLLM fleet's test kills it in the broadcast itself).
     Nothing hangs: every process the run started (the server and its scheduler and detokenizer
     processes) is gone within 15 s, by the servers' reaper (lifetime.py)."""
-    import subprocess
-    import sys
-    import uuid
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-    from trainer_utils import REPO, assert_run_gone, run_processes, train_command, trainer_env
-
-    out = tmp_path / "run"
-    # A fleet of one server (two cost a minute more of CI for the three phases; the vLLM fleet's
-    # kill has two), the scratch model with a verifier that needs no skill, one small step.
-    command = train_command(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=sglang",
-                            "rollout.placement=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1",
-                            "algorithm.rollout_correction.rollout_is=token", "model.sft_warm_start.enable=false",
-                            "reward.reward_fn=e2e_reward_fns:char_parity", "data.train_batch_size=4",
-                            "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4",
-                            "rollout.update_weights_bucket_megabytes=1", "trainer.total_training_steps=1",
-                            "trainer.test_freq=100", f"trainer.output_dir={out}")
-    tag = uuid.uuid4().hex
-    env = {**trainer_env(tmp_path / "cache"), "MEGATRON_DAPO_FAULT": f"{phase}:0:kill", "FAULT_TEST_TAG": tag}
-    log = tmp_path / "trainer.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc, log, out, tag = _start_faulted_trainer(tmp_path, f"{phase}:0:kill")
     try:
         assert proc.wait(timeout=600) == -9, log.read_text()[-3000:]
         assert f"rank 0: injected fault at the start of {phase}" in log.read_text()
@@ -374,28 +379,8 @@ def test_a_stage_source_killed_mid_broadcast_ends_the_job_in_one_line_and_takes_
     line, tests/e2e/test_rank_faults.py), and every process the run started, the server's
     included, is gone. The controller's FleetSyncError names the gone source, not the servers'
     echo of it (checked where it was logged before torchrun's signal came)."""
-    import subprocess
-    import sys
-    import uuid
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-    from trainer_utils import REPO, assert_run_gone, run_processes, train_command, trainer_env
-
-    out = tmp_path / "run"
-    command = train_command(REPO / "examples" / "tiny_cpu.yaml", "rollout.engine=sglang",
-                            "rollout.placement=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1",
-                            "algorithm.rollout_correction.rollout_is=token", "model.sft_warm_start.enable=false",
-                            "reward.reward_fn=e2e_reward_fns:char_parity", "data.train_batch_size=4",
-                            "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4",
-                            "parallel.pipeline_model_parallel_size=2", "rollout.update_weights_bucket_megabytes=1",
-                            "trainer.total_training_steps=1", "trainer.test_freq=100", f"trainer.output_dir={out}",
-                            nproc=2)
-    tag = uuid.uuid4().hex
-    env = {**trainer_env(tmp_path / "cache"), "MEGATRON_DAPO_FAULT": "broadcast:1:kill", "FAULT_TEST_TAG": tag}
-    log = tmp_path / "trainer.log"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(command, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+    proc, log, out, tag = _start_faulted_trainer(tmp_path, "broadcast:1:kill", "parallel.pipeline_model_parallel_size=2",
+                                                 nproc=2)
     try:
         deadline = time.monotonic() + 600
         while "rank 1: injected fault at the start of broadcast" not in log.read_text():
