@@ -25,7 +25,9 @@ launching *thread* exits, and their children are not ours to change). Each gets 
 its own that holds the read end of a pipe whose write end only the trainer has. The kernel
 closes that end however the trainer dies, kill -9 included; on EOF the reaper sends SIGTERM
 to the server's process group and SIGKILL after a grace. A server stopped by the trainer
-releases its reaper first, so a later process group with the same id is never touched.
+releases its reaper once its group is gone (a trainer that dies mid-stop still takes it), and
+the reaper also leaves by itself within a second of the group's end, so a later process group
+with the same id is not touched.
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
                                     host=site.host, python=rollout.sglang.python or "",
                                     log_path=str(output_dir / "engine_logs" / f"sglang{i}.log"),
                                     return_routes=return_routes, launcher=site.launcher,
-                                    env=cpu_fleet_binding(site.slot, site.peers, site.cores, overlapped=overlapped))
+                                    env=cpu_fleet_binding(site.slot, site.peers, site.cores,
+                                                          overlapped=overlapped and site.node is None))
         return SGLangEngine.launch(config, name=f"sglang{i}", request_timeout_s=rollout.request_timeout_s,
                                    live_updates=True)
 
@@ -240,7 +241,8 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
                                      host=site.host, device="cpu", request_timeout_s=r.request_timeout_s,
                                      broadcast=True, launcher=site.launcher,
                                      env=cpu_fleet_binding(site.slot, site.peers, site.cores,
-                                                           overlapped=cfg.trainer.max_staleness > 0))
+                                                           overlapped=cfg.trainer.max_staleness > 0
+                                                           and site.node is None))
 
         return _launch_fleet(r.num_engines, launch)
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",

@@ -305,9 +305,11 @@ class ServerProcess:
                 self._popen.wait(timeout=timeout_s)
             except ProcessLookupError:
                 pass
-        # The leader's exit does not end its group: a child it left is ended here, not orphaned.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._popen.pid, 9)
+            # The leader's exit does not end its group: a child it left is ended here, not orphaned.
+            # Only in the call that saw the leader alive, right after its exit: a later call (a
+            # second stop, a leader reaped long ago) could meet the id reused by another group.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self._popen.pid, 9)
         self._reaper.release()
         self._remove_shared_memory()
 

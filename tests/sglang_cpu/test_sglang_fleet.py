@@ -377,8 +377,9 @@ def test_a_stage_source_killed_mid_broadcast_ends_the_job_in_one_line_and_takes_
     torchrun names rank 1 and its signal as the root cause and stops rank 0 (before fit, rank 0 has
     no SIGTERM handler of its own, so it ends by the signal; in fit it would print its "stopped"
     line, tests/e2e/test_rank_faults.py), and every process the run started, the server's
-    included, is gone. The controller's FleetSyncError names the gone source, not the servers'
-    echo of it (checked where it was logged before torchrun's signal came)."""
+    included, is gone. (Which member the controller's FleetSyncError names, the gone source and not
+    the servers' echo of it, is held by tests/unit/test_fleet_blame.py: here torchrun's SIGTERM
+    usually ends rank 0 before it logs.)"""
     proc, log, out, tag = _start_faulted_trainer(tmp_path, "broadcast:1:kill", "parallel.pipeline_model_parallel_size=2",
                                                  nproc=2)
     try:
@@ -397,9 +398,7 @@ def test_a_stage_source_killed_mid_broadcast_ends_the_job_in_one_line_and_takes_
         root = text.split("Root Cause (first observed failure):")[1].split("=====")[0]
         assert "rank      : 1 (local_rank: 1)" in root and "Signal 9" in root, root
         assert_run_gone(tag, within_s=15)
-        failed = [x for x in text.splitlines() if "the fleet's weight broadcast failed" in x]
-        assert all("pipeline stage 1's broadcast: pipeline stage 1's first rank is gone (" in x for x in failed), failed
-        print(f"the job ended {elapsed:.1f} s after the kill; rank 0 logged: {failed}")
+        print(f"the job ended {elapsed:.1f} s after the kill")
     finally:
         for pid in run_processes(tag):  # a failing test leaves nothing behind
             with contextlib.suppress(ProcessLookupError):

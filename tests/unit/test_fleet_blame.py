@@ -10,6 +10,8 @@ failure with a real SGLang server and a SIGKILLed rank is tests/sglang_cpu/test_
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -20,19 +22,20 @@ RESET = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4242: Connectio
 
 
 class _Process:
-    def __init__(self, dead: bool) -> None:
+    def __init__(self, dead: bool, dies_after_s: float | None = None) -> None:
         self.dead = dead
+        self.dies_at = None if dies_after_s is None else time.monotonic() + dies_after_s
 
     def check_alive(self) -> None:
-        if self.dead:
+        if self.dead or (self.dies_at is not None and time.monotonic() >= self.dies_at):
             raise EngineError("exited with -9")
 
 
 class _Server:
     tp_size = 1
 
-    def __init__(self, name: str, answer: str | None, dead: bool = False) -> None:
-        self.name, self.answer, self.process = name, answer, _Process(dead)
+    def __init__(self, name: str, answer: str | None, dead: bool = False, dies_after_s: float | None = None) -> None:
+        self.name, self.answer, self.process = name, answer, _Process(dead, dies_after_s)
 
     def receive_distributed(self, bucket, **kwargs) -> None:
         if self.answer is not None:
@@ -59,6 +62,7 @@ class _Group:
 
 def _carry(servers: list[_Server], own_error: str | None, source: str | None) -> str:
     fleet = WeightBroadcast(servers, master_address="127.0.0.1", timeout_s=5)
+    fleet.exit_grace_s = 1.0  # 10 s in a run: a server whose worker died takes a few to exit
     bucket = [("w", torch.empty(4, device="meta"))]
     with pytest.raises(FleetSyncError) as failed:
         fleet._carry(_Group(own_error), "g", bucket, lambda: torch.empty(16, dtype=torch.uint8),
@@ -77,6 +81,20 @@ def test_a_dead_server_is_named_even_in_another_ranks_broadcast() -> None:
     message = _carry([_Server("sglang0", RESET), _Server("sglang1", RESET, dead=True)], RESET,
                      "pipeline stage 1's first rank")
     assert "sglang1 died" in message and "is gone" not in message, message
+
+
+def test_a_server_whose_worker_died_is_named_once_it_exits() -> None:
+    """Its worker gone, its main process lives on a moment and its answer quotes the reset as the
+    others' do: it is named when it exits within the grace, not the source."""
+    message = _carry([_Server("sglang0", RESET), _Server("sglang1", RESET, dies_after_s=0.3)], RESET,
+                     "pipeline stage 1's first rank")
+    assert "sglang1 died" in message and "is gone" not in message, message
+
+
+def test_a_deadline_is_not_a_lost_source() -> None:
+    message = _carry([_Server("sglang0", RESET)], "[gloo] Timed out waiting 600000ms for recv operation",
+                     "pipeline stage 1's first rank")
+    assert "is gone" not in message and "sglang0" in message, message
 
 
 def test_a_server_failing_for_its_own_reason_is_named() -> None:

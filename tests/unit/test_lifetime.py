@@ -85,8 +85,13 @@ time.sleep(600)
 
 
 def _group_alive(pgid: int) -> bool:
-    return any(alive(int(d)) and open(f"/proc/{d}/stat").read().split(") ")[1].split()[2] == str(pgid)
-               for d in os.listdir("/proc") if d.isdigit())
+    def in_group(pid: str) -> bool:
+        try:  # a process may exit between the listing and the read
+            return alive(int(pid)) and open(f"/proc/{pid}/stat").read().split(") ")[1].split()[2] == str(pgid)
+        except OSError:
+            return False
+
+    return any(in_group(d) for d in os.listdir("/proc") if d.isdigit())
 
 
 @pytest.mark.parametrize("how", ["kill -9 of the trainer", "kill -9 of the trainer's process group"])

@@ -163,6 +163,8 @@ class WeightBroadcast:
         self._stage_groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
         self._planned: list[StageGroup] = []
         self._pool = _DaemonCalls()
+        self.exit_grace_s = 10.0
+        """How long a server whose worker died may take to exit before another member is blamed."""
         self.seconds_broadcast = 0.0
         """Seconds spent in broadcasts (the controller's side) since construction."""
         self.bytes_broadcast = 0
@@ -392,12 +394,16 @@ class WeightBroadcast:
         echoes += [m for _, e in failed if (m := lost_peer_marker(str(e))) is not None]
         if source is not None and not dead and not silent and echoes \
                 and len(echoes) == len(failed) + (cause is not None):
-            # Another rank's broadcast, every server alive and answering, and every failure (the
-            # controller's own receive, the servers' answers) a lost peer: the member gone is the
-            # source (the controller is alive, and a dead server is named above), the rest echo it.
-            # Every server is named: each may hold a partly updated model.
-            raise FleetSyncError(f"weight broadcast to the fleet failed at {what}: {source} is gone (the "
-                                 f"broadcast's other members saw \"{echoes[0]}\")", [e.name for e in self.engines])
+            # Another rank's broadcast, every server answering, every failure (the controller's own
+            # receive, the servers' answers) a lost peer: the member gone is the source, unless a
+            # server's worker died, whose main process may stay up a few seconds more (SGLang ends
+            # about 5 s after a child): given that long, a server that exits is named instead.
+            dead = _dead_within(self.engines, self.exit_grace_s)
+            if not dead:
+                # Every server is named: each may hold a partly updated model.
+                raise FleetSyncError(f"weight broadcast to the fleet failed at {what}: {source} is gone (the "
+                                     f"broadcast's other members saw \"{echoes[0]}\")", [e.name for e in self.engines])
+            named = list(dict.fromkeys([*dead, *named]))
         parts = []
         if dead:
             parts.append(f"{', '.join(dead)} died")
@@ -409,6 +415,16 @@ class WeightBroadcast:
             parts.append(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
         raise FleetSyncError(f"weight broadcast to the fleet failed at {what}: {'; '.join(parts)} "
                              f"(rollout.fleet_sync_timeout_s={self.timeout_s:g})", named or [e.name for e in self.engines])
+
+
+def _dead_within(engines: Sequence[FleetMember], grace_s: float) -> list[str]:
+    """The servers whose process has exited, waiting up to grace_s for the first to."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        dead = [e.name for e in engines if not _alive(e)]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.2)
 
 
 def _alive(engine: FleetMember) -> bool:
