@@ -99,7 +99,7 @@ def _sglang_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None,
                      output_dir: Path) -> list[RolloutEngine]:
     if cfg.rollout.placement == "disaggregated":
         return _sglang_fleet(cfg.rollout, hf_dir, device, output_dir, return_routes=_wants_routes(cfg),
-                             overlapped=cfg.trainer.max_staleness > 0)
+                             overlapped=overlaps(cfg))
     assert shared is not None and shared.clients, "launch_rank_engines runs before the controller's engines"
     return shared.clients
 
@@ -169,6 +169,12 @@ def broadcasts_weights(cfg: Config) -> bool:
     return cfg.rollout.engine in ("sglang", "vllm") and cfg.rollout.placement == "disaggregated"
 
 
+def overlaps(cfg: Config) -> bool:
+    """Whether the loop generates while the actor updates (max_staleness > 0): a CPU fleet beside
+    the trainer then leaves it cores of its own (rollout/fleet/cores.py)."""
+    return cfg.trainer.max_staleness > 0
+
+
 def fleet_trainer_threads(cfg: Config, local_ranks: int) -> int | None:
     """torch threads for each trainer rank on this node when a CPU fleet beside it overlaps
     generation with the update (rollout/fleet/cores.py split_beside_trainer), else None."""
@@ -176,7 +182,7 @@ def fleet_trainer_threads(cfg: Config, local_ranks: int) -> int | None:
         return None
     from megatron_dapo.rollout.fleet.cores import trainer_threads
 
-    return trainer_threads(cfg.rollout.num_engines, cfg.trainer.max_staleness > 0, local_ranks)
+    return trainer_threads(cfg.rollout.num_engines, overlaps(cfg), local_ranks)
 
 
 def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:
@@ -241,8 +247,7 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
                                      host=site.host, device="cpu", request_timeout_s=r.request_timeout_s,
                                      broadcast=True, launcher=site.launcher,
                                      env=cpu_fleet_binding(site.slot, site.peers, site.cores,
-                                                           overlapped=cfg.trainer.max_staleness > 0
-                                                           and site.node is None))
+                                                           overlapped=overlaps(cfg) and site.node is None))
 
         return _launch_fleet(r.num_engines, launch)
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",
