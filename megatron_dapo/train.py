@@ -47,7 +47,7 @@ def train(config_path: str, overrides: list[str]) -> dict[str, float]:
     from megatron_dapo import parallel
     from megatron_dapo.config.loader import load_config
     from megatron_dapo.run import build_run
-    from megatron_dapo.trainer import fit
+    from megatron_dapo.trainer import Preempted, fit
 
     try:
         cfg = load_config(config_path, overrides)
@@ -56,6 +56,14 @@ def train(config_path: str, overrides: list[str]) -> dict[str, float]:
     run = build_run(cfg, config_path)
     try:
         return fit(run)
+    except Exception as err:
+        # A failure (not a user error or a preemption, whose lines main() prints) is named before
+        # the engines and groups are stopped: should that ever hang, the log still says what ended
+        # the run (a SLURM fleet job once hung there with its error unprinted).
+        if not isinstance(err, (UserError, Preempted)):
+            logging.getLogger(__name__).info("the run stops (%s: %s); shutting down", type(err).__name__,
+                                             one_line(err))
+        raise
     finally:
         run.close()
         parallel.destroy()

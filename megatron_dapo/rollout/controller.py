@@ -131,6 +131,8 @@ class RolloutController:
         self._transport = transport
         self._turn_locks: dict[int, threading.Lock] = {}
         self._turn_locks_guard = threading.Lock()
+        # Set by shutdown(): no engine is restarted after it, and one restarted meanwhile is stopped.
+        self._closing = threading.Event()
 
     # ------------------------------------------------------------------ weights (RolloutEngine for sync_weights)
 
@@ -239,7 +241,7 @@ class RolloutController:
             # it (seen: a vLLM fleet hung after a member died during a broadcast).
             for engine in self.engines:
                 with contextlib.suppress(Exception):  # already dead, or stopping anyway
-                    engine.shutdown()  # type: ignore[attr-defined]
+                    engine.shutdown()
 
     def _can_restart(self, engine: RolloutEngine) -> bool:
         return can_restart(engine) and self.max_restarts > 0
@@ -250,6 +252,9 @@ class RolloutController:
         log = getattr(engine, "log_path", None)
         where = f"; its log: {log}" if log else ""
         with self._restart_lock:
+            if self._closing.is_set():
+                raise EngineError(f"engine {engine.name} failed ({err}) while the rollout was being shut down; "
+                                  "not restarted") from err
             if not self._can_restart(engine) or self.num_restarts >= self.max_restarts:
                 raise EngineRestartsExhausted(
                     f"engine {engine.name} failed ({err}) after {self.num_restarts} restart(s) of engines in this run "
@@ -261,6 +266,10 @@ class RolloutController:
                            err, self.num_restarts, self.max_restarts, where)
         with self._weights_lock:
             engine.restart()  # type: ignore[attr-defined]
+            if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
+                with contextlib.suppress(Exception):
+                    engine.shutdown()
+                raise EngineError(f"engine {engine.name}: the rollout was shut down while it restarted") from err
             if self._transport is not None:
                 self._transport.engine_replaced(index, engine)
                 if self._weights:  # the way a fleet's weights travel, to this server alone
@@ -462,12 +471,39 @@ class RolloutController:
         """Health of every engine, by name."""
         return {engine.name: engine.health() for engine in self.engines}
 
-    def shutdown(self) -> None:
-        """Stop every engine, then the controller's threads."""
+    def shutdown(self, timeout_s: float = 120.0) -> None:
+        """Stop every engine, then the controller's threads.
+
+        Never on the controller's pools: a stream that did not stop (its engine relaunching for a
+        minute, a request to a server that stopped answering) holds their workers, and a stop
+        queued behind it waited for it (seen 2026-11-29: a SLURM fleet job that failed at step 4
+        never exited). Each engine is stopped on a thread of its own, which also ends what the
+        stream was waiting for; no engine is restarted after this.
+        """
+        self._closing.set()
         try:
             if self._transport is not None:
                 self._transport.close()
-            self._broadcast("shutdown")
+            errors: list[BaseException] = []
+
+            def stop(engine: RolloutEngine) -> None:
+                try:
+                    engine.shutdown()
+                except BaseException as err:  # raised below, after every engine had its turn
+                    errors.append(err)
+
+            threads = [threading.Thread(target=stop, args=(engine,), name=f"stop-{engine.name}", daemon=True)
+                       for engine in self.engines]
+            for thread in threads:
+                thread.start()
+            deadline = time.monotonic() + timeout_s
+            for engine, thread in zip(self.engines, threads):
+                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+                if thread.is_alive():
+                    logger.warning("engine %s did not stop within %.0f s; leaving it to its reaper", engine.name,
+                                   timeout_s)
+            if errors:
+                raise errors[0]
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._update_pool.shutdown(wait=False, cancel_futures=True)

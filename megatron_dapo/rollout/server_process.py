@@ -315,7 +315,7 @@ class ServerProcess:
 
 
 def poll_until_healthy(health: Callable[[float], bool], *, timeout_s: float, poll_s: float, what: str,
-                       process: ServerProcess | None) -> None:
+                       process: ServerProcess | None, stop: threading.Event | None = None) -> None:
     """Call `health(timeout)` until it returns True; raise EngineError after timeout_s.
 
     Args:
@@ -324,9 +324,13 @@ def poll_until_healthy(health: Callable[[float], bool], *, timeout_s: float, pol
         poll_s: pause between checks.
         what: the engine in the message, e.g. "SGLang engine sglang0 at http://...".
         process: the server process whose log tail the message shows, if owned.
+        stop: set by the engine's shutdown while a restart relaunches its server: the wait ends
+            (EngineError) at the next check instead of after timeout_s (the run is ending).
     """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if stop is not None and stop.is_set():
+            raise EngineError(f"{what} was shut down while it started")
         if health(min(30.0, max(deadline - time.monotonic(), 1.0))):
             if process is not None:
                 process.note_shared_memory()

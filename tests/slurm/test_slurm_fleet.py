@@ -30,7 +30,7 @@ def _engine_steps(cluster: SlurmCluster, job: str) -> set[tuple[str, str, str]]:
 
 
 def _fleet_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "pid,args"], text=True, capture_output=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], text=True, capture_output=True).stdout
     return [line for line in out.splitlines() if "vllm.entrypoints.openai.api_server" in line]
 
 

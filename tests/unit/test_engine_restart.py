@@ -329,3 +329,56 @@ def test_a_continued_response_keeps_the_versions_of_both_parts():
 
     assert continuation(result([], ()), result([7, 8], (5,), "stop")).weight_versions == (5,)
     assert continuation(result([1], (3,)), result([7], (4,), "length")).weight_versions == (3, 4)
+
+
+class _Relaunching(_Server):
+    """A server that dies at its first request and whose relaunch takes until `relaunched` is set."""
+
+    def __init__(self, name):
+        super().__init__(name, dies=True)
+        import threading
+
+        self.relaunching, self.relaunched, self.stops = threading.Event(), threading.Event(), 0
+
+    def restart(self):
+        self.relaunching.set()
+        assert self.relaunched.wait(timeout=30)
+        self.restarts, self.dead = self.restarts + 1, False
+
+    def shutdown(self):
+        self.stops += 1
+
+
+def test_shutdown_does_not_wait_for_a_stream_whose_engine_is_relaunching():
+    """Seen 2026-11-29 (a SLURM vLLM fleet that failed at step 4 never exited): the run's close
+    stopped the engines on the controller's pool, whose one worker was the stream still waiting for
+    a minute-long relaunch, so the stop waited behind it. Now shutdown stops the engine at once, and
+    the relaunch that ends after it stops its fresh server and restarts nothing more."""
+    import threading
+
+    engine = _Relaunching("srv0")
+    controller = RolloutController([engine], max_restarts=3)
+    feed = PromptFeed(iter([[i + 1] for i in range(4)]))
+    failure: list[BaseException] = []
+
+    def stream():
+        try:
+            controller.stream(feed, SamplingParams(n=1, max_new_tokens=1), lambda group: None, max_inflight=1)
+        except BaseException as err:
+            failure.append(err)
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    streaming.start()
+    assert engine.relaunching.wait(timeout=30)
+    stopping = threading.Thread(target=controller.shutdown, daemon=True)
+    stopping.start()
+    stopping.join(timeout=5)
+    assert not stopping.is_alive(), "shutdown waited for the relaunch"
+    assert engine.stops == 1
+    engine.relaunched.set()
+    streaming.join(timeout=30)
+    assert not streaming.is_alive()
+    assert engine.stops == 2, "the server relaunched during shutdown was not stopped"
+    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
+    assert "shut down while it restarted" in str(failure[0])
+    assert engine.restarts == 1 and controller.num_restarts == 1

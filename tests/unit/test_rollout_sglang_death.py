@@ -121,3 +121,51 @@ def test_the_controller_aborts_the_live_engines_not_the_hung_one(start_server) -
     assert isinstance(error, EngineError) and str(error).startswith("SGLang engine sglang0: /generate abandoned"), error
     # The live engine's generate ended through its abort, not after its 60 s.
     assert seconds < 20, seconds
+
+
+def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_path: Path) -> None:
+    """As for vLLM (test_rollout_vllm.py): a run ending while the controller relaunches a server it
+    launched does not wait up to startup_timeout_s for it; the fresh process is stopped. The
+    "server" is a real process that never answers (its interpreter sleeps, the server's argv ignored)."""
+    import dataclasses
+
+    from model_utils import make_tiny_checkpoint
+
+    from megatron_dapo.rollout.sglang.server import SGLangServerConfig
+
+    model = make_tiny_checkpoint(tmp_path / "tiny")
+    first, sleeper = tmp_path / "first.py", tmp_path / "sleeper.py"
+    for script in (first, sleeper):
+        script.write_text("import time\ntime.sleep(300)\n")
+    config = SGLangServerConfig(model_path=str(model), device="cpu", dtype="float32", max_total_tokens=256,
+                                log_path=str(tmp_path / "sglang0.log"), launcher=(sys.executable, str(first)))
+    engine = SGLangEngine.start(config, name="sglang0")
+    engine._relaunch["config"] = dataclasses.replace(engine._relaunch["config"], launcher=(sys.executable, str(sleeper)))
+    failure: list[BaseException] = []
+
+    def running() -> int:
+        out = subprocess.run(["ps", "-ww", "-eo", "args"], text=True, capture_output=True).stdout
+        return sum(str(sleeper) in line for line in out.splitlines())
+
+    def relaunch() -> None:
+        try:
+            engine.relaunch(startup_timeout_s=600)
+        except BaseException as err:
+            failure.append(err)
+
+    thread = threading.Thread(target=relaunch, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while running() != 1:
+        assert time.monotonic() < deadline, ("the relaunch did not start a fresh server", failure)
+        time.sleep(0.1)
+    time.sleep(1.0)
+    engine.shutdown()
+    thread.join(timeout=15)
+    assert not thread.is_alive(), "the relaunch kept waiting for its server after shutdown"
+    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
+    assert "shut down while it started" in str(failure[0])
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running() == 0, "the fresh server outlived the shutdown"

@@ -171,3 +171,55 @@ def test_a_second_shutdown_is_a_no_op():
     engine.shutdown()
     assert not engine._bucket_dir.exists()
     engine.shutdown()
+
+
+def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_path, monkeypatch):
+    """A run that ends while an engine restarts (controller.shutdown) must not wait up to
+    startup_timeout_s (15 min) for a server it drops, nor leave it running: the relaunch's wait
+    ends at its next health check and the fresh process is stopped. Its "server" is a real
+    process that never answers (a launcher that sleeps, taking vLLM's command as ignored args)."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from megatron_dapo.rollout.server_process import ServerProcess
+
+    monkeypatch.setattr("megatron_dapo.rollout.vllm.engine.package_installed", lambda name: True)
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    marker = f"relaunch-{tmp_path.name}"
+    launcher = (sys.executable, "-c", f"import time; time.sleep(300)  # {marker}")
+    old = ServerProcess(list(launcher), name="vllm0", log_path=tmp_path / "vllm0.log", kind="vLLM")
+    engine = VLLMEngine("http://127.0.0.1:1", name="vllm0", api_key="k", process=old)
+    engine._relaunch = dict(model_path=tmp_path, name="vllm0", log_path=tmp_path / "vllm0.log", host="127.0.0.1",
+                            device="cpu", max_model_len=None, gpu_memory_utilization=0.7, vocab_size=None,
+                            request_timeout_s=60.0, startup_timeout_s=600.0, broadcast=False, env=None,
+                            launcher=launcher)
+    failure: list[BaseException] = []
+
+    def restart():
+        try:
+            engine.restart()
+        except BaseException as err:
+            failure.append(err)
+
+    def running() -> int:
+        out = subprocess.run(["ps", "-ww", "-eo", "args"], text=True, capture_output=True).stdout
+        return sum(marker in line for line in out.splitlines())
+
+    relaunching = threading.Thread(target=restart, daemon=True)
+    relaunching.start()
+    deadline = time.monotonic() + 30
+    while old.returncode is None or running() != 1:  # the old server stopped, the fresh one started
+        assert time.monotonic() < deadline, ("the relaunch did not start a fresh server", failure)
+        time.sleep(0.1)
+    time.sleep(1.0)  # its health checks are refused meanwhile
+    engine.shutdown()
+    relaunching.join(timeout=15)
+    assert not relaunching.is_alive(), "the relaunch kept waiting for its server after shutdown"
+    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
+    assert "shut down while it started" in str(failure[0])
+    deadline = time.monotonic() + 10
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running() == 0, "the fresh server outlived the shutdown"

@@ -181,6 +181,7 @@ class SGLangEngine(WeightUpdates):
         self._released = False
         self._inflight: dict[int, list[str]] = {}  # generate call -> its request ids
         self._stopped = threading.Event()  # abort() came; cleared by clear_abort()
+        self._stopping = threading.Event()  # shutdown() came: a relaunch in progress stops waiting
         self._abort_epoch = 0
         self._version: int | None = None  # the weight version last set on the server; None = not tracked
         self._call_versions: dict[int, list[int | None]] = {}  # generate call -> version at send, then each set
@@ -253,6 +254,7 @@ class SGLangEngine(WeightUpdates):
         vocab_size: int | None = None,
         request_timeout_s: float = 3600.0,
         live_updates: bool = False,
+        stop: threading.Event | None = None,
     ) -> SGLangEngine:
         """Start a server and wait until /health_generate answers.
 
@@ -263,6 +265,8 @@ class SGLangEngine(WeightUpdates):
             vocab_size: checks prompt ids when given.
             request_timeout_s: timeout of one /generate call.
             live_updates: weights arrive while it generates (see __init__).
+            stop: once set, the wait for the server ends and the server is stopped (relaunch:
+                the engine's shutdown meanwhile).
 
         Returns:
             A healthy engine that owns its server process.
@@ -270,7 +274,7 @@ class SGLangEngine(WeightUpdates):
         engine = cls.start(config, name=name, vocab_size=vocab_size, request_timeout_s=request_timeout_s,
                            live_updates=live_updates)
         try:
-            engine.wait_until_healthy(timeout_s=startup_timeout_s)
+            engine.wait_until_healthy(timeout_s=startup_timeout_s, stop=stop)
         except BaseException:
             engine.shutdown()
             raise
@@ -328,7 +332,10 @@ class SGLangEngine(WeightUpdates):
             raise EngineError(f"SGLang engine {self.name} did not launch its server; only its owner can relaunch it"
                               f"{self._log_hint()}")
         self.process.stop(timeout_s=STOP_GRACE_S)
-        fresh = type(self).launch(**self._relaunch, startup_timeout_s=startup_timeout_s)
+        # A shutdown() while the fresh server loads (the run ends meanwhile) ends the wait at once
+        # and stops it: the run's exit does not wait up to startup_timeout_s for a server it drops.
+        self._stopping = threading.Event()
+        fresh = type(self).launch(**self._relaunch, startup_timeout_s=startup_timeout_s, stop=self._stopping)
         self.__dict__.update(fresh.__dict__)
 
     @property
@@ -521,7 +528,7 @@ class SGLangEngine(WeightUpdates):
             return False
         return True
 
-    def wait_until_healthy(self, *, timeout_s: float, poll_s: float = 0.5) -> None:
+    def wait_until_healthy(self, *, timeout_s: float, poll_s: float = 0.5, stop: threading.Event | None = None) -> None:
         """Poll /health_generate until it answers, the process dies, or timeout_s passes.
 
         A refused connection is the server still loading: the probe does not wait for an
@@ -537,10 +544,12 @@ class SGLangEngine(WeightUpdates):
             return self._probe_health(t, starting=True)
 
         poll_until_healthy(probe, timeout_s=timeout_s, poll_s=poll_s,
-                           what=f"SGLang engine {self.name} at {self.base_url}", process=self.process)
+                           what=f"SGLang engine {self.name} at {self.base_url}", process=self.process, stop=stop)
 
     def shutdown(self) -> None:
-        """Stop the owned server process (no-op for an attached server)."""
+        """Stop the owned server process (no-op for an attached server); a relaunch in progress
+        gives up its fresh server."""
+        self._stopping.set()
         if self.process is not None:
             self.process.stop(timeout_s=STOP_GRACE_S)
 

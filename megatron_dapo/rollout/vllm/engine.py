@@ -127,6 +127,8 @@ class VLLMEngine(WeightTransfer):
         self.broadcast = broadcast
         # Set by abort(): requests of the running generate() not yet sent are not sent at all.
         self._aborted = threading.Event()
+        # Set by shutdown(): a relaunch in progress (restart) stops waiting for its server.
+        self._stopping = threading.Event()
         self._bucket_dir = Path(tempfile.mkdtemp(prefix=f"megatron_dapo_{name}_", dir=_shared_memory_dir()))
 
     @classmethod
@@ -135,7 +137,7 @@ class VLLMEngine(WeightTransfer):
         host: str | None = None, device: str | None = None, max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.7, vocab_size: int | None = None, request_timeout_s: float = 3600.0,
         startup_timeout_s: float = 900.0, broadcast: bool = False, env: dict[str, str] | None = None,
-        launcher: Sequence[str] = (),
+        launcher: Sequence[str] = (), stop: threading.Event | None = None,
     ) -> VLLMEngine:
         """Start a server on this node, wait until it answers, and open its weight-transfer API.
 
@@ -156,6 +158,8 @@ class VLLMEngine(WeightTransfer):
                 cpu_fleet_binding).
             launcher: argv put before the server's command: an srun step on a node of the fleet's
                 own (rollout/fleet/nodes.py; host is then that node's address).
+            stop: once set, the wait for the server ends and the server is stopped (restart: the
+                engine's shutdown during a relaunch).
 
         Returns:
             A healthy engine that owns its server process.
@@ -184,7 +188,7 @@ class VLLMEngine(WeightTransfer):
                      eos_ids=model_eos_ids(model_path), vocab_size=vocab_size, request_timeout_s=request_timeout_s,
                      sleep_mode=device != "cpu", broadcast=broadcast)
         try:
-            engine.wait_until_healthy(timeout_s=startup_timeout_s)
+            engine.wait_until_healthy(timeout_s=startup_timeout_s, stop=stop)
             if not broadcast:
                 engine._post("/init_weight_transfer_engine", {"init_info": {}})
         except BaseException:
@@ -213,7 +217,10 @@ class VLLMEngine(WeightTransfer):
             raise EngineError(f"engine {self.name}: was not started by VLLMEngine.launch, cannot restart it")
         with contextlib.suppress(Exception):
             self.shutdown()
-        fresh = type(self).launch(**relaunch)
+        # A shutdown() while the fresh server loads (the run ends meanwhile) ends the wait at once
+        # and stops it: the run's exit does not wait up to startup_timeout_s for a server it drops.
+        self._stopping = threading.Event()
+        fresh = type(self).launch(**relaunch, stop=self._stopping)
         self.__dict__.update(fresh.__dict__)
 
     # ------------------------------------------------------------------ HTTP
@@ -345,7 +352,7 @@ class VLLMEngine(WeightTransfer):
             return False
         return True
 
-    def wait_until_healthy(self, *, timeout_s: float, poll_s: float = 0.5) -> None:
+    def wait_until_healthy(self, *, timeout_s: float, poll_s: float = 0.5, stop: threading.Event | None = None) -> None:
         """Poll /health until it answers, the process dies, or timeout_s passes (a refused
         connection is the server still loading: no wait for an exit then).
 
@@ -353,11 +360,13 @@ class VLLMEngine(WeightTransfer):
             EngineError: the server died (log tail included) or did not come up in time.
         """
         poll_until_healthy(lambda t: self.health(timeout_s=t, starting=True), timeout_s=timeout_s, poll_s=poll_s,
-                           what=f"vLLM engine {self.name} at {self.base_url}", process=self.process)
+                           what=f"vLLM engine {self.name} at {self.base_url}", process=self.process, stop=stop)
 
     def shutdown(self) -> None:
         """Stop the server process and remove the bucket directory; again, a no-op (a fleet whose
-        broadcast failed stops every server at once, and the run's end stops them again)."""
+        broadcast failed stops every server at once, and the run's end stops them again). A
+        relaunch in progress gives up its fresh server (restart)."""
+        self._stopping.set()
         self.process.stop()
         for path in self._bucket_dir.glob("*"):
             path.unlink(missing_ok=True)
