@@ -37,6 +37,9 @@ class DistEnv:
     """Number of processes in the job."""
     local_rank: int
     """Rank on this node; selects the GPU."""
+    local_world_size: int
+    """Processes of the job on one node (torchrun's LOCAL_WORLD_SIZE, SLURM's SLURM_NTASKS_PER_NODE;
+    1 when the launcher does not say). Ranks 0..local_world_size-1 share the first node."""
     device: torch.device
     """This process' device (cuda:local_rank or cpu)."""
     backend: str
@@ -273,7 +276,8 @@ def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> Di
                 if not one_process or "EADDRINUSE" not in str(err) or attempt == 2:
                     raise
                 os.environ["MASTER_PORT"] = str(free_port())
-    _env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, device=device, backend=backend)
+    _env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=launcher_local_world_size(),
+                   device=device, backend=backend)
     return _env
 
 
@@ -514,6 +518,16 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def launcher_local_world_size() -> int:
+    """Processes of the job per node, as the launcher says: torchrun's LOCAL_WORLD_SIZE, else SLURM's
+    SLURM_NTASKS_PER_NODE (set with --ntasks-per-node, as the sbatch scripts do; "8(x16)" when SLURM
+    compresses equal counts: the first node's); 1 otherwise. Colocated engines need it exact and
+    check it themselves (rollout/placement.py ranks_per_node_from_env)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1")
+    count = re.match(r"\s*(\d+)", value)
+    return max(int(count.group(1)), 1) if count else 1
 
 
 def launcher_ranks() -> tuple[int, int, int]:

@@ -20,6 +20,7 @@ it scores the actor's tensors without a server, whatever the run's engine.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -177,11 +178,16 @@ def overlaps(cfg: Config) -> bool:
 
 def fleet_trainer_threads(cfg: Config, local_ranks: int) -> int | None:
     """torch threads for each trainer rank on this node when a CPU fleet beside it overlaps
-    generation with the update (rollout/fleet/cores.py split_beside_trainer), else None."""
+    generation with the update (rollout/fleet/cores.py split_beside_trainer), else None: also
+    when the user binds the servers' threads themselves (their placement, not our split)."""
     if not broadcasts_weights(cfg) or cfg.rollout.nodes:
         return None
     from megatron_dapo.rollout.fleet.cores import trainer_threads
+    from megatron_dapo.rollout.sglang.server import CPU_BIND as SGLANG_BIND
+    from megatron_dapo.rollout.vllm.server import CPU_BIND as VLLM_BIND
 
+    if (SGLANG_BIND if cfg.rollout.engine == "sglang" else VLLM_BIND) in os.environ:
+        return None
     return trainer_threads(cfg.rollout.num_engines, overlaps(cfg), local_ranks)
 
 

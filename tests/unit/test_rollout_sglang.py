@@ -473,6 +473,29 @@ def test_an_overlapped_loop_leaves_the_trainer_cores_of_its_own(monkeypatch: pyt
     assert cpu_fleet_binding(0, 1, (0, 1, 2, 3), overlapped=True)["SGLANG_CPU_OMP_THREADS_BIND"] == "0,1,2,3"
 
 
+@pytest.mark.parametrize("engine", ["sglang", "vllm"])
+def test_the_trainer_keeps_its_threads_when_the_user_binds_the_servers(monkeypatch: pytest.MonkeyPatch,
+                                                                      engine: str) -> None:
+    """A user's own *_CPU_OMP_THREADS_BIND places the servers (it wins over our slice); the
+    trainer then keeps its threads too, not a share of a split that was not made."""
+    from megatron_dapo.config.loader import load_config
+    from megatron_dapo.rollout.factory import fleet_trainer_threads
+
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
+    cfg = load_config("examples/tiny_cpu.yaml", [f"rollout.engine={engine}", "rollout.placement=disaggregated",
+                                                 "trainer.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
+                                                 "rollout.num_engines=1"])
+    assert fleet_trainer_threads(cfg, 1) == 2
+    monkeypatch.setenv(f"{engine.upper()}_CPU_OMP_THREADS_BIND", "0,1")
+    assert fleet_trainer_threads(cfg, 1) is None
+    other = "VLLM" if engine == "sglang" else "SGLANG"
+    monkeypatch.delenv(f"{engine.upper()}_CPU_OMP_THREADS_BIND")
+    monkeypatch.setenv(f"{other}_CPU_OMP_THREADS_BIND", "0,1")  # the other engine's: not this fleet's
+    assert fleet_trainer_threads(cfg, 1) == 2
+
+
 def test_the_fleet_binding_reaches_the_server_over_the_trainers_thread_count(monkeypatch: pytest.MonkeyPatch) -> None:
     """The server's environment is this process's with the engine's settings on top: a trainer's
     OMP_NUM_THREADS=2 does not undo a fleet server's one thread."""

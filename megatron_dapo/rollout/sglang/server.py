@@ -187,6 +187,10 @@ def write_secret_config(config: SGLangServerConfig) -> Path:
         os.close(fd)
     return path
 
+CPU_BIND = "SGLANG_CPU_OMP_THREADS_BIND"
+"""The cores a CPU server binds its OpenMP threads to; set by the user, their placement wins."""
+
+
 def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None = None, *,
                       overlapped: bool = False) -> dict[str, str]:
     """The environment of CPU fleet server `index`: its own slice of this process's cores
@@ -205,8 +209,8 @@ def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None 
     """
     share, threads = server_cores(index, num_engines, cores, overlapped=overlapped)
     env = {"OMP_NUM_THREADS": str(threads)}
-    if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in share)
+    if CPU_BIND not in os.environ:
+        env[CPU_BIND] = ",".join(str(c) for c in share)
     return env
 
 

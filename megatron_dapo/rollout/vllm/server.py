@@ -118,6 +118,10 @@ def check_cpu_moe(model_path: str | Path) -> None:
         )
 
 
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+"""The cores a CPU server's worker binds its OpenMP threads to; set by the user, their placement wins."""
+
+
 def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None = None, *,
                       overlapped: bool = False) -> dict[str, str]:
     """The environment of CPU fleet server `index`: its OpenMP threads bound to its own slice of
@@ -131,9 +135,9 @@ def cpu_fleet_binding(index: int, num_engines: int, cores: Sequence[int] | None 
     of a node of the fleet's own (rollout/fleet/nodes.py), whole: the trainer's OMP_NUM_THREADS
     is not theirs.
     """
-    if "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+    if CPU_BIND in os.environ:
         return {}
     share, threads = server_cores(index, num_engines, cores, overlapped=overlapped)
-    return {"VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in share[:threads])}
+    return {CPU_BIND: ",".join(str(c) for c in share[:threads])}
 
 
