@@ -265,6 +265,9 @@ class RolloutController:
             logger.warning("engine %s failed (%s): restarting it in place, restart %d of at most %d%s", engine.name,
                            err, self.num_restarts, self.max_restarts, where)
         with self._weights_lock:
+            if self._closing.is_set():  # shut down while this restart waited for another engine's
+                raise EngineError(f"engine {engine.name} failed ({err}) while the rollout was being shut down; "
+                                  "not restarted") from err
             engine.restart()  # type: ignore[attr-defined]
             if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
                 with contextlib.suppress(Exception):

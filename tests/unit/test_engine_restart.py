@@ -382,3 +382,40 @@ def test_shutdown_does_not_wait_for_a_stream_whose_engine_is_relaunching():
     assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
     assert "shut down while it restarted" in str(failure[0])
     assert engine.restarts == 1 and controller.num_restarts == 1
+
+
+def test_a_restart_queued_behind_another_is_not_started_after_shutdown():
+    """Two engines die together (a failed broadcast stops every server): their restarts take turns
+    on the weights lock. A shutdown while the first relaunches must not let the second start a
+    relaunch of its own afterwards (each up to its start-up timeout, one after the other)."""
+    import threading
+
+    first, second = _Relaunching("srv0"), _Relaunching("srv1")
+    controller = RolloutController([first, second], max_restarts=4)
+    feed = PromptFeed(iter([[i + 1] for i in range(4)]))
+    failure: list[BaseException] = []
+
+    def stream():
+        try:
+            controller.stream(feed, SamplingParams(n=1, max_new_tokens=1), lambda group: None, max_inflight=1)
+        except BaseException as err:
+            failure.append(err)
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    streaming.start()
+    deadline = time.monotonic() + 30
+    while not (first.relaunching.is_set() or second.relaunching.is_set()):
+        assert time.monotonic() < deadline, "no relaunch began"
+        time.sleep(0.01)
+    running, queued = (first, second) if first.relaunching.is_set() else (second, first)
+    while controller.num_restarts < 2:  # the other engine's restart is counted, then waits for the lock
+        assert time.monotonic() < deadline, "the second engine's restart was not asked for"
+        time.sleep(0.01)
+    controller.shutdown(timeout_s=10)
+    running.relaunched.set()
+    queued.relaunched.set()  # were it relaunched anyway, it would not block the test
+    streaming.join(timeout=30)
+    assert not streaming.is_alive()
+    assert not queued.relaunching.is_set(), "a restart began after shutdown"
+    assert queued.restarts == 0 and running.restarts == 1
+    assert failure and isinstance(failure[0], EngineError), failure

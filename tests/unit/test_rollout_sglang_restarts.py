@@ -53,3 +53,14 @@ def test_a_failed_restart_is_reported_to_the_controller_and_an_unserved_one_time
     unserved = RestartChannel(dist.HashStore(), max_restarts=3, timeout_s=0.3, poll_s=0.01)
     with pytest.raises(EngineError, match="sglang2: its owner did not restart it within 0 s"):
         unserved.request("sglang2")
+
+
+def test_a_client_shut_down_stops_waiting_for_its_owners_restart():
+    """The run ends while the controller's stream waits for an owner's restart (up to the channel's
+    half hour): the client's shutdown ends the wait at the next poll, and the stream's pool worker,
+    joined at interpreter exit, with it."""
+    channel = RestartChannel(dist.HashStore(), max_restarts=3, timeout_s=600, poll_s=0.01)
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    with pytest.raises(EngineError, match="sglang3: shut down while its owner restarted it; its log: n1:/y.log"):
+        channel.request("sglang3", log_location="n1:/y.log", stop=stop)

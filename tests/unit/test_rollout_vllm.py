@@ -187,7 +187,7 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
 
     monkeypatch.setattr("megatron_dapo.rollout.vllm.engine.package_installed", lambda name: True)
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
-    marker = f"relaunch-{tmp_path.name}"
+    marker = str(tmp_path / "relaunch")  # this test's own path: another session's sleeper is not counted
     launcher = (sys.executable, "-c", f"import time; time.sleep(300)  # {marker}")
     old = ServerProcess(list(launcher), name="vllm0", log_path=tmp_path / "vllm0.log", kind="vLLM")
     engine = VLLMEngine("http://127.0.0.1:1", name="vllm0", api_key="k", process=old)

@@ -533,7 +533,16 @@ class ColocatedEngines:
         return {name: ok for name, leader, ok, _ in answers if leader}
 
     def shutdown(self) -> None:
-        """Stop this rank's server if it leads one, and its restart thread (not collective; idempotent)."""
+        """Stop this rank's server if it leads one, and its restart thread (not collective; idempotent).
+
+        The thread takes no further request, the server stops (which ends a relaunch under way at
+        its next health check instead of after its start-up timeout), the thread ends, and whatever
+        a relaunch that had just finished started is stopped too.
+        """
+        if self._restart_server is not None:
+            self._restart_server.stop(wait=False)
+        if self.engine is not None:
+            self.engine.shutdown()
         if self._restart_server is not None:
             self._restart_server.stop()
         if self.engine is not None:

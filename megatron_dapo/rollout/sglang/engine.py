@@ -316,7 +316,9 @@ class SGLangEngine(WeightUpdates):
         ranks' sync, raises EngineError, and the controller reports the engine's own failure.
         """
         if self.restart_channel is not None:
-            self.restart_channel.request(self.name, log_location=self._log_location or self.log_path or "")
+            # A shutdown() meanwhile (the run ends) stops waiting for the owner's answer.
+            stop = self._stopping = threading.Event()
+            self.restart_channel.request(self.name, log_location=self._log_location or self.log_path or "", stop=stop)
             return
         if not self.restartable:
             owner = "another rank owns its server" if self.process is None else \
@@ -331,12 +333,16 @@ class SGLangEngine(WeightUpdates):
         if getattr(self, "_relaunch", None) is None or self.process is None:
             raise EngineError(f"SGLang engine {self.name} did not launch its server; only its owner can relaunch it"
                               f"{self._log_hint()}")
+        # From here a shutdown() (the run ends meanwhile) ends the relaunch at its next health check
+        # and stops the fresh server: the exit does not wait up to startup_timeout_s for a server it
+        # drops. The event is the relaunch's own, installed before the old server is stopped.
+        stop = self._stopping = threading.Event()
         self.process.stop(timeout_s=STOP_GRACE_S)
-        # A shutdown() while the fresh server loads (the run ends meanwhile) ends the wait at once
-        # and stops it: the run's exit does not wait up to startup_timeout_s for a server it drops.
-        self._stopping = threading.Event()
-        fresh = type(self).launch(**self._relaunch, startup_timeout_s=startup_timeout_s, stop=self._stopping)
+        fresh = type(self).launch(**self._relaunch, startup_timeout_s=startup_timeout_s, stop=stop)
         self.__dict__.update(fresh.__dict__)
+        if stop.is_set():  # shut down after the fresh server answered, before it was this engine's
+            self.shutdown()
+            raise EngineError(f"SGLang engine {self.name} was shut down while it restarted{self._log_hint()}")
 
     @property
     def exited(self) -> bool:

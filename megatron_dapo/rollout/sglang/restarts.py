@@ -83,18 +83,23 @@ class RestartChannel:
 
     # ------------------------------------------------------------------ controller side
 
-    def request(self, name: str, *, log_location: str = "") -> None:
+    def request(self, name: str, *, log_location: str = "", stop: threading.Event | None = None) -> None:
         """Ask the owner of engine `name` to restart it; return once it serves again.
+
+        Args:
+            stop: once set (the client's shutdown: the run ends), stop waiting for the answer.
 
         Raises:
             EngineRestartsExhausted: the job's budget is spent.
-            EngineError: the restart failed, or no answer came within ``timeout_s``.
+            EngineError: the restart failed, no answer came within ``timeout_s``, or `stop` was set.
         """
         number = int(self.store.add(f"{name}/requested", 1))
         key = f"{name}/answer/{number}"
         where = f"; its log: {log_location}" if log_location else ""
         deadline = time.monotonic() + self.timeout_s
         while not self.store.check([key]):
+            if stop is not None and stop.is_set():
+                raise EngineError(f"SGLang engine {name}: shut down while its owner restarted it{where}")
             if time.monotonic() > deadline:
                 raise EngineError(f"SGLang engine {name}: its owner did not restart it within {self.timeout_s:.0f} s"
                                   f"{where}")
@@ -167,8 +172,9 @@ class RestartServer:
             return "failed", f"{type(err).__name__}: {err}"
         return "ok", ""
 
-    def stop(self) -> None:
-        """End the thread (idempotent); a restart under way finishes first."""
+    def stop(self, *, wait: bool = True) -> None:
+        """End the thread (idempotent): it serves no further request; with `wait`, a restart under
+        way finishes first (its engine's shutdown ends a relaunch at once: ColocatedEngines.shutdown)."""
         self._stop.set()
-        if self._thread is not threading.current_thread():
+        if wait and self._thread is not threading.current_thread():
             self._thread.join(timeout=60.0)

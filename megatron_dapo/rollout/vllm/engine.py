@@ -215,13 +215,17 @@ class VLLMEngine(WeightTransfer):
         relaunch = getattr(self, "_relaunch", None)
         if relaunch is None:
             raise EngineError(f"engine {self.name}: was not started by VLLMEngine.launch, cannot restart it")
+        # From here a shutdown() (the run ends meanwhile) ends the relaunch at its next health check
+        # and stops the fresh server: the exit does not wait up to startup_timeout_s for a server it
+        # drops. The event is the relaunch's own, installed before the old server is stopped.
+        stop = self._stopping = threading.Event()
         with contextlib.suppress(Exception):
-            self.shutdown()
-        # A shutdown() while the fresh server loads (the run ends meanwhile) ends the wait at once
-        # and stops it: the run's exit does not wait up to startup_timeout_s for a server it drops.
-        self._stopping = threading.Event()
-        fresh = type(self).launch(**relaunch, stop=self._stopping)
+            self._stop_server()
+        fresh = type(self).launch(**relaunch, stop=stop)
         self.__dict__.update(fresh.__dict__)
+        if stop.is_set():  # shut down after the fresh server answered, before it was this engine's
+            self.shutdown()
+            raise EngineError(f"vLLM engine {self.name} was shut down while it restarted")
 
     # ------------------------------------------------------------------ HTTP
 
@@ -367,6 +371,9 @@ class VLLMEngine(WeightTransfer):
         broadcast failed stops every server at once, and the run's end stops them again). A
         relaunch in progress gives up its fresh server (restart)."""
         self._stopping.set()
+        self._stop_server()
+
+    def _stop_server(self) -> None:
         self.process.stop()
         for path in self._bucket_dir.glob("*"):
             path.unlink(missing_ok=True)
