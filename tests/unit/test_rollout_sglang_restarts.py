@@ -62,5 +62,5 @@ def test_a_client_shut_down_stops_waiting_for_its_owners_restart():
     channel = RestartChannel(dist.HashStore(), max_restarts=3, timeout_s=600, poll_s=0.01)
     stop = threading.Event()
     threading.Timer(0.3, stop.set).start()
-    with pytest.raises(EngineError, match="sglang3: shut down while its owner restarted it; its log: n1:/y.log"):
+    with pytest.raises(EngineError, match=r"sglang3: shut down while its owner restarted it; its log: n1:/y\.log"):
         channel.request("sglang3", log_location="n1:/y.log", stop=stop)
