@@ -12,6 +12,9 @@ fleet size, in one sitting:
   the servers have workers, nothing else (the physical limit of the transport here).
 The ratio column is plain / sync (goal >= 0.9: the sync adds little to the bytes' own time).
 Medians over --repeats. On 2 cores the receivers, the servers and this process share them.
+With --calls, where the sync's time goes: each HTTP route the controller called, its seconds
+per sync summed over servers and calls (the servers' calls overlap, so the sum can pass the
+sync's wall time), medians over --repeats.
 """
 
 from __future__ import annotations
@@ -73,8 +76,39 @@ def launch(engine: str, checkpoint: Path, i: int, engines: int, log_dir: Path):
                                name=f"sglang{i}", startup_timeout_s=900, live_updates=True)
 
 
+class CallTimer:
+    """Seconds per HTTP route of the engine class's one request method, summed until `take()`."""
+
+    def __init__(self, engine: str) -> None:
+        import threading
+
+        if engine == "vllm":
+            from megatron_dapo.rollout.vllm.engine import VLLMEngine as cls
+            method = "_call"
+        else:
+            from megatron_dapo.rollout.sglang.engine import SGLangEngine as cls
+            method = "_request"
+        self.seconds: dict[str, float] = {}
+        lock, original = threading.Lock(), getattr(cls, method)
+
+        def timed(engine_self, verb, path, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(engine_self, verb, path, *args, **kwargs)
+            finally:
+                with lock:
+                    key = f"{verb} {path}"
+                    self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
+
+        setattr(cls, method, timed)
+
+    def take(self) -> dict[str, float]:
+        taken, self.seconds = self.seconds, {}
+        return taken
+
+
 def measure_sync(engine: str, checkpoint: Path, engines: int, repeats: int,
-                 log_dir: Path) -> tuple[float, float, int]:
+                 log_dir: Path, calls: CallTimer | None = None) -> tuple[float, float, int, dict[str, float]]:
     from safetensors.torch import load_file
 
     from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
@@ -85,16 +119,21 @@ def measure_sync(engine: str, checkpoint: Path, engines: int, repeats: int,
     tensors = sorted(load_file(str(checkpoint / "model.safetensors")).items())
     buckets = list(iter_buckets(tensors, DEFAULT_BUCKET_BYTES))
     try:
-        times, broadcast = [], []
+        times, broadcast, routes = [], [], []
         for version in range(repeats + 1):  # the first forms the group: a warm-up
+            if calls is not None:
+                calls.take()
             start, before = time.perf_counter(), fleet.seconds_broadcast
             for bucket in buckets:
                 fleet.update_weights(bucket)
             fleet.finish_weight_update(version)
             times.append(time.perf_counter() - start)
             broadcast.append(fleet.seconds_broadcast - before)
+            routes.append(calls.take() if calls is not None else {})
+        keys = sorted({k for r in routes[1:] for k in r})
+        per_route = {k: statistics.median(r.get(k, 0.0) for r in routes[1:]) for k in keys}
         return (statistics.median(times[1:]), statistics.median(broadcast[1:]),
-                sum(t.numel() * t.element_size() for t in dict(tensors).values()))
+                sum(t.numel() * t.element_size() for t in dict(tensors).values()), per_route)
     finally:
         fleet.close()
         for server in servers:
@@ -132,20 +171,28 @@ def main() -> None:
     parser.add_argument("--engines", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--calls", action="store_true", help="also print each HTTP route's seconds per sync")
     args = parser.parse_args()
+    calls = CallTimer(args.engine) if args.calls else None
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = make_checkpoint(Path(tmp) / "model", args.hidden)
-        rows = []
+        rows, routes = [], []
         for engines in (int(e) for e in args.engines.split(",")):
-            sync_s, broadcast_s, num_bytes = measure_sync(args.engine, checkpoint, engines, args.repeats, Path(tmp))
+            sync_s, broadcast_s, num_bytes, per_route = measure_sync(args.engine, checkpoint, engines, args.repeats,
+                                                                     Path(tmp), calls)
             plain_s = measure_plain(num_bytes, engines, args.repeats)
             rows.append((engines, num_bytes, sync_s, broadcast_s, plain_s))
+            routes.append((engines, per_route))
     # bcast s: the sync's own broadcast call (the servers join it once they have allocated the bucket).
     print(f"engine {args.engine}")
     print(f"{'engines':>7} {'MB':>8} {'sync s':>8} {'bcast s':>8} {'plain s':>8} {'plain/sync':>10} {'sync MB/s':>10}")
     for engines, num_bytes, sync_s, broadcast_s, plain_s in rows:
         print(f"{engines:>7} {num_bytes / 1e6:>8.1f} {sync_s:>8.3f} {broadcast_s:>8.3f} {plain_s:>8.3f} "
               f"{plain_s / sync_s:>10.2f} {num_bytes / 1e6 / sync_s:>10.1f}")
+    for engines, per_route in routes if calls is not None else ():
+        print(f"engines {engines}: seconds per sync by route, summed over servers")
+        for route, seconds in sorted(per_route.items(), key=lambda item: -item[1]):
+            print(f"  {seconds:8.3f}  {route}")
 
 
 if __name__ == "__main__":
