@@ -22,3 +22,46 @@ def cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+def processes_with(marker: str) -> int:
+    """How many processes have `marker` in their whole command line."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-ww", "-eo", "args"], text=True, capture_output=True).stdout
+    return sum(marker in line for line in out.splitlines())
+
+
+def shut_down_mid_relaunch(relaunch, shutdown, marker: str, started=lambda: True) -> None:
+    """Run `relaunch()` on a thread; once its fresh server (the one process whose command line holds
+    `marker`) runs and `started()`, call `shutdown()`: the relaunch must end within seconds with the
+    engine's "shut down while it started" error, and the fresh server must be gone."""
+    import threading
+    import time
+
+    from megatron_dapo.rollout.engine import EngineError
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            relaunch()
+        except BaseException as err:
+            failure.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not started() or processes_with(marker) != 1:
+        assert time.monotonic() < deadline, ("the relaunch did not start a fresh server", failure)
+        time.sleep(0.1)
+    time.sleep(1.0)  # its health checks are refused meanwhile
+    shutdown()
+    thread.join(timeout=15)
+    assert not thread.is_alive(), "the relaunch kept waiting for its server after shutdown"
+    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
+    assert "shut down while it started" in str(failure[0])
+    deadline = time.monotonic() + 10
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_with(marker) == 0, "the fresh server outlived the shutdown"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -102,8 +103,6 @@ def test_engine_killed_during_generate_is_restarted_and_asked_again(tiny, new_we
         engine = controller.engines[0]
         # Kill it between two decode steps of the generate call (its between-steps hook is in the child:
         # kill from the controller's side as soon as the call is in flight).
-        import threading
-
         killer = threading.Timer(0.3, _kill, args=(engine,))
         killer.start()
         got = controller.generate(PROMPTS * 8, PARAMS)
@@ -295,8 +294,6 @@ def test_a_dead_engines_prompts_go_to_the_others_while_it_restarts_and_an_abort_
     """Issue 41 (seen on a vLLM fleet of two): the dead engine's prompts were requeued only after its
     minute-long restart, so the feed's gate idled the survivor; and the batch's abort, sent from the
     survivor's thread, raised the dead engine's error there, so the survivor was restarted too."""
-    import threading
-
     served_elsewhere = threading.Event()
     dying = _Server("srv1", dies=True, restart_gate=served_elsewhere)
     survivor = _Server("srv0")
@@ -336,8 +333,6 @@ class _Relaunching(_Server):
 
     def __init__(self, name):
         super().__init__(name, dies=True)
-        import threading
-
         self.relaunching, self.relaunched, self.stops = threading.Event(), threading.Event(), 0
 
     def restart(self):
@@ -349,15 +344,8 @@ class _Relaunching(_Server):
         self.stops += 1
 
 
-def test_shutdown_does_not_wait_for_a_stream_whose_engine_is_relaunching():
-    """Seen 2026-11-29 (a SLURM vLLM fleet that failed at step 4 never exited): the run's close
-    stopped the engines on the controller's pool, whose one worker was the stream still waiting for
-    a minute-long relaunch, so the stop waited behind it. Now shutdown stops the engine at once, and
-    the relaunch that ends after it stops its fresh server and restarts nothing more."""
-    import threading
-
-    engine = _Relaunching("srv0")
-    controller = RolloutController([engine], max_restarts=3)
+def _stream_in_thread(controller: RolloutController) -> tuple[threading.Thread, list[BaseException]]:
+    """Stream four prompts on a thread of its own; the list receives what the stream raised."""
     feed = PromptFeed(iter([[i + 1] for i in range(4)]))
     failure: list[BaseException] = []
 
@@ -369,6 +357,17 @@ def test_shutdown_does_not_wait_for_a_stream_whose_engine_is_relaunching():
 
     streaming = threading.Thread(target=stream, daemon=True)
     streaming.start()
+    return streaming, failure
+
+
+def test_shutdown_does_not_wait_for_a_stream_whose_engine_is_relaunching():
+    """Seen 2026-11-29 (a SLURM vLLM fleet that failed at step 4 never exited): the run's close
+    stopped the engines on the controller's pool, whose one worker was the stream still waiting for
+    a minute-long relaunch, so the stop waited behind it. Now shutdown stops the engine at once, and
+    the relaunch that ends after it stops its fresh server and restarts nothing more."""
+    engine = _Relaunching("srv0")
+    controller = RolloutController([engine], max_restarts=3)
+    streaming, failure = _stream_in_thread(controller)
     assert engine.relaunching.wait(timeout=30)
     stopping = threading.Thread(target=controller.shutdown, daemon=True)
     stopping.start()
@@ -388,21 +387,9 @@ def test_a_restart_queued_behind_another_is_not_started_after_shutdown():
     """Two engines die together (a failed broadcast stops every server): their restarts take turns
     on the weights lock. A shutdown while the first relaunches must not let the second start a
     relaunch of its own afterwards (each up to its start-up timeout, one after the other)."""
-    import threading
-
     first, second = _Relaunching("srv0"), _Relaunching("srv1")
     controller = RolloutController([first, second], max_restarts=4)
-    feed = PromptFeed(iter([[i + 1] for i in range(4)]))
-    failure: list[BaseException] = []
-
-    def stream():
-        try:
-            controller.stream(feed, SamplingParams(n=1, max_new_tokens=1), lambda group: None, max_inflight=1)
-        except BaseException as err:
-            failure.append(err)
-
-    streaming = threading.Thread(target=stream, daemon=True)
-    streaming.start()
+    streaming, failure = _stream_in_thread(controller)
     deadline = time.monotonic() + 30
     while not (first.relaunching.is_set() or second.relaunching.is_set()):
         assert time.monotonic() < deadline, "no relaunch began"

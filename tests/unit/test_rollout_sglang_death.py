@@ -130,6 +130,7 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
     import dataclasses
 
     from model_utils import make_tiny_checkpoint
+    from proc_utils import shut_down_mid_relaunch
 
     from megatron_dapo.rollout.sglang.server import SGLangServerConfig
 
@@ -141,31 +142,4 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
                                 log_path=str(tmp_path / "sglang0.log"), launcher=(sys.executable, str(first)))
     engine = SGLangEngine.start(config, name="sglang0")
     engine._relaunch["config"] = dataclasses.replace(engine._relaunch["config"], launcher=(sys.executable, str(sleeper)))
-    failure: list[BaseException] = []
-
-    def running() -> int:
-        out = subprocess.run(["ps", "-ww", "-eo", "args"], text=True, capture_output=True).stdout
-        return sum(str(sleeper) in line for line in out.splitlines())
-
-    def relaunch() -> None:
-        try:
-            engine.relaunch(startup_timeout_s=600)
-        except BaseException as err:
-            failure.append(err)
-
-    thread = threading.Thread(target=relaunch, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while running() != 1:
-        assert time.monotonic() < deadline, ("the relaunch did not start a fresh server", failure)
-        time.sleep(0.1)
-    time.sleep(1.0)
-    engine.shutdown()
-    thread.join(timeout=15)
-    assert not thread.is_alive(), "the relaunch kept waiting for its server after shutdown"
-    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
-    assert "shut down while it started" in str(failure[0])
-    deadline = time.monotonic() + 10
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert running() == 0, "the fresh server outlived the shutdown"
+    shut_down_mid_relaunch(lambda: engine.relaunch(startup_timeout_s=600), engine.shutdown, str(sleeper))

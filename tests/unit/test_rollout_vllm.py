@@ -178,10 +178,9 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
     startup_timeout_s (15 min) for a server it drops, nor leave it running: the relaunch's wait
     ends at its next health check and the fresh process is stopped. Its "server" is a real
     process that never answers (a launcher that sleeps, taking vLLM's command as ignored args)."""
-    import subprocess
     import sys
-    import threading
-    import time
+
+    from proc_utils import shut_down_mid_relaunch
 
     from megatron_dapo.rollout.server_process import ServerProcess
 
@@ -195,31 +194,5 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
                             device="cpu", max_model_len=None, gpu_memory_utilization=0.7, vocab_size=None,
                             request_timeout_s=60.0, startup_timeout_s=600.0, broadcast=False, env=None,
                             launcher=launcher)
-    failure: list[BaseException] = []
-
-    def restart():
-        try:
-            engine.restart()
-        except BaseException as err:
-            failure.append(err)
-
-    def running() -> int:
-        out = subprocess.run(["ps", "-ww", "-eo", "args"], text=True, capture_output=True).stdout
-        return sum(marker in line for line in out.splitlines())
-
-    relaunching = threading.Thread(target=restart, daemon=True)
-    relaunching.start()
-    deadline = time.monotonic() + 30
-    while old.returncode is None or running() != 1:  # the old server stopped, the fresh one started
-        assert time.monotonic() < deadline, ("the relaunch did not start a fresh server", failure)
-        time.sleep(0.1)
-    time.sleep(1.0)  # its health checks are refused meanwhile
-    engine.shutdown()
-    relaunching.join(timeout=15)
-    assert not relaunching.is_alive(), "the relaunch kept waiting for its server after shutdown"
-    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
-    assert "shut down while it started" in str(failure[0])
-    deadline = time.monotonic() + 10
-    while running() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert running() == 0, "the fresh server outlived the shutdown"
+    # The old server stopped first, then the fresh one started.
+    shut_down_mid_relaunch(engine.restart, engine.shutdown, marker, started=lambda: old.returncode is not None)
