@@ -88,6 +88,9 @@ class ProcessEngine:
         self._hang_timeout_s = hang_timeout_s
         self._start_args = (str(model_path), name, num_threads, max_batch_size)
         self._start_timeout_s = start_timeout_s
+        # restart() and shutdown() take turns: the run's end stops engines on threads of their own
+        # while a stream may be restarting one (RolloutController.shutdown); both close the pipe.
+        self._life = threading.Lock()
         self._start()
 
     def _start(self) -> None:
@@ -119,18 +122,19 @@ class ProcessEngine:
 
     def restart(self) -> None:
         """Kill the child (dead or hung) and start a fresh one from the HF checkpoint (RestartableEngine)."""
-        with contextlib.suppress(Exception):
-            self._process.kill()
-            self._join(timeout=10)
-        with contextlib.suppress(Exception):
-            self._conn.close()
-        # The old child's reader marks the engine dead when its pipe closes: let it finish first, or
-        # its mark can land after _start() reset it and fail the new child's first call (seen under
-        # load in tests/unit/test_engine_restart.py: "its process (pid N) exited with code -9").
-        reader = getattr(self, "_reader", None)
-        if reader is not None and reader is not threading.current_thread():
-            reader.join(timeout=15)
-        self._start()
+        with self._life:
+            with contextlib.suppress(Exception):
+                self._process.kill()
+                self._join(timeout=10)
+            with contextlib.suppress(Exception):
+                self._conn.close()
+            # The old child's reader marks the engine dead when its pipe closes: let it finish first, or
+            # its mark can land after _start() reset it and fail the new child's first call (seen under
+            # load in tests/unit/test_engine_restart.py: "its process (pid N) exited with code -9").
+            reader = getattr(self, "_reader", None)
+            if reader is not None and reader is not threading.current_thread():
+                reader.join(timeout=15)
+            self._start()
 
     def _watch(self, process: Any) -> None:
         """While a generation runs, ping the child; one that answers nothing for hang_timeout_s is killed
@@ -222,15 +226,16 @@ class ProcessEngine:
             return False
 
     def shutdown(self) -> None:
-        """Stop the child (it finishes its current decode step first)."""
-        if self._alive():
-            with contextlib.suppress(OSError, EngineError):
-                self._send(("shutdown",))
-            self._join(timeout=30)
+        """Stop the child (it finishes its current decode step first); after a restart under way."""
+        with self._life:
             if self._alive():
-                self._process.kill()
-                self._join(timeout=10)
-        self._conn.close()
+                with contextlib.suppress(OSError, EngineError):
+                    self._send(("shutdown",))
+                self._join(timeout=30)
+                if self._alive():
+                    self._process.kill()
+                    self._join(timeout=10)
+            self._conn.close()
 
     @contextlib.contextmanager
     def _generating(self) -> Any:
