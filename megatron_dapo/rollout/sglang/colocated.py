@@ -248,6 +248,7 @@ class ColocatedEngines:
         self._host_buffers: dict[str, torch.Tensor] = {}
         self._released = False
         self._dead = False  # found dead at the release: relaunched at the resume
+        self._relaunches = 0  # servers restart_owned relaunched (shutdown stops one that came up meanwhile)
         self._restart_server = RestartServer(restarts, self.slot.name, self.restart_owned) \
             if restarts is not None and engine is not None else None
 
@@ -486,6 +487,7 @@ class ColocatedEngines:
         assert self.engine is not None
         with self._lock:
             self.engine.relaunch()
+            self._relaunches += 1
             self._dead = False
             device = self._kept_device or torch.device("cpu")
             for bucket in self._kept:
@@ -541,11 +543,12 @@ class ColocatedEngines:
         """
         if self._restart_server is not None:
             self._restart_server.stop(wait=False)
+        relaunches = self._relaunches
         if self.engine is not None:
             self.engine.shutdown()
         if self._restart_server is not None:
             self._restart_server.stop()
-        if self.engine is not None:
+        if self.engine is not None and self._relaunches != relaunches:
             self.engine.shutdown()
 
     def _raise_if_any_failed(self, failure: str | None, what: str) -> None:
