@@ -32,14 +32,12 @@ def processes_with(marker: str) -> int:
     return sum(marker in line for line in out.splitlines())
 
 
-def shut_down_mid_relaunch(relaunch, shutdown, marker: str, started=lambda: True) -> None:
+def shut_down_mid_relaunch(relaunch, shutdown, marker: str, started=lambda: True) -> tuple[bool, list, int]:
     """Run `relaunch()` on a thread; once its fresh server (the one process whose command line holds
-    `marker`) runs and `started()`, call `shutdown()`: the relaunch must end within seconds with the
-    engine's "shut down while it started" error, and the fresh server must be gone."""
+    `marker`) runs and `started()`, call `shutdown()`. Returns (whether the relaunch was still
+    running 15 s later, what it raised, how many `marker` processes were left 10 s after that)."""
     import threading
     import time
-
-    from megatron_dapo.rollout.engine import EngineError
 
     failure: list[BaseException] = []
 
@@ -53,15 +51,13 @@ def shut_down_mid_relaunch(relaunch, shutdown, marker: str, started=lambda: True
     thread.start()
     deadline = time.monotonic() + 30
     while not started() or processes_with(marker) != 1:
-        assert time.monotonic() < deadline, ("the relaunch did not start a fresh server", failure)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the relaunch did not start a fresh server: {failure}")
         time.sleep(0.1)
     time.sleep(1.0)  # its health checks are refused meanwhile
     shutdown()
     thread.join(timeout=15)
-    assert not thread.is_alive(), "the relaunch kept waiting for its server after shutdown"
-    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
-    assert "shut down while it started" in str(failure[0])
     deadline = time.monotonic() + 10
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert processes_with(marker) == 0, "the fresh server outlived the shutdown"
+    return thread.is_alive(), failure, processes_with(marker)

@@ -31,6 +31,7 @@ from megatron_dapo.rollout.engine import (
     SamplingParams,
     can_restart,
 )
+from megatron_dapo.rollout.fleet.broadcast import DaemonCalls
 from megatron_dapo.rollout.streaming import (
     GroupCallback,
     ItemDriver,
@@ -252,9 +253,7 @@ class RolloutController:
         log = getattr(engine, "log_path", None)
         where = f"; its log: {log}" if log else ""
         with self._restart_lock:
-            if self._closing.is_set():
-                raise EngineError(f"engine {engine.name} failed ({err}) while the rollout was being shut down; "
-                                  "not restarted") from err
+            self._refuse_when_closing(engine, err)
             if not self._can_restart(engine) or self.num_restarts >= self.max_restarts:
                 raise EngineRestartsExhausted(
                     f"engine {engine.name} failed ({err}) after {self.num_restarts} restart(s) of engines in this run "
@@ -265,9 +264,7 @@ class RolloutController:
             logger.warning("engine %s failed (%s): restarting it in place, restart %d of at most %d%s", engine.name,
                            err, self.num_restarts, self.max_restarts, where)
         with self._weights_lock:
-            if self._closing.is_set():  # shut down while this restart waited for another engine's
-                raise EngineError(f"engine {engine.name} failed ({err}) while the rollout was being shut down; "
-                                  "not restarted") from err
+            self._refuse_when_closing(engine, err)  # shut down while this restart waited for another engine's
             engine.restart()  # type: ignore[attr-defined]
             if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
                 with contextlib.suppress(Exception):
@@ -282,6 +279,11 @@ class RolloutController:
                     engine.update_weights(bucket)
                 engine.finish_weight_update(version=self._weights_version)
             self._failed.discard(index)
+
+    def _refuse_when_closing(self, engine: RolloutEngine, err: BaseException) -> None:
+        if self._closing.is_set():
+            raise EngineError(f"engine {engine.name} failed ({err}) while the rollout was being shut down; "
+                              "not restarted") from err
 
     def _restart_marked(self) -> None:
         for index in sorted(self._failed):
@@ -487,26 +489,16 @@ class RolloutController:
         try:
             if self._transport is not None:
                 self._transport.close()
-            errors: list[BaseException] = []
-
-            def stop(engine: RolloutEngine) -> None:
-                try:
-                    engine.shutdown()
-                except BaseException as err:  # raised below, after every engine had its turn
-                    errors.append(err)
-
-            threads = [threading.Thread(target=stop, args=(engine,), name=f"stop-{engine.name}", daemon=True)
-                       for engine in self.engines]
-            for thread in threads:
-                thread.start()
-            deadline = time.monotonic() + timeout_s
-            for engine, thread in zip(self.engines, threads):
-                thread.join(timeout=max(deadline - time.monotonic(), 0.0))
-                if thread.is_alive():
+            calls = DaemonCalls()
+            stops = [calls.submit(engine.shutdown) for engine in self.engines]
+            _, late = wait(stops, timeout=timeout_s)
+            for engine, stop in zip(self.engines, stops):
+                if stop in late:
                     logger.warning("engine %s did not stop within %.0f s; leaving it to its reaper", engine.name,
                                    timeout_s)
-            if errors:
-                raise errors[0]
+            failed = next((stop.exception() for stop in stops if stop not in late and stop.exception()), None)
+            if failed is not None:  # raised after every engine had its turn
+                raise failed
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._update_pool.shutdown(wait=False, cancel_futures=True)

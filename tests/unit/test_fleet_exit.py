@@ -1,4 +1,4 @@
-"""A controller that fails mid-sync exits (rollout/fleet/broadcast.py: _DaemonCalls).
+"""A controller that fails mid-sync exits (rollout/fleet/broadcast.py: DaemonCalls).
 
 Its servers wait in the group's rendezvous for it, its calls wait for them: with the calls on a
 ThreadPoolExecutor the interpreter's exit joined them, so the failed trainer stayed alive (its

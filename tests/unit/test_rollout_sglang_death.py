@@ -142,4 +142,8 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
                                 log_path=str(tmp_path / "sglang0.log"), launcher=(sys.executable, str(first)))
     engine = SGLangEngine.start(config, name="sglang0")
     engine._relaunch["config"] = dataclasses.replace(engine._relaunch["config"], launcher=(sys.executable, str(sleeper)))
-    shut_down_mid_relaunch(lambda: engine.relaunch(startup_timeout_s=600), engine.shutdown, str(sleeper))
+    still_waiting, failure, left = shut_down_mid_relaunch(lambda: engine.relaunch(startup_timeout_s=600), engine.shutdown, str(sleeper))
+    assert not still_waiting, "the relaunch kept waiting for its server after shutdown"
+    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
+    assert "shut down while it started" in str(failure[0])
+    assert left == 0, "the fresh server outlived the shutdown"

@@ -195,4 +195,9 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
                             request_timeout_s=60.0, startup_timeout_s=600.0, broadcast=False, env=None,
                             launcher=launcher)
     # The old server stopped first, then the fresh one started.
-    shut_down_mid_relaunch(engine.restart, engine.shutdown, marker, started=lambda: old.returncode is not None)
+    still_waiting, failure, left = shut_down_mid_relaunch(engine.restart, engine.shutdown, marker,
+                                                          started=lambda: old.returncode is not None)
+    assert not still_waiting, "the relaunch kept waiting for its server after shutdown"
+    assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
+    assert "shut down while it started" in str(failure[0])
+    assert left == 0, "the fresh server outlived the shutdown"

@@ -53,7 +53,7 @@ from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
 from megatron_dapo.rollout.fleet.group import flat_nbytes, header_layout, join_weight_group, split_flat
 
-__all__ = ["FleetMember", "FleetSyncError", "StageGroup", "WeightBroadcast", "flat_bytes", "wire_order"]
+__all__ = ["DaemonCalls", "FleetMember", "FleetSyncError", "StageGroup", "WeightBroadcast", "flat_bytes", "wire_order"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class FleetMember(Protocol):
     def health(self) -> bool: ...
 
 
-class _DaemonCalls:
+class DaemonCalls:
     """Each server call on a daemon thread of its own.
 
     A ThreadPoolExecutor's workers are joined when the interpreter exits, so a controller that
@@ -162,7 +162,7 @@ class WeightBroadcast:
         self._base_port = 0
         self._stage_groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
         self._planned: list[StageGroup] = []
-        self._pool = _DaemonCalls()
+        self._pool = DaemonCalls()
         self.exit_grace_s = 10.0
         """How long a server whose worker died may take to exit before another member is blamed."""
         self.seconds_broadcast = 0.0
