@@ -124,11 +124,16 @@ class RolloutController:
         self._weights_version: int | None = None
         self._incoming: list[list[tuple[str, torch.Tensor]]] = []
         self._weights_lock = threading.RLock()
+        # A sync runs from its first bucket to its finish, each call taking the lock on its own (and
+        # from the sync's pool threads): a restart waits for the whole of it, not the next gap.
+        self._syncing = False
+        self._sync_done = threading.Condition(self._weights_lock)
         self._restart_lock = threading.Lock()
         self._failed: set[int] = set()  # engines whose update failed: restarted before their next use
         # The session's abort (abort() until the next session starts): a driven item's next request
         # sees it even on an engine whose generate() starts unaborted (the local engines).
         self._session_aborted = threading.Event()
+        self._streaming_feed: PromptFeed | None = None  # the running stream's feed, closed by abort()
         self._transport = transport
         self._turn_locks: dict[int, threading.Lock] = {}
         self._turn_locks_guard = threading.Lock()
@@ -144,6 +149,7 @@ class RolloutController:
     def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Step 7 for every engine at once; the bucket is also kept for restarts (sync_weights calls this)."""
         with self._weights_lock:
+            self._syncing = True
             if self._keep_weights:
                 self._incoming.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
             if self._transport is not None:
@@ -176,6 +182,7 @@ class RolloutController:
         """Form the fleet's groups with every server; False when that failed (the failure is handled
         as a failed broadcast's: every engine restarted before its next use, or raised)."""
         with self._weights_lock:
+            self._syncing = True
             self._fleet_call(self._transport.form)  # type: ignore[union-attr]
             return not self._failed
 
@@ -183,6 +190,7 @@ class RolloutController:
         """Every server and the controller receive pipeline stage ``stage``'s bucket from its first rank;
         the controller keeps it for restarts. False when the broadcast failed (nothing kept)."""
         with self._weights_lock:
+            self._syncing = True
             received: list[list[tuple[str, torch.Tensor]]] = []
             self._fleet_call(lambda: received.append(self._transport.receive_stage(stage, header)))  # type: ignore[union-attr]
             if received and self._keep_weights:
@@ -204,6 +212,8 @@ class RolloutController:
                 self._each_engine(lambda engine: engine.finish_weight_update(version=version))
             if self._keep_weights:
                 self._weights, self._incoming, self._weights_version = self._incoming, [], version
+            self._syncing = False
+            self._sync_done.notify_all()
 
     def _each_engine(self, call: Callable[[RolloutEngine], None]) -> None:
         """Run `call` on every engine concurrently. An engine that fails it and can be restarted is
@@ -264,6 +274,12 @@ class RolloutController:
             logger.warning("engine %s failed (%s): restarting it in place, restart %d of at most %d%s", engine.name,
                            err, self.num_restarts, self.max_restarts, where)
         with self._weights_lock:
+            # Between two buckets of a sync, or its last bucket and its finish, a restart would load
+            # the last sync's weights and version, and the rest of this sync would reach the fresh
+            # engine only in part, its finish not at all (seen: a SLURM vLLM server restarted so
+            # served version 2's batches labelled 1, a StalenessError two steps later).
+            while self._syncing and not self._closing.is_set():
+                self._sync_done.wait(timeout=1.0)
             self._refuse_when_closing(engine, err)  # shut down while this restart waited for another engine's
             engine.restart()  # type: ignore[attr-defined]
             if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
@@ -405,6 +421,7 @@ class RolloutController:
 
         self._restart_marked()
         self._clear_aborts()
+        self._streaming_feed = feed
         futures = [self._pool.submit(run, i) for i in range(len(self.engines))]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = next((f for f in futures if f in done and f.exception() is not None), None)
@@ -424,6 +441,13 @@ class RolloutController:
         and the survivor restarted too).
         """
         self._session_aborted.set()
+        # Nothing more is taken from a running stream's feed either: a request sent after the abort
+        # ends at once as aborted, its prompt stays in flight, and once the collector's gate counts
+        # enough of them every engine's thread waits on the gate for good (seen: a SLURM fleet run
+        # whose trainer failed stopped its producer by abort, which never ended, nor did the process).
+        feed = self._streaming_feed
+        if feed is not None:
+            feed.close()
         for engine in self.engines:
             try:
                 engine.abort()

@@ -406,3 +406,116 @@ def test_a_restart_queued_behind_another_is_not_started_after_shutdown():
     assert not queued.relaunching.is_set(), "a restart began after shutdown"
     assert queued.restarts == 0 and running.restarts == 1
     assert failure and isinstance(failure[0], EngineError), failure
+
+
+class _Versioned(_Restartable):
+    """A fleet member that labels its tokens with the version its last finished update set."""
+
+    restartable = True
+
+    def __init__(self):
+        self.version = None
+
+
+class _VersionBroadcast:
+    """A fleet transport that records what reaches the member, and when."""
+
+    def __init__(self, member):
+        self.member, self.events = member, []
+
+    def update_weights(self, bucket):
+        self.events.append(("bucket", [n for n, _ in bucket]))
+
+    def finish_weight_update(self, version=None):
+        self.events.append(("finish", version))
+        self.member.version = version
+
+    def engine_replaced(self, index, engine):
+        self.events.append(("replaced", index))
+
+    def reload(self, index, buckets, version):
+        self.events.append(("reload", version))
+        self.member.version = version
+
+
+def test_a_restart_during_a_sync_waits_for_it_and_loads_the_new_version(new_weights):
+    """Seen under CI load (a SLURM vLLM fleet, 2026-11-29): the server died while the trainer synced
+    version 2. Its restart took the weights lock between the sync's last bucket and its finish,
+    loaded version 1's kept weights and label, and the sync's finish then found nothing to finish on
+    the fresh server: it served version 2's batches as version 1, and step 4 raised a StalenessError.
+    The restart now waits for the whole sync, from its first bucket to its finish."""
+    from megatron_dapo.rollout.weight_sync import sync_weights
+
+    member = _Versioned()
+    transport = _VersionBroadcast(member)
+    controller = RolloutController([member], max_restarts=2, transport=transport)
+    controller.update_weights(new_weights)
+    controller.finish_weight_update(version=1)
+    transport.events.clear()
+    exported, go = threading.Event(), threading.Event()
+
+    def export():  # every tensor a bucket of its own; the export pauses after the first was sent
+        yield new_weights[0]
+        yield new_weights[1]
+        exported.set()
+        assert go.wait(timeout=30)
+
+    syncing = threading.Thread(target=sync_weights, args=(export(), [controller]),
+                               kwargs=dict(is_controller=True, bucket_bytes=1, version=2), daemon=True)
+    syncing.start()
+    assert exported.wait(timeout=30)
+    restarting = threading.Thread(target=controller._restart, args=(0, EngineError("srv0 died")), daemon=True)
+    restarting.start()
+    restarting.join(timeout=0.5)
+    assert restarting.is_alive(), "the restart did not wait for the sync in progress"
+    go.set()
+    syncing.join(timeout=30)
+    restarting.join(timeout=30)
+    assert not syncing.is_alive() and not restarting.is_alive()
+    names = [n for n, _ in new_weights[:2]]
+    assert transport.events == [("bucket", names[:1]), ("bucket", names[1:]), ("finish", 2), ("replaced", 0),
+                                ("reload", 2)], transport.events
+    assert member.version == 2
+    assert [[n for n, _ in b] for b in controller._weights] == [names[:1], names[1:]]
+
+
+def test_an_abort_ends_a_stream_whose_feed_the_collector_left_open():
+    """Seen with the SLURM fleet (2026-11-29): the trainer failed while the producer streamed, and
+    stopping the producer aborted the engines without closing the collector's feed. Each request
+    sent after the abort ended at once as aborted, its prompt counted in flight, the collector's
+    gate shut for good, and the stream's threads (joined at interpreter exit) never ended."""
+    engine = _Server("srv0")
+    controller = RolloutController([engine], max_restarts=0)
+    aborted = threading.Event()
+
+    def generate(prompts, params, *, index_offset=0):
+        from megatron_dapo.rollout.engine import GenerationResult
+
+        if not aborted.is_set():
+            time.sleep(0.05)
+        reason = "abort" if aborted.is_set() else "length"
+        return [GenerationResult(prompt_index=index_offset, sample_index=j, output_ids=[1], logprobs=[-0.5],
+                                 finish_reason=reason) for j in range(params.n)]
+
+    engine.generate = generate
+    engine.abort = aborted.set
+    feed = PromptFeed(iter([[i + 1] for i in range(10_000)]), gate=lambda taken: taken - len(groups) < 4)
+    groups = []
+    result = []
+
+    def stream():
+        result.append(controller.stream(feed, SamplingParams(n=2, max_new_tokens=1), groups.append, max_inflight=2))
+
+    streaming = threading.Thread(target=stream, daemon=True)
+    streaming.start()
+    deadline = time.monotonic() + 30
+    while len(groups) < 3:
+        assert time.monotonic() < deadline and streaming.is_alive()
+        time.sleep(0.01)
+    controller.abort()  # as stop_producer does: the collector's feed stays open
+    streaming.join(timeout=10)
+    try:
+        assert not streaming.is_alive(), "the stream went on after the abort"
+        assert result and all(r.finish_reason == "abort" for r in result[0])
+    finally:
+        feed.close()

@@ -313,7 +313,8 @@ def test_an_abort_nobody_asked_for_is_an_engine_failure_not_a_prompt_lost_to_the
 
 def test_an_abort_that_was_asked_for_stays_a_cut_prompt(tiny):
     """The collector's own abort (the feed still open, as the asynchronous loop's stop sends it) is
-    not an engine failure: the cut rows come back for the carry, no restart."""
+    not an engine failure: the cut rows come back for the carry, no restart; and nothing more is
+    taken from the feed after it."""
     path, _ = tiny
 
     class Cut(GenerateOnly):
@@ -335,4 +336,4 @@ def test_an_abort_that_was_asked_for_stays_a_cut_prompt(tiny):
         cut = controller.stream(feed, PARAMS, lambda g: None, max_inflight=1)
     finally:
         controller.shutdown()
-    assert controller.num_restarts == 0 and len(cut) == 2 * PARAMS.n
+    assert controller.num_restarts == 0 and len(cut) == PARAMS.n and feed.num_taken == 1
