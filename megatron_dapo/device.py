@@ -95,6 +95,14 @@ def setup_device(kind: str = "auto") -> torch.device:
     return torch.device("cpu")
 
 
+def param_dtype(setting: str, device: torch.device) -> torch.dtype:
+    """The actor's parameter dtype for model.dtype `setting` (auto = bf16 on GPU, fp32 on CPU); the
+    engines serve the same."""
+    if setting == "bf16" or (setting == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
 def distributed_backend(device: torch.device) -> str:
     """The torch.distributed backend of the default group for ``device``.
 

@@ -37,7 +37,7 @@ from megatron_dapo.config.loader import to_dict
 from megatron_dapo.config.preflight import check_device, check_hf_checkpoint, check_inputs
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
 from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
-from megatron_dapo.device import release_cached_memory
+from megatron_dapo.device import param_dtype, release_cached_memory
 from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.metrics import MetricsLogger
@@ -368,9 +368,7 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
 
 def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """The actor's parameter dtype (model.dtype: auto = bf16 on GPU, fp32 on CPU); the engines serve the same."""
-    if cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
+    return param_dtype(cfg.model.dtype, device)
 
 
 def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parallel.ParallelDims,
@@ -479,7 +477,7 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
         episodes=episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length, log_dir=run.output_dir))
     engines = training_engines(cfg, hf_dir, run.colocated, run.dims.device, run.output_dir)
     run.rollout = RolloutController(engines, max_restarts=cfg.rollout.max_engine_restarts,
-                                    transport=weight_transport(cfg, engines))
+                                    transport=weight_transport(cfg, engines, run.dims.device))
     run.rewards = RewardPool(cfg.reward.reward_fn, cfg.reward.num_workers, cfg.reward.timeout_s,
                              max_failure_fraction=cfg.reward.max_failure_fraction,
                              log_path=run.output_dir / REWARD_LOG)

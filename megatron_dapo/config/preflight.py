@@ -92,7 +92,7 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     from megatron_dapo.rollout.factory import check_fleet_device, check_installed, check_model
 
     if cfg.trainer.device == "cuda":
-        check_fleet_device(cfg.rollout, "cuda")  # a GPU fleet is not built, whether or not a GPU is here
+        check_fleet_device(cfg.rollout, "cuda")  # a vLLM GPU fleet is not built, whether or not a GPU is here
     check_device(cfg.trainer.device)
     if cfg.model.transformer_impl == "transformer_engine":
         from megatron_dapo.models import choose_transformer_impl

@@ -193,8 +193,8 @@ class RolloutController:
             self._syncing = True
             received: list[list[tuple[str, torch.Tensor]]] = []
             self._fleet_call(lambda: received.append(self._transport.receive_stage(stage, header)))  # type: ignore[union-attr]
-            if received and self._keep_weights:
-                self._incoming.append(received[0])
+            if received and self._keep_weights:  # on the host: a fleet on GPUs receives into the controller's GPU
+                self._incoming.append([(n, t.to("cpu")) for n, t in received[0]])
             return bool(received)
 
     def keep_weights_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:

@@ -99,8 +99,10 @@ def _local_eval(args: EvalEngineArgs) -> RolloutEngine:
 def _sglang_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                      output_dir: Path) -> list[RolloutEngine]:
     if cfg.rollout.placement == "disaggregated":
+        from megatron_dapo.device import param_dtype
+
         return _sglang_fleet(cfg.rollout, hf_dir, device, output_dir, return_routes=_wants_routes(cfg),
-                             overlapped=overlaps(cfg))
+                             overlapped=overlaps(cfg), dtype=param_dtype(cfg.model.dtype, device))
     assert shared is not None and shared.clients, "launch_rank_engines runs before the controller's engines"
     return shared.clients
 
@@ -111,28 +113,40 @@ def _wants_routes(cfg: Config) -> bool:
     return cfg.algorithm.routing_replay != "off"
 
 
-def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
-                  output_dir: Path, *, return_routes: bool = False, overlapped: bool = False) -> list[RolloutEngine]:
+def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device, output_dir: Path, *,
+                  return_routes: bool = False, overlapped: bool = False, dtype: torch.dtype | None = None,
+                  ) -> list[RolloutEngine]:
     """rollout.num_engines servers the controller starts (at once) and feeds while the actor trains
     (never released): weights arrive mid-stream by broadcast (weight_transport), paused in place
-    (SGLangEngine live_updates). The server settings are the colocated CPU path's (float32, the CPU
-    KV pool); each runs beside the trainer or on a node of the fleet's own (rollout/fleet/nodes.py)."""
+    (SGLangEngine live_updates). Each runs beside the trainer or on a node of the fleet's own
+    (rollout/fleet/nodes.py). On CPU the settings are the colocated CPU path's (float32, the CPU KV
+    pool, cores split between servers); on GPUs each server has rollout.tensor_model_parallel_size
+    GPUs of its own (after the trainer's on its node, or its srun step's), the actor's dtype and
+    rollout.gpu_memory_utilization of them."""
 
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, cpu_fleet_binding
 
     check_fleet_device(rollout, device.type)
-    sites = fleet_sites(rollout.num_engines, nodes=rollout.nodes, host=rollout.host)
+    on_gpu = device.type == "cuda"
+    sites = fleet_sites(rollout.num_engines, nodes=rollout.nodes, host=rollout.host, **_gpu_layout(rollout, device))
 
     def launch(i: int) -> RolloutEngine:
         site = sites[i]
-        config = SGLangServerConfig(model_path=str(hf_dir), device="cpu", dtype="float32",
-                                    max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,
-                                    host=site.host, python=rollout.sglang.python or "",
+        if on_gpu:
+            hardware: dict[str, Any] = dict(
+                device="cuda", dtype=str(dtype or "bfloat16").removeprefix("torch."),
+                tp_size=rollout.tensor_model_parallel_size, base_gpu_id=site.base_gpu_id,
+                mem_fraction_static=rollout.gpu_memory_utilization, max_total_tokens=rollout.sglang.max_total_tokens,
+                releases_memory=False)
+        else:
+            hardware = dict(device="cpu", dtype="float32",
+                            max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,
+                            env=cpu_fleet_binding(site.slot, site.peers, site.cores,
+                                                  overlapped=overlapped and site.node is None))
+        config = SGLangServerConfig(model_path=str(hf_dir), host=site.host, python=rollout.sglang.python or "",
                                     log_path=str(output_dir / "engine_logs" / f"sglang{i}.log"),
-                                    return_routes=return_routes, launcher=site.launcher,
-                                    env=cpu_fleet_binding(site.slot, site.peers, site.cores,
-                                                          overlapped=overlapped and site.node is None))
+                                    return_routes=return_routes, launcher=site.launcher, **hardware)
         return SGLangEngine.launch(config, name=f"sglang{i}", request_timeout_s=rollout.request_timeout_s,
                                    live_updates=True)
 
@@ -140,13 +154,27 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device,
 
 
 def check_fleet_device(rollout: RolloutConfig, device: str) -> None:
-    """Fleets of SGLang or vLLM servers run on CPU: servers on GPUs of their own (weights by NCCL
-    broadcast) are not built. Checked before anything starts (preflight: `config validate` in
+    """A fleet of SGLang servers runs on CPU or GPUs (weights by gloo or NCCL broadcast); a vLLM fleet
+    on CPU only: its servers on GPUs would need a CUDA transfer engine of ours, which is not built
+    (DESIGN.md, "GPU fleets"). Checked before anything starts (preflight: `config validate` in
     dapo.sbatch, with trainer.device=cuda) and when the engines start (trainer.device=auto)."""
-    if rollout.placement == "disaggregated" and rollout.engine in ("sglang", "vllm") and device != "cpu":
-        raise UserError(f"rollout.placement=disaggregated with rollout.engine={rollout.engine} runs on CPU only "
-                        f"(trainer device {device}): servers on GPUs of their own (weights by NCCL broadcast) "
-                        "are not built; use rollout.placement=colocated")
+    if rollout.placement == "disaggregated" and rollout.engine == "vllm" and device != "cpu":
+        raise UserError(f"rollout.placement=disaggregated with rollout.engine=vllm runs on CPU only (trainer device "
+                        f"{device}): vLLM servers on GPUs of their own are not built; use rollout.engine=sglang for "
+                        "a GPU fleet, or rollout.placement=colocated")
+
+
+def _gpu_layout(rollout: RolloutConfig, device: torch.device) -> dict[str, Any]:
+    """fleet_sites' GPU arguments: none on CPU; on GPUs each server's GPUs, and beside the trainer
+    the GPUs its ranks on this node take (the first LOCAL_WORLD_SIZE) and the ones this node shows."""
+    if device.type != "cuda":
+        return {}
+    import torch
+
+    from megatron_dapo.parallel import launcher_local_world_size
+
+    return dict(gpus_per_server=rollout.tensor_model_parallel_size, trainer_gpus=launcher_local_world_size(),
+                node_gpus=torch.cuda.device_count())
 
 
 def _launch_fleet(num_engines: int, launch: Callable[[int], RolloutEngine]) -> list[RolloutEngine]:
@@ -191,10 +219,11 @@ def fleet_trainer_threads(cfg: Config, local_ranks: int) -> int | None:
     return trainer_threads(cfg.rollout.num_engines, overlaps(cfg), local_ranks)
 
 
-def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:
+def weight_transport(cfg: Config, engines: Sequence[RolloutEngine], device: torch.device | None = None) -> Any:
     """How step 7 reaches the controller's engines: None = each engine loads every bucket itself
     (colocated shared memory, the local engines, the vLLM server on the trainer's node); a fleet of
-    disaggregated SGLang or vLLM servers gets each bucket by one broadcast (rollout/fleet/broadcast.py)."""
+    disaggregated SGLang or vLLM servers gets each bucket by one broadcast (rollout/fleet/broadcast.py),
+    over NCCL from the controller's GPU when `device` is one, else over gloo."""
     if not broadcasts_weights(cfg):
         return None
     from urllib.parse import urlparse
@@ -204,8 +233,11 @@ def weight_transport(cfg: Config, engines: Sequence[RolloutEngine]) -> Any:
     # Servers on nodes of their own reach the controller on the route to theirs (fleet/nodes.py).
     remote = urlparse(getattr(engines[0], "base_url", "")).hostname if cfg.rollout.nodes else None
     master = weight_master_address(cfg.rollout.host, remote)
-    return WeightBroadcast(engines, master_address=master, backend="gloo",  # type: ignore[arg-type]
-                           timeout_s=cfg.rollout.fleet_sync_timeout_s)
+    # The controller's side lives where its export does: its GPU (NCCL; the servers' workers join
+    # on theirs) or the CPU (gloo).
+    on_gpu = device is not None and device.type == "cuda"
+    return WeightBroadcast(engines, master_address=master, backend="nccl" if on_gpu else "gloo",  # type: ignore[arg-type]
+                           timeout_s=cfg.rollout.fleet_sync_timeout_s, device=device if on_gpu else None)
 
 
 def _sglang_launch(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,

@@ -63,6 +63,19 @@ trainer's `srun --label`) would make the srun step of a server on a node of its 
 
 _LAUNCHER_PREFIXES = ("TORCHELASTIC_",)
 
+SRUN_REQUEST_VARIABLES = (
+    "SLURM_MEM_PER_NODE", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_GPU", "SLURM_GPUS", "SLURM_GPUS_PER_NODE",
+    "SLURM_GPUS_PER_TASK", "SLURM_GPUS_PER_SOCKET", "SLURM_CPUS_PER_GPU", "SLURM_GRES", "SLURM_STEP_GRES",
+    "SLURM_TRES_PER_TASK", "SLURM_CPUS_PER_TASK", "SRUN_CPUS_PER_TASK", "SLURM_NTASKS_PER_NODE",
+    "SLURM_NTASKS_PER_GPU", "SLURM_NTASKS_PER_TRES", "SLURM_OVERLAP", "SLURM_EXCLUSIVE", "SLURM_GPU_BIND",
+    "SLURM_TRES_BIND", "SLURM_HINT",
+)  # fmt: skip
+"""The job's and the trainer step's requests that srun reads as its own options (its input
+environment, SLURM 22.05-24.05: e.g. SLURM_MEM_PER_NODE as --mem, SLURM_GPUS_PER_NODE as
+--gpus-per-node): a server's srun step on a node of the fleet's own (rollout/fleet/nodes.py)
+inheriting them would ask for the job's whole node and block the next server's step. No server
+reads them."""
+
 
 def server_environment(extra: Mapping[str, str] | None = None, base: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of an inference server launched from a trainer rank.
@@ -72,11 +85,12 @@ def server_environment(extra: Mapping[str, str] | None = None, base: Mapping[str
         base: the environment to start from; None = this process's.
 
     Returns:
-        A new dict without the launcher's variables (LAUNCHER_VARIABLES, TORCHELASTIC_*).
+        A new dict without the launcher's variables (LAUNCHER_VARIABLES, TORCHELASTIC_*) and the
+        requests srun would read from it (SRUN_REQUEST_VARIABLES).
     """
     env = dict(os.environ if base is None else base)
     for key in list(env):
-        if key in LAUNCHER_VARIABLES or key.startswith(_LAUNCHER_PREFIXES):
+        if key in LAUNCHER_VARIABLES or key in SRUN_REQUEST_VARIABLES or key.startswith(_LAUNCHER_PREFIXES):
             del env[key]
     env.update(extra or {})
     return env

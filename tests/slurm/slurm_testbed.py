@@ -16,6 +16,14 @@ partition `split` with the first, for jobs that give a rollout fleet a node of i
 (test_slurm_fleet.py); the default partition holds the first node alone, so the other jobs
 never land there. Its name resolves on every machine, which the fleet needs (the trainer calls
 its servers at the node's address); SLURM's slurmd accepts `-N name` in Debian's build.
+
+With that node, both nodes offer `gpu` GRES (ENGINE_GPUS each, as GPU nodes of a real cluster
+are alike, so a two-node job can ask `--gres=gpu:N` per node): character devices made under the
+cluster's directory with the NVIDIA major number, named in a gres.conf beside slurm.conf. No
+GPU is behind them; what they give is SLURM's own GPU accounting (a step's `--gres=gpu:N`,
+the CUDA_VISIBLE_DEVICES slurmstepd sets, steps that wait for busy GPUs), which the GPU fleet's
+launcher relies on (test_slurm_fleet.py). Where devices cannot be made (no CAP_MKNOD) the nodes
+have none and those tests skip.
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ REPO = Path(__file__).resolve().parents[2]
 DAEMONS = ("munged", "slurmctld", "slurmd")
 # Debian packages providing the daemons and the client commands (sbatch, srun, scontrol).
 APT_PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
+ENGINE_GPUS = 2
+"""GPU GRES of each node when there are two (device files only)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +60,8 @@ class SlurmCluster:
     """The second node of partition `split` (None when this machine's hostname is localhost)."""
     cpus: int
     """CPUs the node offers."""
+    engine_gpus: int
+    """`gpu` GRES of each node when there are two (0 when the device files could not be made)."""
     env: dict[str, str]
     """Environment for client commands (sbatch, squeue, scontrol ...)."""
 
@@ -131,18 +143,40 @@ def _node_resources() -> tuple[int, int]:
     return max(2, int(fields["CPUs"])), int(int(fields["RealMemory"]) * 0.95)
 
 
-def _write_conf(root: Path, node: str, cpus: int, mem_mb: int, munge_socket: Path, engine_node: str | None) -> Path:
+def _make_gpu_devices(root: Path, names: list[str], count: int) -> int:
+    """`count` character devices root/dev/<node>/nvidia<i> per node (NVIDIA's major, 195); `count`,
+    or 0 when they could not be made."""
+    import stat
+
+    for name in names:
+        (root / "dev" / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            try:
+                os.mknod(root / "dev" / name / f"nvidia{i}", stat.S_IFCHR | 0o666, os.makedev(195, i))
+            except OSError:
+                return 0
+    return count
+
+
+def _write_conf(root: Path, node: str, cpus: int, mem_mb: int, munge_socket: Path, engine_node: str | None,
+                engine_gpus: int = 0) -> Path:
     for sub in ("state", "spool", "log", "run"):
         (root / sub).mkdir(parents=True, exist_ok=True)
     for name in (node, engine_node):
         if name:
             (root / "spool" / name).mkdir(exist_ok=True)
-    second = [f"NodeName={engine_node} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} RealMemory={mem_mb} "
+    gres = f" Gres=gpu:{engine_gpus}" if engine_node and engine_gpus else ""
+    second = [f"NodeName={engine_node} NodeAddr=127.0.0.1 Port={_free_port()} CPUs={cpus} RealMemory={mem_mb}{gres} "
               "State=UNKNOWN", f"PartitionName=split Nodes={node},{engine_node} MaxTime=INFINITE State=UP"] \
         if engine_node else []
+    if gres:
+        (root / "gres.conf").write_text("AutoDetect=off\n" + "".join(
+            f"NodeName={name} Name=gpu File={root / 'dev' / name}/nvidia[0-{engine_gpus - 1}]\n"
+            for name in (node, engine_node)))
     conf = root / "slurm.conf"
     conf.write_text("\n".join([
         "ClusterName=megatron-dapo-test",
+        *(["GresTypes=gpu"] if engine_node and engine_gpus else []),
         f"SlurmctldHost={node}(127.0.0.1)",
         f"SlurmctldPort={_free_port()}",
         f"SlurmdPort={_free_port()}",
@@ -178,7 +212,7 @@ def _write_conf(root: Path, node: str, cpus: int, mem_mb: int, munge_socket: Pat
         "JobRequeue=1",
         "MinJobAge=3600",
         "KillWait=10",
-        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb} State=UNKNOWN",
+        f"NodeName={node} NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={mem_mb}{gres} State=UNKNOWN",
         f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
         *second,
         "",
@@ -224,11 +258,13 @@ def start_cluster(root: Path) -> tuple[SlurmCluster, list[subprocess.Popen[bytes
     key.chmod(0o400)
     munge_socket = munge_dir / "munge.socket"
     engine_node = "localhost" if node != "localhost" else None
-    conf = _write_conf(root, node, cpus, mem_mb, munge_socket, engine_node)
+    gpus = _make_gpu_devices(root, [node, engine_node], ENGINE_GPUS) if engine_node else 0
+    conf = _write_conf(root, node, cpus, mem_mb, munge_socket, engine_node, gpus)
     env = {**os.environ, "SLURM_CONF": str(conf)}
     for var in [v for v in env if v.startswith(("SLURM_", "SBATCH_", "SRUN_")) and v != "SLURM_CONF"]:
         del env[var]  # a pytest started inside a job must not leak its job's settings
-    cluster = SlurmCluster(root=root, conf=conf, node=node, engine_node=engine_node, cpus=cpus, env=env)
+    cluster = SlurmCluster(root=root, conf=conf, node=node, engine_node=engine_node, cpus=cpus, engine_gpus=gpus,
+                           env=env)
     log = root / "log"
     procs: list[subprocess.Popen[bytes]] = []
     try:

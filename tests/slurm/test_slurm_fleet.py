@@ -13,12 +13,13 @@ import importlib.util
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from slurm_jobs import TINY_FAST, job_steps, read_log, submit, wait_for
-from slurm_testbed import SlurmCluster
+from slurm_testbed import REPO, SlurmCluster
 
 pytestmark = pytest.mark.slurm
 
@@ -105,3 +106,63 @@ def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: Slur
     while _fleet_processes(job) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not _fleet_processes(job), _fleet_processes(job)
+
+
+# What each fake server records: its node, GPUs, CPUs and when it ran (it stays up a few seconds,
+# as a server does, so two that start side by side overlap).
+_GPU_SERVER = """\
+import json, os, sys, time
+start = time.time()
+record = {k: os.environ.get(k) for k in ("SLURMD_NODENAME", "CUDA_VISIBLE_DEVICES", "SLURM_STEP_ID",
+                                         "SLURM_CPUS_PER_TASK", "SLURM_MEM_PER_NODE")}
+time.sleep(4)
+record.update(start=start, end=time.time())
+with open(sys.argv[1], "a") as out:
+    out.write(json.dumps(record) + "\\n")
+"""
+
+# The trainer's side: the fleet's own launcher (rollout/fleet/nodes.py) and server environment.
+_GPU_TRAINER = """\
+import subprocess, sys
+from megatron_dapo.rollout.fleet.nodes import fleet_sites
+from megatron_dapo.rollout.server_process import server_environment
+sites = fleet_sites(2, nodes=[sys.argv[1]], gpus_per_server=1)
+print("launchers:", [" ".join(s.launcher) for s in sites], flush=True)
+procs = [subprocess.Popen([*s.launcher, sys.executable, sys.argv[2], sys.argv[3]], env=server_environment())
+         for s in sites]
+print("exit codes:", [p.wait(timeout=120) for p in procs], flush=True)
+"""
+
+
+def test_gpu_servers_on_one_node_of_their_own_run_side_by_side_on_their_own_gpus(
+        slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    """A GPU fleet's launcher against SLURM 22.05's own GPU accounting (the nodes' GRES are device
+    files: no GPU runs here). A job of two nodes with 2 GPUs and 2 CPUs each, --mem asked; its
+    step on the first node starts two one-GPU servers on the second as fleet_sites says. Both must
+    run at once, each with a GPU of its own: with --overlap they would share GPUs, and with the
+    job's CPUs, or its memory (srun reads the inherited SLURM_MEM_PER_NODE as --mem), held by the
+    first step the second would wait for it forever."""
+    if slurm_cluster.engine_node is None or slurm_cluster.engine_gpus < 2:
+        pytest.skip("the test cluster has no second node with GPU GRES (hostname localhost, or no CAP_MKNOD)")
+    server, trainer, records, log = (tmp_path / "server.py", tmp_path / "trainer.py", tmp_path / "servers.jsonl",
+                                     tmp_path / "job.out")
+    server.write_text(_GPU_SERVER)
+    trainer.write_text(_GPU_TRAINER)
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\nset -e\n"
+                      f"srun --nodes=1 --ntasks=1 --nodelist={slurm_cluster.node} --cpu-bind=none "
+                      f"{sys.executable} {trainer} {slurm_cluster.engine_node} {server} {records}\n")
+    job = submit(slurm_cluster, str(script), log, env={"PYTHONPATH": str(REPO)},
+                 options=("--partition=split", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2",
+                          "--gres=gpu:2", "--mem=1000"))
+    state = slurm_cluster.wait_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 120)
+    text = read_log(log)
+    assert state == "COMPLETED", text
+    assert "exit codes: [0, 0]" in text, text
+    runs = [json.loads(line) for line in records.read_text().splitlines()]
+    assert len(runs) == 2, runs
+    assert {r["SLURMD_NODENAME"] for r in runs} == {slurm_cluster.engine_node}, runs
+    assert sorted(r["CUDA_VISIBLE_DEVICES"] for r in runs) == ["0", "1"], runs  # a GPU each, not the same one
+    assert {r["SLURM_CPUS_PER_TASK"] for r in runs} == {"1"}, runs  # the node's 2 CPUs, one each
+    first, second = sorted(runs, key=lambda r: r["start"])
+    assert second["start"] < first["end"], f"the second server waited for the first: {runs}\n{text}"

@@ -163,12 +163,77 @@ def test_dry_run_refuses_engine_nodes_that_leave_no_actor(value: str) -> None:
     assert proc.stderr.strip().count("\n") == 0 and f"ENGINE_NODES={value}" in proc.stderr
 
 
-def test_a_gpu_fleet_fails_config_validate_in_one_line() -> None:
-    """dapo.sbatch runs `config validate` before any rank starts: a GPU job with ENGINE_NODES stops in
+def test_a_vllm_gpu_fleet_fails_config_validate_in_one_line() -> None:
+    """dapo.sbatch runs `config validate` before any rank starts: a GPU job with a vLLM fleet stops in
     seconds, not after the actor is built (the engines' start refuses it too, for trainer.device=auto)."""
     proc = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "config", "validate", "examples/tiny_cpu.yaml",
                            "trainer.device=cuda", "rollout.engine=vllm", "rollout.placement=disaggregated",
                            "model.scratch.hidden_size=128"], cwd=REPO, text=True, capture_output=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0
-    assert "runs on CPU only (trainer device cuda)" in proc.stderr and "NCCL broadcast" in proc.stderr
+    assert "runs on CPU only (trainer device cuda)" in proc.stderr and "rollout.engine=sglang" in proc.stderr
+
+
+def test_an_sglang_fleet_may_run_on_gpus() -> None:
+    from megatron_dapo.config import Config
+    from megatron_dapo.rollout.factory import check_fleet_device
+
+    cfg = Config()
+    cfg.rollout.engine, cfg.rollout.placement = "sglang", "disaggregated"
+    check_fleet_device(cfg.rollout, "cuda")
+    cfg.rollout.engine = "vllm"
+    with pytest.raises(UserError, match="vLLM servers on GPUs of their own are not built"):
+        check_fleet_device(cfg.rollout, "cuda")
+
+
+def test_gpu_servers_beside_the_trainer_take_the_gpus_after_its_ranks() -> None:
+    """Four trainer ranks on GPUs 0-3 of an 8-GPU node: two TP-2 servers on GPUs 4-5 and 6-7
+    (SGLang's --base-gpu-id); a third would not fit, and says so before anything starts."""
+    sites = fleet_sites(2, gpus_per_server=2, trainer_gpus=4, node_gpus=8)
+    assert [(s.base_gpu_id, s.launcher) for s in sites] == [(4, ()), (6, ())]
+    with pytest.raises(UserError, match=r"need 10 GPUs, this node shows 8") as err:
+        fleet_sites(3, gpus_per_server=2, trainer_gpus=4, node_gpus=8)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.usefixtures("slurm_job")
+def test_gpu_servers_on_nodes_of_their_own_are_steps_with_gpus_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not --overlap (it shares GRES since SLURM 22.05: every server would see the same GPUs):
+    --gres=gpu:TP steps, each with its share of the node's CPUs and of the job's memory there, so
+    the node's steps start side by side; SLURM sets each one's CUDA_VISIBLE_DEVICES (base GPU 0)."""
+    monkeypatch.setenv("SLURM_MEM_PER_NODE", "64000")
+    sites = fleet_sites(3, nodes=["b", "c"], gpus_per_server=2)
+    assert sites[0].launcher == ("srun", "--jobid=77", "--nodes=1", "--ntasks=1", "--nodelist=b", "--exact",
+                                 "--gres=gpu:2", "--cpus-per-task=2", "--mem=32000M", "--kill-on-bad-exit=1",
+                                 "--cpu-bind=none", "--job-name=engine0")
+    # c runs one server: the node's 4 CPUs and the job's memory there are its own.
+    assert "--cpus-per-task=4" in sites[1].launcher and "--mem=64000M" in sites[1].launcher
+    assert all("--overlap" not in s.launcher and s.base_gpu_id == 0 for s in sites)
+    # No memory request of the job: --mem=0 (the job's memory on the node, held from no other step).
+    monkeypatch.delenv("SLURM_MEM_PER_NODE")
+    assert "--mem=0" in fleet_sites(1, nodes=["b"], gpus_per_server=1)[0].launcher
+
+
+@pytest.mark.usefixtures("slurm_job")
+def test_gpu_servers_that_cannot_start_side_by_side_are_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Seen on the test cluster (SLURM 22.05, 2026-11-29): two one-GPU steps on a node where the job
+    held one CPU ran one after the other ("step creation temporarily disabled"), so a second server
+    would never start. Too few CPUs, or GPUs, of the job on an engine node is one line up front."""
+    with pytest.raises(UserError, match=r"node b holds 4 CPU\(s\) of this job, fewer than the 5 servers") as err:
+        fleet_sites(9, nodes=["b", "c"], gpus_per_server=1)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("SLURM_GPUS_PER_NODE", "h100:4")
+    fleet_sites(4, nodes=["b", "c"], gpus_per_server=2)  # 2 servers x 2 GPUs on each node: fits
+    with pytest.raises(UserError, match=r"node b gets 3 servers of rollout.tensor_model_parallel_size=2 GPU\(s\), "
+                                        r"6 GPUs, but the job holds 4 per node"):
+        fleet_sites(5, nodes=["b", "c"], gpus_per_server=2)
+
+
+def test_a_server_does_not_pass_the_jobs_requests_on_to_its_srun_step() -> None:
+    """srun reads SLURM_MEM_PER_NODE as --mem, SLURM_GPUS_PER_NODE as --gpus-per-node, ...: a server
+    step inheriting them asked for the job's whole node and held the next server's step back."""
+    from megatron_dapo.rollout.server_process import server_environment
+
+    env = server_environment(base={"SLURM_MEM_PER_NODE": "64000", "SLURM_GPUS_PER_NODE": "8", "SLURM_JOB_ID": "7",
+                                   "SLURM_CPUS_PER_TASK": "16", "PATH": "/bin", "LOCAL_RANK": "3"})
+    assert env == {"SLURM_JOB_ID": "7", "PATH": "/bin"}

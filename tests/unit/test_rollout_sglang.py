@@ -509,3 +509,34 @@ def test_the_fleet_binding_reaches_the_server_over_the_trainers_thread_count(mon
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     env = server_environment(server_env(config))
     assert (env["OMP_NUM_THREADS"], env["SGLANG_CPU_OMP_THREADS_BIND"]) == ("1", "1")
+
+
+def test_a_gpu_fleet_gives_each_server_its_own_gpus_in_the_actors_dtype(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path) -> None:
+    """An SGLang fleet on GPUs beside four trainer ranks of an 8-GPU node: each TP-2 server on two
+    GPUs after the trainer's (--base-gpu-id 4, 6), bf16 as the actor, its memory share of whole
+    GPUs, no memory saver (a fleet never hands its memory to training), no CPU binding; the
+    weights then travel by NCCL from the controller's GPU (not run here: DESIGN.md, "GPU fleets")."""
+    import torch
+
+    from megatron_dapo.config import Config
+    from megatron_dapo.rollout import factory
+    from megatron_dapo.rollout.sglang.engine import SGLangEngine
+
+    cfg = Config()
+    cfg.rollout.engine, cfg.rollout.placement, cfg.rollout.num_engines = "sglang", "disaggregated", 2
+    cfg.rollout.tensor_model_parallel_size, cfg.rollout.gpu_memory_utilization = 2, 0.85
+    launched = []
+    monkeypatch.setattr(SGLangEngine, "launch", classmethod(lambda cls, config, **kw: launched.append(config) or config))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    factory._sglang_training(cfg, tmp_path, None, torch.device("cuda", 0), tmp_path)
+    assert sorted((c.base_gpu_id, c.tp_size, c.device, c.dtype, c.mem_fraction_static, c.releases_memory, c.env)
+                  for c in launched) == [(4, 2, "cuda", "bfloat16", 0.85, False, {}), (6, 2, "cuda", "bfloat16", 0.85, False, {})]
+    command = build_launch_command(resolve_server_config(launched[0], "sglang0"))
+    assert "--enable-memory-saver" not in command and "--device" not in command
+    assert command[command.index("--tp-size") + 1] == "2"
+    cfg.model.dtype = "fp32"
+    launched.clear()
+    factory._sglang_training(cfg, tmp_path, None, torch.device("cuda", 0), tmp_path)
+    assert {c.dtype for c in launched} == {"float32"}

@@ -140,7 +140,7 @@ class WeightBroadcast:
     """Step 7 for a fleet: each bucket broadcast once to every server (module docstring)."""
 
     def __init__(self, engines: Sequence[FleetMember], *, master_address: str, backend: str = "gloo",
-                 timeout_s: float = 600.0) -> None:
+                 timeout_s: float = 600.0, device: torch.device | str | None = None) -> None:
         """Args:
             engines: the fleet's servers, in rank order (server i's TP rank 0 is rank 1 + the
                 TP sizes before it).
@@ -148,12 +148,20 @@ class WeightBroadcast:
             backend: "gloo" (CPU tensors) or "nccl" (the controller's GPU).
             timeout_s: the deadline of the group's rendezvous, of each collective and of each
                 server's request.
+            device: where the controller's side of each broadcast lives: its own GPU for "nccl"
+                (default: the current CUDA device), the CPU for "gloo".
         """
         if not engines:
             raise ValueError("a fleet needs at least one engine")
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"WeightBroadcast backend={backend!r} must be gloo (CPU) or nccl (GPUs)")
         self.engines = list(engines)
         self.master_address = master_address
         self.backend = backend
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = torch.device(device)
+        """The controller's buffers: NCCL broadcasts GPU memory, gloo here CPU memory."""
         self.timeout_s = float(timeout_s)
         self._group: dist.ProcessGroup | None = None
         self._group_name = ""
@@ -190,9 +198,8 @@ class WeightBroadcast:
         bucket = wire_order(bucket)
         self._ensure_group()
 
-        def concatenate() -> torch.Tensor:
-            flat = flat_bytes(bucket)
-            return flat.cpu() if self.backend == "gloo" else flat
+        def concatenate() -> torch.Tensor:  # a restart's reload sends host copies: to the group's device
+            return flat_bytes(bucket).to(self.device)
 
         self._carry(self._group, self._group_name, bucket, concatenate, "the broadcast")  # type: ignore[arg-type]
 
@@ -211,7 +218,8 @@ class WeightBroadcast:
         group, name = self._stage_groups[stage]
         names, dtypes, shapes = header_layout(header)
         meta = [(n, torch.empty(shape, dtype=dtype, device="meta")) for n, dtype, shape in zip(names, dtypes, shapes)]
-        flat = self._carry(group, name, meta, lambda: torch.empty(flat_nbytes(dtypes, shapes), dtype=torch.uint8),
+        flat = self._carry(group, name, meta,
+                           lambda: torch.empty(flat_nbytes(dtypes, shapes), dtype=torch.uint8, device=self.device),
                            f"pipeline stage {stage}'s broadcast", source=f"pipeline stage {stage}'s first rank")
         return list(zip(names, split_flat(flat, dtypes, shapes), strict=True))
 
@@ -260,7 +268,7 @@ class WeightBroadcast:
             FleetSyncError: the server died or did not answer within timeout_s.
         """
         solo = WeightBroadcast([self.engines[index]], master_address=self.master_address, backend=self.backend,
-                               timeout_s=self.timeout_s)
+                               timeout_s=self.timeout_s, device=self.device)
         try:
             for bucket in buckets:
                 solo.update_weights(bucket)

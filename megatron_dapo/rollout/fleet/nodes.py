@@ -62,22 +62,38 @@ class FleetSite:
     """Servers on its node (beside the trainer: the fleet's size); they share its cores."""
     cores: tuple[int, ...] | None = None
     """A node of its own: that node's cores; None: the trainer's (rollout/fleet/cores.py)."""
+    base_gpu_id: int = 0
+    """A GPU server: its first GPU among those it sees (SGLang's --base-gpu-id). Beside the trainer
+    the GPUs after the trainer's ranks'; an srun step sees only its own, so 0."""
 
 
-def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None = None) -> list[FleetSite]:
+def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None = None, gpus_per_server: int = 0,
+                trainer_gpus: int = 0, node_gpus: int | None = None) -> list[FleetSite]:
     """Where each of the fleet's `num_engines` servers runs.
 
     Args:
         num_engines: rollout.num_engines.
         nodes: rollout.nodes; empty = every server beside the trainer.
         host: rollout.host, the address servers beside the trainer bind (default loopback).
+        gpus_per_server: 0 = CPU servers; else each server's GPUs (its TP size).
+        trainer_gpus: GPU servers beside the trainer: the GPUs the trainer's ranks on this node
+            use (its first ones); the servers take the next ones.
+        node_gpus: GPU servers beside the trainer: the GPUs this node shows (None = no check).
 
     Raises:
         UserError: nodes are named but this process is not a task of a SLURM job, srun is missing,
-            or a node is not the job's or runs the trainer's ranks.
+            or a node is not the job's or runs the trainer's ranks; GPU servers beside the trainer
+            do not fit in the node's GPUs.
     """
     if not nodes:
-        return [FleetSite(host=host or "127.0.0.1", slot=i, peers=num_engines) for i in range(num_engines)]
+        if gpus_per_server and node_gpus is not None and trainer_gpus + num_engines * gpus_per_server > node_gpus:
+            raise UserError(
+                f"rollout.num_engines={num_engines} GPU servers of rollout.tensor_model_parallel_size={gpus_per_server} "
+                f"GPU(s) beside the trainer's {trainer_gpus} need {trainer_gpus + num_engines * gpus_per_server} GPUs, "
+                f"this node shows {node_gpus}: lower rollout.num_engines or the trainer's GPUs per node, or put the "
+                "servers on nodes of their own (rollout.nodes; slurm/dapo.sbatch ENGINE_NODES=K)")
+        return [FleetSite(host=host or "127.0.0.1", slot=i, peers=num_engines,
+                          base_gpu_id=trainer_gpus + i * gpus_per_server) for i in range(num_engines)]
     _check_nodes(nodes)
     cpus = job_cpus_per_node()
     job = os.environ["SLURM_JOB_ID"]
@@ -86,13 +102,61 @@ def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None
     for i in range(num_engines):
         node = nodes[i % len(nodes)]
         peers = len(range(i % len(nodes), num_engines, len(nodes)))
-        # --overlap: CPU servers share nothing exclusive. It would not fit GPU servers: since SLURM
-        # 22.05 it shares GRES too (DESIGN.md, "Not yet": steps with --gres=gpu:TP instead).
-        launcher = ("srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", "--overlap",
+        if gpus_per_server:
+            resources = _gpu_step(gpus_per_server, node, cpus.get(node), peers)
+        else:  # CPU servers share nothing exclusive (their cores are split by their thread binding)
+            resources = ("--overlap",)
+        launcher = ("srun", f"--jobid={job}", "--nodes=1", "--ntasks=1", f"--nodelist={node}", *resources,
                     "--kill-on-bad-exit=1", "--cpu-bind=none", f"--job-name=engine{i}")
         sites.append(FleetSite(host=addresses[node], launcher=launcher, node=node, slot=i // len(nodes), peers=peers,
                                cores=tuple(range(cpus[node])) if node in cpus else None))
     return sites
+
+
+def _gpu_step(gpus: int, node: str, node_cpus: int | None, peers: int) -> tuple[str, ...]:
+    """The srun options of a GPU server's step: its own GPUs and its share of the node's CPUs and memory.
+
+    Not `--overlap`: since SLURM 22.05 an overlapping step shares GRES too, and a step without
+    `--gres` gets every GPU of the job on its node, so every server would see the same GPUs.
+    `--exact` with an explicit share of CPUs and memory lets the node's `peers` steps start side
+    by side; without them the first step takes the job's whole node (CPUs; memory too, as srun
+    reads the job's SLURM_MEM_PER_NODE as the step's --mem) and the others wait for it, which for
+    a server is forever. SLURM sets each step's CUDA_VISIBLE_DEVICES to its own GPUs (DESIGN.md,
+    "GPU fleets"); the SLURM_* variables srun would read as requests are not passed on
+    (server_process.server_environment).
+
+    Raises:
+        UserError: the job's CPUs or GPUs on the node cannot hold its servers side by side.
+    """
+    if node_cpus is not None and node_cpus < peers:
+        raise UserError(f"rollout.nodes: node {node} holds {node_cpus} CPU(s) of this job, fewer than the {peers} "
+                        "servers placed there need (one each at least, or their srun steps wait for each other "
+                        "forever): give the job more CPUs per node (sbatch --cpus-per-task or --exclusive) or "
+                        "lower rollout.num_engines")
+    per_node = _job_gpus_per_node()
+    if per_node is not None and peers * gpus > per_node:
+        raise UserError(f"rollout.nodes: node {node} gets {peers} servers of rollout.tensor_model_parallel_size="
+                        f"{gpus} GPU(s), {peers * gpus} GPUs, but the job holds {per_node} per node "
+                        "(SLURM_GPUS_PER_NODE): lower rollout.num_engines or add engine nodes (ENGINE_NODES)")
+    options = ["--exact", f"--gres=gpu:{gpus}"]
+    if node_cpus:
+        options.append(f"--cpus-per-task={node_cpus // peers}")
+    mem = _job_mem_per_node_mb()
+    # --mem=0: the step may use the job's memory on the node without holding it from the others.
+    options.append(f"--mem={max(1, mem // peers)}M" if mem else "--mem=0")
+    return tuple(options)
+
+
+def _job_gpus_per_node() -> int | None:
+    """GPUs the job asked for on each node (SLURM_GPUS_PER_NODE: "8" or "h100:8"), else None."""
+    match = re.fullmatch(r"(?:[\w-]+:)?(\d+)", os.environ.get("SLURM_GPUS_PER_NODE", "").strip())
+    return int(match.group(1)) if match else None
+
+
+def _job_mem_per_node_mb() -> int | None:
+    """The job's memory on each node in MiB (SLURM_MEM_PER_NODE, set when the job asked for --mem), else None."""
+    value = os.environ.get("SLURM_MEM_PER_NODE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def weight_master_address(host: str | None, engine_host: str | None = None) -> str:

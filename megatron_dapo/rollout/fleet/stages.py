@@ -265,8 +265,8 @@ def _stage_source(named_tensors: Iterable[tuple[str, torch.Tensor]], sender: Sta
                 sending.join()
             else:
                 sender.abandon()
-        if box[0] == "host":
-            dist.send(flat_bytes(ordered), dst=controller, group=group)
+        if box[0] == "host":  # over the ranks' gloo control group: host memory
+            dist.send(flat_bytes(ordered).cpu(), dst=controller, group=group)
         if box[0] != "skip":
             num_buckets, num_tensors = num_buckets + 1, num_tensors + len(ordered)
             num_bytes += sum(t.numel() * t.element_size() for _, t in ordered)

@@ -103,6 +103,9 @@ class SGLangServerConfig:
     launcher: tuple[str, ...] = ()
     """argv put before the server's command: an srun step on a node of the fleet's own
     (rollout/fleet/nodes.py; host is then that node's address, the ports free on this one)."""
+    releases_memory: bool = True
+    """A GPU server that hands its weights and KV cache to training between rollouts (colocated:
+    --enable-memory-saver, which needs torch_memory_saver); a fleet's server on GPUs of its own keeps them."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -140,8 +143,9 @@ def build_launch_command(config: SGLangServerConfig) -> list[str]:
         device_args = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
                        "--skip-server-warmup", "--sleep-on-idle", "--max-total-tokens", str(config.max_total_tokens)]
     else:
-        # Lets /release_memory_occupation hand weights + KV cache back to Megatron.
-        device_args = ["--base-gpu-id", str(config.base_gpu_id), "--enable-memory-saver",
+        # --enable-memory-saver lets /release_memory_occupation hand weights + KV cache back to Megatron.
+        device_args = ["--base-gpu-id", str(config.base_gpu_id),
+                       *(["--enable-memory-saver"] if config.releases_memory else []),
                        *(["--max-total-tokens", str(config.max_total_tokens)] if config.max_total_tokens else [])]
     return [
         config.python, "-m", "sglang.launch_server",
@@ -262,6 +266,7 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         extra_args=config.extra_args,
         env=dict(config.env),
         launcher=tuple(config.launcher),
+        releases_memory=config.releases_memory,
     )
 
 
