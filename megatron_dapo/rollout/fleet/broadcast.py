@@ -51,7 +51,7 @@ from megatron_dapo.errors import lost_peer, lost_peer_marker
 from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
-from megatron_dapo.rollout.fleet.group import flat_nbytes, header_layout, join_weight_group, split_flat
+from megatron_dapo.rollout.fleet.group import flat_nbytes, header_layout, join_weight_group, on_device, split_flat
 
 __all__ = ["DaemonCalls", "FleetMember", "FleetSyncError", "StageGroup", "WeightBroadcast", "flat_bytes", "wire_order"]
 
@@ -237,14 +237,16 @@ class WeightBroadcast:
         fault_point("fleet_metadata", 0)
         start = time.perf_counter()
         try:
-            work = group.broadcast([flat], dist.BroadcastOptions())
+            with on_device(flat):
+                work = group.broadcast([flat], dist.BroadcastOptions())
         except Exception as err:  # the group broke before this bucket
             self._fail(what, err, futures, source)
         # A trainer killed, or failing, mid-broadcast (tests); outside the handler below, so an
         # injected failure stays the controller's own, not a server's.
         fault_point("broadcast", 0)
         try:
-            work.wait()
+            with on_device(flat):
+                work.wait()
         except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
             self._fail(what, err, futures, source)
         self.seconds_broadcast += time.perf_counter() - start

@@ -13,13 +13,25 @@ API, which is why its options argument is looked up by name (``backend_options``
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["bucket_header", "flat_nbytes", "header_layout", "join_weight_group", "split_flat"]
+__all__ = ["bucket_header", "flat_nbytes", "header_layout", "join_weight_group", "on_device", "split_flat"]
+
+
+def on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Make `tensor`'s GPU the calling thread's current device (nothing for a CPU tensor).
+
+    An NCCL collective runs, and a lazily created communicator binds, on the calling thread's
+    current device, which is per thread and 0 in a fresh one. The broadcasts run on helper
+    threads (the sync's pool, a stage's sender thread), so a rank whose GPU is not 0 (a stage's
+    first rank at local rank 4) would broadcast from the wrong device without this.
+    """
+    return torch.cuda.device(tensor.device) if tensor.device.type == "cuda" else contextlib.nullcontext()
 
 
 def join_weight_group(*, master_address: str, master_port: int, world_size: int, rank: int, group_name: str,

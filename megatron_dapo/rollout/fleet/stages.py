@@ -52,6 +52,7 @@ from megatron_dapo.rollout.fleet.group import (
     flat_nbytes,
     header_layout,
     join_weight_group,
+    on_device,
     split_flat,
 )
 from megatron_dapo.rollout.weight_sync import BucketMeter, WeightSyncStats, iter_buckets
@@ -108,7 +109,8 @@ class StageSender:
             try:
                 if group is None:
                     raise RuntimeError("this stage's weight group is not formed")
-                group.broadcast([flat], dist.BroadcastOptions()).wait()
+                with on_device(flat):
+                    group.broadcast([flat], dist.BroadcastOptions()).wait()
             except Exception as err:  # the controller's FleetSyncError names who failed
                 logger.warning("pipeline stage %d's weight broadcast failed: %s", stage, err)
 
