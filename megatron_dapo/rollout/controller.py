@@ -280,7 +280,10 @@ class RolloutController:
             # served version 2's batches labelled 1, a StalenessError two steps later).
             while self._syncing and not self._closing.is_set():
                 self._sync_done.wait(timeout=1.0)
-            self._refuse_when_closing(engine, err)  # shut down while this restart waited for another engine's
+            if self._closing.is_set():  # shut down while this restart waited: it never began, nor counts
+                with self._restart_lock:
+                    self.num_restarts -= 1
+                self._refuse_when_closing(engine, err)
             engine.restart()  # type: ignore[attr-defined]
             if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
                 with contextlib.suppress(Exception):

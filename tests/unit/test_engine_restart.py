@@ -405,6 +405,7 @@ def test_a_restart_queued_behind_another_is_not_started_after_shutdown():
     assert not streaming.is_alive()
     assert not queued.relaunching.is_set(), "a restart began after shutdown"
     assert queued.restarts == 0 and running.restarts == 1
+    assert controller.num_restarts == 1, "a restart refused at shutdown was counted"
     assert failure and isinstance(failure[0], EngineError), failure
 
 
