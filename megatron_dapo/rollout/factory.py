@@ -134,11 +134,15 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device, ou
     def launch(i: int) -> RolloutEngine:
         site = sites[i]
         if on_gpu:
+            # --disable-overlap-schedule: with the overlap scheduler, a live update's load_weights can
+            # run while the last launched decode step still reads the weights (sglang 0.5.18/0.5.23's
+            # WAR barrier waits only for the CUDA graph's read-done event; read, not run: DESIGN.md,
+            # "GPU fleets"); one step of mixed weights would be a token of no version.
             hardware: dict[str, Any] = dict(
                 device="cuda", dtype=str(dtype or "bfloat16").removeprefix("torch."),
                 tp_size=rollout.tensor_model_parallel_size, base_gpu_id=site.base_gpu_id,
                 mem_fraction_static=rollout.gpu_memory_utilization, max_total_tokens=rollout.sglang.max_total_tokens,
-                releases_memory=False)
+                releases_memory=False, extra_args=("--disable-overlap-schedule",))
         else:
             hardware = dict(device="cpu", dtype="float32",
                             max_total_tokens=rollout.sglang.max_total_tokens or CPU_KV_TOKENS,

@@ -24,7 +24,7 @@ import torch
 
 from megatron_dapo.rollout.engine import RolloutEngine
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "BucketMeter", "WeightSyncStats", "iter_buckets", "sync_weights"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "BucketMeter", "WeightSyncStats", "iter_buckets", "sync_weights", "with_lm_head_copy"]
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 
@@ -143,3 +143,22 @@ def sync_weights(
         seconds=time.perf_counter() - start,
         peak_bucket_bytes=meter.peak_bytes,
     )
+
+
+LM_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def with_lm_head_copy(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors, with the embedding also as ``lm_head.weight`` (an engine that needs it says so:
+    ``lm_head_copy``, sglang/server.copies_lm_head).
+
+    Args:
+        named: (HF name, tensor) of a tied model's export (no lm_head.weight of its own); a list
+            that already holds lm_head.weight passes unchanged.
+    """
+    named = list(named) if isinstance(named, list | tuple) else named
+    has_head = isinstance(named, list) and any(name == LM_HEAD for name, _ in named)
+    for name, tensor in named:
+        yield name, tensor
+        if name == EMBEDDING and not has_head:
+            yield LM_HEAD, tensor

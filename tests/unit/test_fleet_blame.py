@@ -106,3 +106,57 @@ def test_a_server_failing_for_its_own_reason_is_named() -> None:
 def test_the_controllers_own_broadcast_names_the_servers() -> None:
     message = _carry([_Server("sglang0", RESET)], RESET, None)
     assert "is gone" not in message and "sglang0: SGLang engine sglang0" in message, message
+
+
+class _NcclGroup:
+    """A stand-in for an NCCL group whose broadcast waits for every member, with no deadline of its
+    own (as the first broadcast's communicator creation does): only shutdown() (an abort) ends it."""
+
+    def __init__(self, completes: bool = False) -> None:
+        import threading
+
+        self.aborted, self.completes = threading.Event(), completes
+
+    def broadcast(self, tensors, options) -> _Work:
+        if not self.completes:
+            self.aborted.wait(timeout=60)
+            return _Work("NCCL communicator was aborted")
+        return _Work(None)
+
+    def shutdown(self) -> None:
+        self.aborted.set()
+
+
+def test_on_nccl_a_server_failing_before_it_joins_ends_the_broadcast_at_once() -> None:
+    """Issue 41's "never a hang" on GPUs (a reading of the GPU path, 2026-11-29): a server that
+    refuses the update never joins the broadcast, NCCL gives the controller's side no deadline,
+    and gloo's would be timeout_s. The watched broadcast ends the sync when the request fails,
+    names the server, and shuts the group down, which aborts the broadcast in flight."""
+    fleet = WeightBroadcast([_Server("sglang0", None), _Server("sglang1", "not enough memory")],
+                            master_address="127.0.0.1", backend="nccl", timeout_s=30, device="cpu")
+    fleet.exit_grace_s = 0.5
+    group = _NcclGroup()
+    fleet._group = group
+    start = time.monotonic()
+    with pytest.raises(FleetSyncError, match=r"sglang1: .*not enough memory") as failed:
+        fleet._carry(group, "g", [("w", torch.empty(4, device="meta"))], lambda: torch.empty(16, dtype=torch.uint8),
+                     "the broadcast")
+    assert time.monotonic() - start < 5, failed.value
+    assert group.aborted.is_set(), "the group in flight was not shut down"
+    assert "\n" not in str(failed.value)
+
+
+def test_on_nccl_a_broadcast_nobody_fails_or_finishes_ends_at_the_deadline() -> None:
+    fleet = WeightBroadcast([_Server("sglang0", None)], master_address="127.0.0.1", backend="nccl", timeout_s=1,
+                            device="cpu")
+    group = _NcclGroup()
+    fleet._group = group
+    with pytest.raises(FleetSyncError, match=r"the broadcast did not end within 1 s"):
+        fleet._carry(group, "g", [("w", torch.empty(4, device="meta"))], lambda: torch.empty(16, dtype=torch.uint8),
+                     "the broadcast")
+    assert group.aborted.is_set()
+    done = WeightBroadcast([_Server("sglang0", None)], master_address="127.0.0.1", backend="nccl", timeout_s=5,
+                           device="cpu")
+    flat = done._carry(_NcclGroup(completes=True), "g", [("w", torch.empty(4, device="meta"))],
+                       lambda: torch.empty(16, dtype=torch.uint8), "the broadcast")
+    assert flat.numel() == 16 and done.bytes_broadcast == 16

@@ -535,6 +535,7 @@ def test_a_gpu_fleet_gives_each_server_its_own_gpus_in_the_actors_dtype(monkeypa
                   for c in launched) == [(4, 2, "cuda", "bfloat16", 0.85, False, {}), (6, 2, "cuda", "bfloat16", 0.85, False, {})]
     command = build_launch_command(resolve_server_config(launched[0], "sglang0"))
     assert "--enable-memory-saver" not in command and "--device" not in command
+    assert "--disable-overlap-schedule" in command  # a live update never meets a decode step in flight
     assert command[command.index("--tp-size") + 1] == "2"
     cfg.model.dtype = "fp32"
     launched.clear()

@@ -18,7 +18,7 @@ from megatron_dapo.rollout.engine import EngineError, SamplingParams
 from megatron_dapo.rollout.routes import RouteShape
 from megatron_dapo.rollout.sglang.protocol import build_generate_payload, parse_generate_response
 from megatron_dapo.rollout.sglang.server import copies_lm_head
-from megatron_dapo.rollout.sglang.weights import with_lm_head_copy
+from megatron_dapo.rollout.weight_sync import with_lm_head_copy
 
 SHAPE = RouteShape(num_layers=3, moe_layers=(0, 2), top_k=2, num_experts=8)
 
@@ -70,6 +70,35 @@ def test_a_tied_qwen3_moe_gets_its_embedding_as_lm_head_and_nothing_else_does(tm
     assert sent[1][1] is emb
     # A bucket that already holds the copy (a restart replaying the kept sync) is sent as it is.
     assert len(list(with_lm_head_copy(sent))) == 3
+
+
+def test_a_fleet_broadcast_also_sends_a_tied_qwen3_moe_its_lm_head():
+    """The fleet's broadcast bypasses each server's own update (where the copy was added), so a
+    tied Qwen3-MoE fleet served an lm_head nobody loaded (found reading the GPU fleet, 2026-11-29)."""
+    from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
+
+    class Server:
+        name, tp_size, lm_head_copy = "sglang0", 1, True
+
+        def __init__(self):
+            self.names = []
+
+        def receive_distributed(self, bucket, **kwargs):
+            self.names.append([n for n, _ in bucket])
+
+    class Group:
+        def broadcast(self, tensors, options):
+            class Done:
+                def wait(self):
+                    pass
+            return Done()
+
+    server = Server()
+    fleet = WeightBroadcast([server], master_address="127.0.0.1", timeout_s=5)
+    fleet._group, fleet._members = Group(), (id(server),)
+    fleet.update_weights([("model.embed_tokens.weight", torch.ones(4, 2)), ("model.norm.weight", torch.zeros(2))])
+    assert sorted(server.names[0]) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    assert fleet.bytes_broadcast == 2 * 4 * 2 * 4 + 2 * 4
 
 
 def test_eval_refuses_a_tied_qwen3_moe_on_sglang_in_one_line(tmp_path):

@@ -40,7 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import ALL_COMPLETED, FIRST_EXCEPTION, Future, wait
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -51,7 +51,14 @@ from megatron_dapo.errors import lost_peer, lost_peer_marker
 from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
-from megatron_dapo.rollout.fleet.group import flat_nbytes, header_layout, join_weight_group, on_device, split_flat
+from megatron_dapo.rollout.fleet.group import (
+    flat_nbytes,
+    header_layout,
+    join_weight_group,
+    on_device,
+    split_flat,
+)
+from megatron_dapo.rollout.weight_sync import with_lm_head_copy
 
 __all__ = ["DaemonCalls", "FleetMember", "FleetSyncError", "StageGroup", "WeightBroadcast", "flat_bytes", "wire_order"]
 
@@ -195,6 +202,8 @@ class WeightBroadcast:
         """
         if not bucket:
             return
+        if any(getattr(e, "lm_head_copy", False) for e in self.engines):  # a tied Qwen3-MoE on SGLang
+            bucket = list(with_lm_head_copy(list(bucket)))
         bucket = wire_order(bucket)
         self._ensure_group()
 
@@ -236,23 +245,54 @@ class WeightBroadcast:
         flat = buffer()
         fault_point("fleet_metadata", 0)
         start = time.perf_counter()
-        try:
-            with on_device(flat):
+        if self.backend == "nccl":
+            self._watched_broadcast(group, flat, what, futures, source)
+        else:
+            try:
                 work = group.broadcast([flat], dist.BroadcastOptions())
-        except Exception as err:  # the group broke before this bucket
-            self._fail(what, err, futures, source)
-        # A trainer killed, or failing, mid-broadcast (tests); outside the handler below, so an
-        # injected failure stays the controller's own, not a server's.
-        fault_point("broadcast", 0)
-        try:
-            with on_device(flat):
+            except Exception as err:  # the group broke before this bucket
+                self._fail(what, err, futures, source)
+            # A trainer killed, or failing, mid-broadcast (tests); outside the handler below, so an
+            # injected failure stays the controller's own, not a server's.
+            fault_point("broadcast", 0)
+            try:
                 work.wait()
-        except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
-            self._fail(what, err, futures, source)
+            except Exception as err:  # a member died or hung: gloo's own deadline (timeout_s) ended it
+                self._fail(what, err, futures, source)
         self.seconds_broadcast += time.perf_counter() - start
         self.bytes_broadcast += flat.numel()
         self._answers(what, futures, source=source)
         return flat
+
+    def _watched_broadcast(self, group: dist.ProcessGroup, flat: torch.Tensor, what: str, futures: dict,
+                           source: str | None) -> None:
+        """The NCCL broadcast on a thread of its own, watched: it ends the sync when a server's request
+        fails or timeout_s passes. NCCL's communicator is made at the first broadcast, which blocks
+        until every rank joins, with no deadline of its own; a server that failed before joining
+        (an update refused, a worker gone) would hold it for ever. Dropping the group shuts the
+        communicator down, which aborts the broadcast in flight."""
+        holder: dict[str, BaseException] = {}
+
+        def send() -> None:
+            try:
+                with on_device(flat):
+                    group.broadcast([flat], dist.BroadcastOptions()).wait()
+            except BaseException as err:  # reported by the watching thread
+                holder["error"] = err
+
+        sender = threading.Thread(target=send, name="fleet-broadcast", daemon=True)
+        sender.start()
+        fault_point("broadcast", 0)  # the controller killed, or failing, mid-broadcast (tests)
+        deadline = time.monotonic() + self.timeout_s
+        while sender.is_alive():
+            sender.join(timeout=0.2)
+            if any(f.done() and f.exception() is not None for f in futures):
+                self._fail(what, None, futures, source)
+            if time.monotonic() > deadline:
+                self._fail(what, TimeoutError(f"the broadcast did not end within {self.timeout_s:g} s"), futures,
+                           source)
+        if "error" in holder:
+            self._fail(what, holder["error"], futures, source)
 
     def finish_weight_update(self, version: int | None = None) -> None:
         """Every server ends the update and takes ``version``."""
@@ -382,14 +422,23 @@ class WeightBroadcast:
     # ------------------------------------------------------------------ answers and failures
 
     def _answers(self, what: str, futures: dict, *, drop_group: bool = True, source: str | None = None) -> None:
-        """Wait for every server's answer (at most timeout_s); raise naming who failed or did not answer."""
-        _, pending = wait(futures, timeout=self.timeout_s)
-        if pending or any(f.exception() is not None for f in futures):
+        """Wait for every server's answer (at most timeout_s); raise naming who failed or did not answer.
+
+        On NCCL the first failure ends the wait: the servers still waiting sit in a collective that
+        only dropping the group aborts (and torch's NCCL watchdog would end this process at the
+        same deadline)."""
+        _, pending = wait(futures, timeout=self.timeout_s,
+                          return_when=FIRST_EXCEPTION if self.backend == "nccl" else ALL_COMPLETED)
+        if pending or any(f.exception() is not None for f in futures if f.done()):
             if drop_group:
                 self._drop_group()
+            if self.backend == "nccl" and any(f.done() and f.exception() is not None for f in futures):
+                wait(futures, timeout=min(self.timeout_s, 30.0))  # the others answer once the group is gone
             self._raise(what, futures, source=source)
 
-    def _fail(self, what: str, err: BaseException, futures: dict, source: str | None = None) -> None:
+    def _fail(self, what: str, err: BaseException | None, futures: dict, source: str | None = None) -> None:
+        """Drop the group, give the servers a moment to answer, raise naming who failed; ``err`` is the
+        controller's own failure (None: a server's request failed first)."""
         self._drop_group()
         # The servers' requests fail too once the group broke; give them a moment to say so.
         wait(futures, timeout=min(self.timeout_s, 30.0))

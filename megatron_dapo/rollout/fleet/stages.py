@@ -92,6 +92,7 @@ class StageSender:
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
         self.name = ""
+        self.backend = "gloo"
 
     def drop(self) -> None:
         group, self.group, self.name = self.group, None, ""
@@ -119,9 +120,15 @@ class StageSender:
         return thread
 
     def abandon(self) -> None:
-        """Forget a group whose broadcast failed elsewhere; its send ends at the group's deadline (a
-        gloo group is not shut down under an operation in flight)."""
-        self.group, self.name = None, ""
+        """Forget a group whose broadcast failed elsewhere. A gloo send ends at the group's deadline (a
+        gloo group is not shut down under an operation in flight); an NCCL one waits with no
+        deadline but the watchdog's, which would end this rank, so its communicator is shut down."""
+        group, self.group, self.name = self.group, None, ""
+        if group is not None and self.backend == "nccl":
+            try:
+                group.shutdown()
+            except Exception as err:  # dropped either way
+                logger.debug("stage weight group shutdown: %s", err)
 
     def start_join(self, plan: StageGroup) -> tuple[threading.Thread, dict[str, Any]]:
         """Join ``plan``'s group in a thread (its rendezvous waits for the servers the controller asks)."""
@@ -245,7 +252,7 @@ def _stage_source(named_tensors: Iterable[tuple[str, torch.Tensor]], sender: Sta
         if box[0]:
             thread.join(timeout=plans[stage - 1].timeout_s)
         if box[0] and "group" in holder:
-            sender.group, sender.name = holder["group"], plans[stage - 1].name
+            sender.group, sender.name, sender.backend = holder["group"], plans[stage - 1].name, plans[stage - 1].backend
         else:
             logger.warning("pipeline stage %d's weight group was not formed (%s); the controller names why",
                            stage, holder.get("error", "the controller's side failed"))

@@ -88,8 +88,13 @@ from megatron_dapo.rollout.placement import (
 )
 from megatron_dapo.rollout.sglang.protocol import sglang_serialize
 from megatron_dapo.rollout.sglang.restarts import RestartChannel, RestartServer, job_store
-from megatron_dapo.rollout.sglang.weights import with_lm_head_copy
-from megatron_dapo.rollout.weight_sync import DEFAULT_BUCKET_BYTES, BucketMeter, WeightSyncStats, iter_buckets
+from megatron_dapo.rollout.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    BucketMeter,
+    WeightSyncStats,
+    iter_buckets,
+    with_lm_head_copy,
+)
 
 if TYPE_CHECKING:
     pass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from megatron_dapo.rollout.flat_bucket import (
     encode_bucket,
 )
 from megatron_dapo.rollout.sglang.protocol import cpu_serialize, sglang_serialize
+from megatron_dapo.rollout.weight_sync import with_lm_head_copy
 
 __all__ = ["WeightUpdates", "serializer_for"]
 
@@ -356,20 +357,3 @@ def serializer_for(device: str) -> Callable[[WeightPayload], str]:
     """
     return sglang_serialize if device == "cuda" else cpu_serialize
 
-
-LM_HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
-
-
-def with_lm_head_copy(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """The tensors, with the embedding also as ``lm_head.weight`` (server.copies_lm_head says when).
-
-    Args:
-        named: (HF name, tensor) of a tied model's export (no lm_head.weight of its own); a list
-            that already holds lm_head.weight passes unchanged.
-    """
-    named = list(named) if isinstance(named, list | tuple) else named
-    has_head = isinstance(named, list) and any(name == LM_HEAD for name, _ in named)
-    for name, tensor in named:
-        yield name, tensor
-        if name == EMBEDDING and not has_head:
-            yield LM_HEAD, tensor
