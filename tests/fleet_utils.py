@@ -76,6 +76,6 @@ def split_stages(buckets: list[list]) -> tuple[list[list], list[list]]:
 
 def kept_equal(rollout: RolloutController, buckets: list[list]) -> bool:
     """The controller's copy for restarts holds every tensor of ``buckets``, bit for bit."""
-    kept = {n: t for bucket in rollout._weights for n, t in bucket}
+    kept = {n: t for bucket in rollout._kept.buckets for n, t in bucket}
     sent = {n: t for bucket in buckets for n, t in bucket}
     return kept.keys() == sent.keys() and all(torch.equal(kept[n], sent[n]) for n in sent)

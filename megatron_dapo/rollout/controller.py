@@ -32,6 +32,7 @@ from megatron_dapo.rollout.engine import (
     can_restart,
 )
 from megatron_dapo.rollout.fleet.broadcast import DaemonCalls
+from megatron_dapo.rollout.kept_weights import KeptWeights
 from megatron_dapo.rollout.streaming import (
     GroupCallback,
     ItemDriver,
@@ -116,18 +117,8 @@ class RolloutController:
         self._pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="rollout")
         # Weight updates arrive while the engines stream (the asynchronous loop): their own threads.
         self._update_pool = ThreadPoolExecutor(max_workers=len(self.engines), thread_name_prefix="rollout-update")
-        # The weights of the last finished sync (and the buckets of one in progress), kept on the
-        # host to load into a restarted engine: one copy of the HF weights, only when restarts
-        # are possible. A restart and a sync never interleave (the lock).
-        self._keep_weights = max_restarts > 0 and any(can_restart(e) for e in self.engines)
-        self._weights: list[list[tuple[str, torch.Tensor]]] = []
-        self._weights_version: int | None = None
-        self._incoming: list[list[tuple[str, torch.Tensor]]] = []
-        self._weights_lock = threading.RLock()
-        # A sync runs from its first bucket to its finish, each call taking the lock on its own (and
-        # from the sync's pool threads): a restart waits for the whole of it, not the next gap.
-        self._syncing = False
-        self._sync_done = threading.Condition(self._weights_lock)
+        # What a restarted engine loads, and the sync a restart waits for (kept_weights.py).
+        self._kept = KeptWeights(keep=max_restarts > 0 and any(can_restart(e) for e in self.engines))
         self._restart_lock = threading.Lock()
         self._failed: set[int] = set()  # engines whose update failed: restarted before their next use
         # The session's abort (abort() until the next session starts): a driven item's next request
@@ -148,10 +139,9 @@ class RolloutController:
 
     def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Step 7 for every engine at once; the bucket is also kept for restarts (sync_weights calls this)."""
-        with self._weights_lock:
-            self._syncing = True
-            if self._keep_weights:
-                self._incoming.append([(n, t.detach().to("cpu", copy=True)) for n, t in bucket])
+        with self._kept.lock:
+            self._kept.begin()
+            self._kept.add(bucket)
             if self._transport is not None:
                 self._fleet_call(lambda: self._transport.update_weights(bucket))  # type: ignore[union-attr]
             else:
@@ -162,12 +152,12 @@ class RolloutController:
     @property
     def weights_lock(self) -> threading.RLock:
         """Held through a sync, a restart waits for it to end."""
-        return self._weights_lock
+        return self._kept.lock
 
     @property
     def keeps_weights(self) -> bool:
         """Whether the last sync's weights are kept on the host for a restarted engine."""
-        return self._keep_weights
+        return self._kept.keep
 
     @property
     def sync_failed(self) -> bool:
@@ -181,39 +171,35 @@ class RolloutController:
     def form_weight_groups(self) -> bool:
         """Form the fleet's groups with every server; False when that failed (the failure is handled
         as a failed broadcast's: every engine restarted before its next use, or raised)."""
-        with self._weights_lock:
-            self._syncing = True
+        with self._kept.lock:
+            self._kept.begin()
             self._fleet_call(self._transport.form)  # type: ignore[union-attr]
             return not self._failed
 
     def receive_stage_weights(self, stage: int, header: Sequence[tuple[str, str, list[int]]]) -> bool:
         """Every server and the controller receive pipeline stage ``stage``'s bucket from its first rank;
         the controller keeps it for restarts. False when the broadcast failed (nothing kept)."""
-        with self._weights_lock:
-            self._syncing = True
+        with self._kept.lock:
+            self._kept.begin()
             received: list[list[tuple[str, torch.Tensor]]] = []
             self._fleet_call(lambda: received.append(self._transport.receive_stage(stage, header)))  # type: ignore[union-attr]
-            if received and self._keep_weights:  # on the host: a fleet on GPUs receives into the controller's GPU
-                self._incoming.append([(n, t.to("cpu")) for n, t in received[0]])
+            if received:  # the controller's own buffer (on its GPU for a GPU fleet)
+                self._kept.add(received[0], copy=False)
             return bool(received)
 
     def keep_weights_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """A bucket of this sync that reached the controller alone (the broadcast had failed): kept for restarts."""
-        with self._weights_lock:
-            if self._keep_weights:
-                self._incoming.append(bucket)
+        with self._kept.lock:
+            self._kept.add(bucket, copy=False)
 
     def finish_weight_update(self, version: int | None = None) -> None:
         """End the update on every engine; the kept buckets become the weights a restart loads."""
-        with self._weights_lock:
+        with self._kept.lock:
             if self._transport is not None:
                 self._fleet_call(lambda: self._transport.finish_weight_update(version))  # type: ignore[union-attr]
             else:
                 self._each_engine(lambda engine: engine.finish_weight_update(version=version))
-            if self._keep_weights:
-                self._weights, self._incoming, self._weights_version = self._incoming, [], version
-            self._syncing = False
-            self._sync_done.notify_all()
+            self._kept.finish(version)
 
     def _each_engine(self, call: Callable[[RolloutEngine], None]) -> None:
         """Run `call` on every engine concurrently. An engine that fails it and can be restarted is
@@ -273,13 +259,8 @@ class RolloutController:
             self.num_restarts += 1
             logger.warning("engine %s failed (%s): restarting it in place, restart %d of at most %d%s", engine.name,
                            err, self.num_restarts, self.max_restarts, where)
-        with self._weights_lock:
-            # Between two buckets of a sync, or its last bucket and its finish, a restart would load
-            # the last sync's weights and version, and the rest of this sync would reach the fresh
-            # engine only in part, its finish not at all (seen: a SLURM vLLM server restarted so
-            # served version 2's batches labelled 1, a StalenessError two steps later).
-            while self._syncing and not self._closing.is_set():
-                self._sync_done.wait(timeout=1.0)
+        with self._kept.lock:
+            self._kept.wait_for_sync(self._closing)  # never inside a sync (kept_weights.py says why)
             if self._closing.is_set():  # shut down while this restart waited: it never began, nor counts
                 with self._restart_lock:
                     self.num_restarts -= 1
@@ -291,12 +272,12 @@ class RolloutController:
                 raise EngineError(f"engine {engine.name}: the rollout was shut down while it restarted") from err
             if self._transport is not None:
                 self._transport.engine_replaced(index, engine)
-                if self._weights:  # the way a fleet's weights travel, to this server alone
-                    self._transport.reload(index, self._weights, self._weights_version)
-            elif self._weights:
-                for bucket in self._weights:
+                if self._kept.buckets:  # the way a fleet's weights travel, to this server alone
+                    self._transport.reload(index, self._kept.buckets, self._kept.version)
+            elif self._kept.buckets:
+                for bucket in self._kept.buckets:
                     engine.update_weights(bucket)
-                engine.finish_weight_update(version=self._weights_version)
+                engine.finish_weight_update(version=self._kept.version)
             self._failed.discard(index)
 
     def _refuse_when_closing(self, engine: RolloutEngine, err: BaseException) -> None:

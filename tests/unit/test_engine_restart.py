@@ -173,12 +173,12 @@ def test_weights_are_kept_only_when_an_engine_may_restart(new_weights):
     controller = RolloutController([_Restartable()], max_restarts=0)
     controller.update_weights(new_weights)
     controller.finish_weight_update(version=1)
-    assert controller._weights == []
+    assert controller._kept.buckets == []
     controller = RolloutController([_Restartable()], max_restarts=1)
     controller.update_weights(new_weights)
-    assert controller._weights == []  # an update in progress is not yet what a restart loads
+    assert controller._kept.buckets == []  # an update in progress is not yet what a restart loads
     controller.finish_weight_update(version=1)
-    kept = dict(controller._weights[0])
+    kept = dict(controller._kept.buckets[0])
     assert torch.equal(kept[new_weights[0][0]], new_weights[0][1])
     assert kept[new_weights[0][0]].data_ptr() != new_weights[0][1].data_ptr()  # a copy, not a view
 
@@ -477,7 +477,7 @@ def test_a_restart_during_a_sync_waits_for_it_and_loads_the_new_version(new_weig
     assert transport.events == [("bucket", names[:1]), ("bucket", names[1:]), ("finish", 2), ("replaced", 0),
                                 ("reload", 2)], transport.events
     assert member.version == 2
-    assert [[n for n, _ in b] for b in controller._weights] == [names[:1], names[1:]]
+    assert [[n for n, _ in b] for b in controller._kept.buckets] == [names[:1], names[1:]]
 
 
 def test_an_abort_ends_a_stream_whose_feed_the_collector_left_open():
