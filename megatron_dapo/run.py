@@ -360,8 +360,8 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
     # A CPU fleet beside an overlapped loop has its cores; the trainer keeps the rest (fleet/cores.py).
     # The fleet runs on the controller's node, whose ranks are the first (torchrun's and srun's
     # block order).
-    threads = fleet_trainer_threads(cfg, env.local_world_size) \
-        if env.rank < env.local_world_size and dims.device.type == "cpu" else None
+    threads = fleet_trainer_threads(cfg, env.local_world_size, dims.device.type) \
+        if env.rank < env.local_world_size else None
     if threads is not None and threads < torch.get_num_threads():
         torch.set_num_threads(threads)
         logger.info("the fleet beside the trainer overlaps its update: %d torch thread(s) per trainer rank", threads)

@@ -441,6 +441,7 @@ class RolloutController:
     def _clear_aborts(self) -> None:
         """A generate or stream session starts: an abort of the last one no longer stops requests."""
         self._session_aborted.clear()
+        self._streaming_feed = None  # the last stream's (a stream sets its own after this)
         for engine in self.engines:
             engine.clear_abort()
 

@@ -208,11 +208,12 @@ def overlaps(cfg: Config) -> bool:
     return cfg.trainer.max_staleness > 0
 
 
-def fleet_trainer_threads(cfg: Config, local_ranks: int) -> int | None:
+def fleet_trainer_threads(cfg: Config, local_ranks: int, device: str = "cpu") -> int | None:
     """torch threads for each trainer rank on this node when a CPU fleet beside it overlaps
     generation with the update (rollout/fleet/cores.py split_beside_trainer), else None: also
-    when the user binds the servers' threads themselves (their placement, not our split)."""
-    if not broadcasts_weights(cfg) or cfg.rollout.nodes:
+    when the user binds the servers' threads themselves (their placement, not our split), and for
+    a trainer on `device` cuda (its servers are on GPUs: no cores to split)."""
+    if not broadcasts_weights(cfg) or cfg.rollout.nodes or device != "cpu":
         return None
     from megatron_dapo.rollout.fleet.cores import trainer_threads
     from megatron_dapo.rollout.sglang.server import CPU_BIND as SGLANG_BIND

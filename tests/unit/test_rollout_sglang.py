@@ -488,6 +488,7 @@ def test_the_trainer_keeps_its_threads_when_the_user_binds_the_servers(monkeypat
                                                  "trainer.max_staleness=1", "algorithm.rollout_correction.rollout_is=token",
                                                  "rollout.num_engines=1"])
     assert fleet_trainer_threads(cfg, 1) == 2
+    assert fleet_trainer_threads(cfg, 1, "cuda") is None  # a GPU fleet's servers take no trainer cores
     monkeypatch.setenv(f"{engine.upper()}_CPU_OMP_THREADS_BIND", "0,1")
     assert fleet_trainer_threads(cfg, 1) is None
     other = "VLLM" if engine == "sglang" else "SGLANG"

@@ -266,33 +266,50 @@ class WeightBroadcast:
 
     def _watched_broadcast(self, group: dist.ProcessGroup, flat: torch.Tensor, what: str, futures: dict,
                            source: str | None) -> None:
-        """The NCCL broadcast on a thread of its own, watched: it ends the sync when a server's request
-        fails or timeout_s passes. NCCL's communicator is made at the first broadcast, which blocks
-        until every rank joins, with no deadline of its own; a server that failed before joining
-        (an update refused, a worker gone) would hold it for ever. Dropping the group shuts the
+        """The NCCL broadcast, watched (``_watch``): it ends the sync when a server's request fails or
+        timeout_s passes. NCCL's communicator is made at the first broadcast, which blocks until
+        every rank joins, with no deadline of its own; a server that failed before joining (an
+        update refused, a worker gone) would hold it for ever. Dropping the group shuts the
         communicator down, which aborts the broadcast in flight."""
-        holder: dict[str, BaseException] = {}
 
         def send() -> None:
+            with on_device(flat):
+                group.broadcast([flat], dist.BroadcastOptions()).wait()
+
+        fault_point("broadcast", 0)  # the controller killed, or failing, as the broadcast starts (tests)
+        _, ended, err = self._watch(send, "fleet-broadcast", futures)
+        if ended == "server":
+            self._fail(what, None, futures, source)
+        if ended == "late":
+            self._fail(what, TimeoutError(f"the broadcast did not end within {self.timeout_s:g} s"), futures, source)
+        if err is not None:
+            self._fail(what, err, futures, source)
+
+    def _watch(self, fn: Callable[[], Any], name: str, futures: dict) -> tuple[Any, str, BaseException | None]:
+        """Run `fn` on a daemon thread while watching the servers' requests, at most timeout_s.
+
+        Returns:
+            (fn's result, how the watch ended: "done", "server" (a request failed first) or "late",
+            fn's error).
+        """
+        holder: dict[str, Any] = {}
+
+        def run() -> None:
             try:
-                with on_device(flat):
-                    group.broadcast([flat], dist.BroadcastOptions()).wait()
-            except BaseException as err:  # reported by the watching thread
+                holder["result"] = fn()
+            except BaseException as err:  # the caller reports it with the servers' side
                 holder["error"] = err
 
-        sender = threading.Thread(target=send, name="fleet-broadcast", daemon=True)
-        sender.start()
-        fault_point("broadcast", 0)  # the controller killed, or failing, mid-broadcast (tests)
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        thread.start()
         deadline = time.monotonic() + self.timeout_s
-        while sender.is_alive():
-            sender.join(timeout=0.2)
+        while thread.is_alive():
+            thread.join(timeout=0.2)
             if any(f.done() and f.exception() is not None for f in futures):
-                self._fail(what, None, futures, source)
+                return None, "server", None
             if time.monotonic() > deadline:
-                self._fail(what, TimeoutError(f"the broadcast did not end within {self.timeout_s:g} s"), futures,
-                           source)
-        if "error" in holder:
-            self._fail(what, holder["error"], futures, source)
+                return None, "late", None
+        return holder.get("result"), "done", holder.get("error")
 
     def finish_weight_update(self, version: int | None = None) -> None:
         """Every server ends the update and takes ``version``."""
@@ -382,31 +399,18 @@ class WeightBroadcast:
                                      rank_offset=offset, world_size=world_size, group_name=name,
                                      backend=self.backend): e
                    for e, offset in zip(self.engines, offsets)}
-        holder: dict[str, Any] = {}
         fault_point("fleet_init", 0)
-
-        def create() -> None:
-            try:
-                holder["group"] = join_weight_group(
-                    master_address=self.master_address, master_port=port, world_size=world_size, rank=rank,
-                    group_name=name, backend=self.backend, timeout_s=self.timeout_s, store_master=True)
-            except BaseException as err:  # reported below with the servers' side
-                holder["error"] = err
-
-        # The store's rendezvous blocks until every rank joined or timeout_s passed: in a thread,
-        # so a server that died while joining ends the wait at once, not at the deadline.
-        creator = threading.Thread(target=create, name="fleet-group", daemon=True)
-        creator.start()
-        deadline = time.monotonic() + self.timeout_s
-        while creator.is_alive() and time.monotonic() < deadline:
-            creator.join(timeout=0.2)
-            dead = [f for f in futures if f.done() and f.exception() is not None]
-            if dead:
-                self._raise("forming the weight broadcast group", futures)
-        if creator.is_alive() or "error" in holder:
-            self._raise("forming the weight broadcast group", futures, holder.get("error"))
+        # The store's rendezvous blocks until every rank joined or timeout_s passed: watched, so a
+        # server that died while joining ends the wait at once, not at the deadline.
+        group, ended, err = self._watch(
+            lambda: join_weight_group(master_address=self.master_address, master_port=port, world_size=world_size,
+                                      rank=rank, group_name=name, backend=self.backend, timeout_s=self.timeout_s,
+                                      store_master=True),
+            "fleet-group", futures)
+        if ended != "done" or err is not None:
+            self._raise("forming the weight broadcast group", futures, err)
         self._answers("forming the weight broadcast group", futures)
-        return holder["group"]
+        return group
 
     def _drop_group(self) -> None:
         groups = [self._group, *(g for g, _ in self._stage_groups.values())]
