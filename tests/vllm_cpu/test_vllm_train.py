@@ -136,7 +136,8 @@ def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound
 
 def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
     """Issue 41: the controller SIGKILLed (MEGATRON_DAPO_FAULT=broadcast:0:kill, no cleanup runs) once
-    its server joined the group and its first broadcast began. Nothing hangs: every server process
+    its server joined the group and its first broadcast began (that bucket may still arrive, gloo
+    sending on its own thread; no other does). Nothing hangs: every server process
     (API server, engine core, worker in the gloo group) is gone within 15 s, by its reaper (lifetime.py).
     A fleet of one server: the reaper is per server, and a second one cost CI 40 s (two servers hold
     the fleet's other kill, in the loop test above)."""
@@ -164,9 +165,12 @@ def test_a_trainer_killed_mid_broadcast_takes_its_fleet_with_it(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert "rank 0: injected fault at the start of broadcast" in log.read_text()
     text = (out / "engine_logs" / "vllm0.log").read_text(errors="replace")
-    # It had joined the group; no bucket had arrived when the trainer died.
+    # It had joined the group and the kill came in the first bucket's broadcast: gloo sends on a
+    # thread of its own once the broadcast is enqueued, so that one bucket may have arrived before
+    # the SIGKILL (CI saw it once in 2026-11-29's run), never a second one, and the update never ended.
     assert 'POST /init_weight_transfer_engine HTTP/1.1" 200' in text, text[-2000:]
-    assert 'POST /update_weights HTTP/1.1" 200' not in text
+    assert text.count('POST /update_weights HTTP/1.1" 200') <= 1, text[-2000:]
+    assert FINISHED not in text and 'POST /resume HTTP/1.1" 200' not in text, text[-2000:]
     pids = {int(p) for p in re.findall(r"pid=(\d+)\)", text)}
     assert len(pids) >= 3, pids  # API server, engine core and worker
     deadline = time.monotonic() + 15
