@@ -253,6 +253,15 @@ def test_both_servers_take_the_broadcast_weights_and_version(fleet, checkpoints)
         assert broadcast.bytes_broadcast == sum(t.numel() * t.element_size() for b in buckets(checkpoints[1])
                                                 for _, t in b)
         sync(rollout, checkpoints[0], version=4)  # the group formed once serves the next sync
+        # A group formed again (as after a restart: here with the same servers) is the only one the
+        # servers hold: each destroys the old one first (fleet/broadcast.py _leave_stale).
+        left = 'POST /destroy_weights_update_group HTTP/1.1" 200'
+        before = [Path(e.log_path).read_text(errors="replace").count(left) for e in fleet]
+        broadcast.engine_replaced(1, fleet[1])
+        sync(rollout, checkpoints[1], version=5)
+        assert [Path(e.log_path).read_text(errors="replace").count(left) for e in fleet] == [n + 1 for n in before]
+        assert {r.weight_versions for e in fleet for r in e.generate(PROMPTS[:1], SamplingParams(n=1, max_new_tokens=2))} \
+            == {(5,)}
     finally:
         broadcast.close()
 

@@ -47,10 +47,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.errors import lost_peer, lost_peer_marker
 from megatron_dapo.faults import fault_point
-from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
+from megatron_dapo.rollout.fleet.blame import FleetSyncError, blame
 from megatron_dapo.rollout.fleet.group import (
     flat_nbytes,
     header_layout,
@@ -80,6 +79,8 @@ class FleetMember(Protocol):
 
     def finish_weight_update(self, version: int | None = None) -> None: ...
 
+    def leave_weight_update_groups(self, group_names: Sequence[str]) -> None: ...
+
     def health(self) -> bool: ...
 
 
@@ -106,14 +107,6 @@ class DaemonCalls:
 
         threading.Thread(target=run, name=f"fleet-{getattr(fn, '__name__', 'call')}", daemon=True).start()
         return future
-
-
-class FleetSyncError(EngineError):
-    """A broadcast sync failed; ``engines`` names the servers that died or did not answer."""
-
-    def __init__(self, message: str, engines: Sequence[str]) -> None:
-        super().__init__(message)
-        self.engines = tuple(engines)
 
 
 def wire_order(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -177,6 +170,10 @@ class WeightBroadcast:
         self._base_port = 0
         self._stage_groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
         self._planned: list[StageGroup] = []
+        self._joined: list[tuple[str, dict[Future, FleetMember]]] = []
+        """The groups formed (or being formed) since the last drop: each name with its servers' join requests."""
+        self._stale: list[tuple[str, dict[Future, FleetMember]]] = []
+        """The groups dropped since: their servers leave them before the next group forms (``_leave_stale``)."""
         self._pool = DaemonCalls()
         self.exit_grace_s = 10.0
         """How long a server whose worker died may take to exit before another member is blamed."""
@@ -332,11 +329,16 @@ class WeightBroadcast:
             for bucket in buckets:
                 solo.update_weights(bucket)
             solo.finish_weight_update(version)
+            solo.close(leave=True)  # the server holds no group but the fleet's next one
         finally:
             solo.close()
 
-    def close(self) -> None:
+    def close(self, *, leave: bool = False) -> None:
+        """Drop the controller's side of the groups; ``leave``: the servers leave theirs now too (not
+        at shutdown, where the servers are stopped next)."""
         self._drop_group()
+        if leave:
+            self._leave_stale()
 
     # ------------------------------------------------------------------ the group
 
@@ -380,6 +382,7 @@ class WeightBroadcast:
             self._drop_group()
             self._base_name = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
             self._base_port = free_port(self.master_address)
+        self._leave_stale()
         name = self._base_name
         self._group = self._form(name, self._base_port, rank=0, world_size=self.world_size)
         self._group_name, self._members = name, members
@@ -399,6 +402,7 @@ class WeightBroadcast:
                                      rank_offset=offset, world_size=world_size, group_name=name,
                                      backend=self.backend): e
                    for e, offset in zip(self.engines, offsets)}
+        self._joined.append((name, futures))
         fault_point("fleet_init", 0)
         # The store's rendezvous blocks until every rank joined or timeout_s passed: watched, so a
         # server that died while joining ends the wait at once, not at the deadline.
@@ -415,6 +419,8 @@ class WeightBroadcast:
     def _drop_group(self) -> None:
         groups = [self._group, *(g for g, _ in self._stage_groups.values())]
         self._group, self._members, self._stage_groups, self._planned, self._base_name = None, (), {}, [], ""
+        self._stale += self._joined
+        self._joined = []
         for group in groups:
             if group is None:
                 continue
@@ -422,6 +428,35 @@ class WeightBroadcast:
                 group.shutdown()
             except Exception as err:  # a broken group may not shut down cleanly; it is dropped either way
                 logger.debug("weight broadcast group shutdown: %s", err)
+
+    def _leave_stale(self) -> None:
+        """The servers still in the fleet leave the groups dropped since they joined them.
+
+        A group lives on each server until the server destroys it: sockets and threads on gloo, a
+        communicator and its GPU buffers on NCCL. Without this, every restart left one on each
+        server that survived it (the fleet's re-formed group) and on the restarted one (its reload's
+        group of two). Only the joins that succeeded are left; best effort, at most
+        min(timeout_s, 60) s, a failure a warning and never the sync's error: a server that cannot
+        leave a broken group still serves the next one.
+        """
+        stale, self._stale = self._stale, []
+        current = {id(e) for e in self.engines}
+        leaving: dict[int, tuple[FleetMember, list[str]]] = {}
+        for name, joins in stale:
+            for future, engine in joins.items():
+                if id(engine) in current and future.done() and future.exception() is None:
+                    leaving.setdefault(id(engine), (engine, []))[1].append(name)
+        if not leaving:
+            return
+        futures = {self._pool.submit(e.leave_weight_update_groups, names): (e, names) for e, names in leaving.values()}
+        done, _ = wait(futures, timeout=min(self.timeout_s, 60.0))
+        for future, (engine, names) in futures.items():
+            if future not in done:
+                logger.warning("%s did not leave weight broadcast group(s) %s within %g s", engine.name,
+                               ", ".join(names), min(self.timeout_s, 60.0))
+            elif future.exception() is not None:
+                logger.warning("%s could not leave weight broadcast group(s) %s: %s", engine.name, ", ".join(names),
+                               str(future.exception()).splitlines()[0][:300])
 
     # ------------------------------------------------------------------ answers and failures
 
@@ -449,53 +484,5 @@ class WeightBroadcast:
         self._raise(what, futures, err, source)
 
     def _raise(self, what: str, futures: dict, cause: BaseException | None = None, source: str | None = None) -> None:
-        failed = [(e.name, f.exception()) for f, e in futures.items() if f.done() and f.exception() is not None]
-        silent = [e.name for f, e in futures.items() if not f.done()]
-        dead = [e.name for e in self.engines if not _alive(e)]
-        named = list(dict.fromkeys([*dead, *silent, *(n for n, _ in failed)]))
-        echoes = [lost_peer_marker(str(cause))] if cause is not None and lost_peer(cause) else []
-        echoes += [m for _, e in failed if (m := lost_peer_marker(str(e))) is not None]
-        if source is not None and not dead and not silent and echoes \
-                and len(echoes) == len(failed) + (cause is not None):
-            # Another rank's broadcast, every server answering, every failure (the controller's own
-            # receive, the servers' answers) a lost peer: the member gone is the source, unless a
-            # server's worker died, whose main process may stay up a few seconds more (SGLang ends
-            # about 5 s after a child): given that long, a server that exits is named instead.
-            dead = _dead_within(self.engines, self.exit_grace_s)
-            if not dead:
-                # Every server is named: each may hold a partly updated model.
-                raise FleetSyncError(f"weight broadcast to the fleet failed at {what}: {source} is gone (the "
-                                     f"broadcast's other members saw \"{echoes[0]}\")", [e.name for e in self.engines])
-            named = list(dict.fromkeys([*dead, *named]))
-        parts = []
-        if dead:
-            parts.append(f"{', '.join(dead)} died")
-        if silent:
-            parts.append(f"{', '.join(silent)} did not answer within {self.timeout_s:g} s")
-        if failed and not dead:
-            parts.append("; ".join(f"{n}: {str(e).splitlines()[0][:300]}" for n, e in failed[:2]))
-        if cause is not None and (silent or not parts):  # its own side failed (or it waited in vain)
-            parts.append(f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
-        raise FleetSyncError(f"weight broadcast to the fleet failed at {what}: {'; '.join(parts)} "
-                             f"(rollout.fleet_sync_timeout_s={self.timeout_s:g})", named or [e.name for e in self.engines])
-
-
-def _dead_within(engines: Sequence[FleetMember], grace_s: float) -> list[str]:
-    """The servers whose process has exited, waiting up to grace_s for the first to."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        dead = [e.name for e in engines if not _alive(e)]
-        if dead or time.monotonic() >= deadline:
-            return dead
-        time.sleep(0.2)
-
-
-def _alive(engine: FleetMember) -> bool:
-    process = getattr(engine, "process", None)
-    if process is None:
-        return True
-    try:
-        process.check_alive()
-    except EngineError:
-        return False
-    return True
+        raise blame(what, futures, self.engines, timeout_s=self.timeout_s, cause=cause, source=source,
+                    exit_grace_s=self.exit_grace_s)

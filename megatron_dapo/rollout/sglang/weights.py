@@ -258,6 +258,12 @@ class WeightUpdates:
         self._request("POST", "/destroy_weights_update_group", {"group_name": group_name},
                       timeout_s=self._control_timeout_s)
 
+    def leave_weight_update_groups(self, group_names: Sequence[str]) -> None:
+        """Leave groups the fleet dropped (FleetMember; rollout/fleet/broadcast.py ``_leave_stale``):
+        sglang 0.5.18 keeps every group it joined, by name, until it is destroyed."""
+        for name in group_names:
+            self.destroy_weight_update_group(name)
+
     def finish_weight_update(self, version: int | None = None) -> None:
         """Close the weight-update session, flush the radix cache built on the old weights, and
         set the server's weight version, which every later answer carries and this client checks.

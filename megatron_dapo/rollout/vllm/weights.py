@@ -123,6 +123,13 @@ class WeightTransfer:
                 "world_size": world_size, "group_name": group_name, "backend": backend, "timeout_s": timeout_s}
         self._post("/init_weight_transfer_engine", {"init_info": info}, timeout_s=timeout_s + 30.0)
 
+    def leave_weight_update_groups(self, group_names: Sequence[str]) -> None:
+        """Leave the groups the fleet dropped (FleetMember): the transfer engine's shutdown leaves every
+        group it holds (transfer.py), all of them stale when the fleet asks (before it forms new ones).
+        vLLM 0.32 refuses it mid-update (gpu_worker.py ``shutdown_weight_transfer_engine``): after a
+        failed sync the group is dropped when the next one is joined instead."""
+        self._post("/shutdown_weight_transfer_engine")
+
     def receive_distributed(self, bucket: Sequence[tuple[str, torch.Tensor]], *, group_name: str,
                             load_format: str | None = None, timeout_s: float | None = None) -> None:
         """Receive one bucket by the group's broadcast (the controller sends it while this waits).
