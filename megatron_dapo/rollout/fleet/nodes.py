@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from megatron_dapo.errors import UserError
 
-__all__ = ["FleetSite", "fleet_sites", "job_cpus_per_node", "weight_master_address"]
+__all__ = ["FleetSite", "fleet_sites", "job_cpus_per_node", "visible_gpus", "weight_master_address"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +111,25 @@ def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None
         sites.append(FleetSite(host=addresses[node], launcher=launcher, node=node, slot=i // len(nodes), peers=peers,
                                cores=tuple(range(cpus[node])) if node in cpus else None))
     return sites
+
+
+def visible_gpus(site: FleetSite, gpus: int) -> dict[str, str]:
+    """The environment that gives a GPU server beside the trainer its GPUs, for an engine that takes
+    the first ones it sees (vLLM has no --base-gpu-id): CUDA_VISIBLE_DEVICES = its `gpus` GPUs from
+    ``site.base_gpu_id`` on, counted in this process's CUDA_VISIBLE_DEVICES when that is set (the
+    server's values are the ones the node names them by). Nothing for a server on a node of its own:
+    its srun step's --gres gives it its GPUs and SLURM sets the variable (DESIGN.md "GPU fleets").
+    """
+    if site.launcher:
+        return {}
+    shown = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    first = site.base_gpu_id
+    ids = shown[first:first + gpus] if shown else [str(i) for i in range(first, first + gpus)]
+    if len(ids) < gpus:  # fleet_sites checked torch's count; a CUDA_VISIBLE_DEVICES listing fewer is the user's
+        raise UserError(f"a GPU server beside the trainer needs GPUs {first}..{first + gpus - 1} of those this "
+                        f"process sees, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} lists "
+                        f"{len(shown)}: list every GPU of the node, or put the servers on nodes of their own")
+    return {"CUDA_VISIBLE_DEVICES": ",".join(ids)}
 
 
 def _gpu_step(gpus: int, node: str, node_cpus: int | None, peers: int) -> tuple[str, ...]:

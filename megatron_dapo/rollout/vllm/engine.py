@@ -97,7 +97,7 @@ class VLLMEngine(WeightTransfer):
     def __init__(
         self, base_url: str, *, name: str, api_key: str, process: ServerProcess, eos_ids: tuple[int, ...] = (),
         vocab_size: int | None = None, request_timeout_s: float = 3600.0, control_timeout_s: float = 300.0,
-        sleep_mode: bool = False, broadcast: bool = False,
+        sleep_mode: bool = False, broadcast: bool = False, tp_size: int = 1,
     ) -> None:
         """Attach to a launched server (use :meth:`launch`).
 
@@ -112,6 +112,7 @@ class VLLMEngine(WeightTransfer):
             control_timeout_s: timeout of other calls.
             sleep_mode: the server supports /sleep and /wake_up (GPU).
             broadcast: the server takes weights by a fleet's broadcast (weights.py).
+            tp_size: the server's tensor-parallel workers (each a member of the fleet's group).
         """
         self.name = name
         self.base_url = base_url.rstrip("/")
@@ -125,6 +126,7 @@ class VLLMEngine(WeightTransfer):
         self._updating = False
         self._paused = False
         self.broadcast = broadcast
+        self._tp_size = tp_size
         # Set by abort(): requests of the running generate() not yet sent are not sent at all.
         self._aborted = threading.Event()
         # Set by shutdown(): a relaunch in progress (restart) stops waiting for its server.
@@ -137,7 +139,8 @@ class VLLMEngine(WeightTransfer):
         host: str | None = None, device: str | None = None, max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.7, vocab_size: int | None = None, request_timeout_s: float = 3600.0,
         startup_timeout_s: float = 900.0, broadcast: bool = False, env: dict[str, str] | None = None,
-        launcher: Sequence[str] = (), stop: threading.Event | None = None,
+        launcher: Sequence[str] = (), stop: threading.Event | None = None, tensor_parallel_size: int = 1,
+        dtype: str | None = None,
     ) -> VLLMEngine:
         """Start a server on this node, wait until it answers, and open its weight-transfer API.
 
@@ -160,6 +163,9 @@ class VLLMEngine(WeightTransfer):
                 own (rollout/fleet/nodes.py; host is then that node's address).
             stop: once set, the wait for the server ends and the server is stopped (restart: the
                 engine's shutdown during a relaunch).
+            tensor_parallel_size: a GPU server's GPUs (the first ones CUDA_VISIBLE_DEVICES shows it:
+                `env` sets them beside the trainer, its srun step on a node of its own).
+            dtype: a GPU server's weight dtype ("bfloat16"); None = the checkpoint's.
 
         Returns:
             A healthy engine that owns its server process.
@@ -170,23 +176,32 @@ class VLLMEngine(WeightTransfer):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if device == "cpu":
             check_cpu_moe(model_path)
+            if tensor_parallel_size != 1:
+                raise UserError(f"rollout.engine=vllm on CPU runs each server on one worker (tensor parallel 1), not "
+                                f"{tensor_parallel_size}: set rollout.tensor_model_parallel_size=1")
         host = host or node_address()
         port = free_port("" if launcher else host)  # another node's address is not ours to bind
         api_key = secrets.token_hex(16)
         command = build_launch_command(model_path, host=host, port=port, device=device,
                                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                                       broadcast=broadcast)
+                                       broadcast=broadcast, tensor_parallel_size=tensor_parallel_size, dtype=dtype)
         # The RL endpoints (weights, abort) are vLLM's development routes; the key is in the
         # environment (owner-readable), not on the command line (every user's `ps`).
         extra = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key}
         if device == "cpu":
             extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
+        if broadcast:
+            # With 1, vLLM binds its default group to the worker's GPU and torch would build our
+            # weight group by splitting that group's NCCL communicator (vllm 0.32 parallel_state.py,
+            # torch's _new_process_group_helper), which the controller is not a member of.
+            extra["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] = "0"
         extra.update(env or {})
         process = ServerProcess([*launcher, *command], name=name, log_path=log_path or f"{name}.log",
                                 env=server_environment(extra), kind="vLLM")
         engine = cls(f"http://{host}:{port}", name=name, api_key=api_key, process=process,
                      eos_ids=model_eos_ids(model_path), vocab_size=vocab_size, request_timeout_s=request_timeout_s,
-                     sleep_mode=device != "cpu", broadcast=broadcast)
+                     sleep_mode=device != "cpu" and not broadcast, broadcast=broadcast,
+                     tp_size=tensor_parallel_size)
         try:
             engine.wait_until_healthy(timeout_s=startup_timeout_s, stop=stop)
             if not broadcast:
@@ -199,7 +214,7 @@ class VLLMEngine(WeightTransfer):
                                 max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                 vocab_size=vocab_size, request_timeout_s=request_timeout_s,
                                 startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env,
-                                launcher=tuple(launcher))
+                                launcher=tuple(launcher), tensor_parallel_size=tensor_parallel_size, dtype=dtype)
         return engine
 
     @property

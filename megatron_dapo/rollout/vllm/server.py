@@ -31,6 +31,7 @@ AUTH_MIDDLEWARE = "megatron_dapo.rollout.vllm.auth.RequireKey"
 def build_launch_command(
     model_path: str | Path, *, host: str, port: int, device: str, max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.7, python: str | None = None, broadcast: bool = False,
+    tensor_parallel_size: int = 1, dtype: str | None = None,
 ) -> list[str]:
     """The argv of a vLLM server for rollouts (its key goes in the environment: server_env_for_key).
 
@@ -42,7 +43,11 @@ def build_launch_command(
         max_model_len: context length; None = the checkpoint's.
         gpu_memory_utilization: share of GPU memory for weights + KV cache (GPU only).
         python: interpreter; None = this one.
-        broadcast: weights by the fleet's broadcast (weights.py), not shared-memory files.
+        broadcast: weights by the fleet's broadcast (weights.py), not shared-memory files; a GPU
+            fleet server never sleeps (it holds its GPUs for good), so no sleep mode.
+        tensor_parallel_size: the server's GPUs (GPU only; they are the ones CUDA_VISIBLE_DEVICES
+            shows it, in order).
+        dtype: GPU only: the weights' dtype ("bfloat16"); None = the checkpoint's (vLLM's "auto").
 
     Returns:
         The command list.
@@ -67,7 +72,13 @@ def build_launch_command(
         # server dies ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync).
         command += ["--dtype", "float32", "--enforce-eager", "--no-enable-chunked-prefill"]
     else:
-        command += ["--gpu-memory-utilization", str(gpu_memory_utilization), "--enable-sleep-mode"]
+        command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if not broadcast:  # the server on the trainer's GPUs hands them back around each update
+            command += ["--enable-sleep-mode"]
+        if tensor_parallel_size > 1:
+            command += ["--tensor-parallel-size", str(tensor_parallel_size)]
+        if dtype is not None:
+            command += ["--dtype", dtype]
     return command
 
 

@@ -237,7 +237,7 @@ class BroadcastWeightTransferEngine(_LayerwiseReload, WeightTransferEngine[Broad
         """Join the bucket's broadcast (one flat buffer of its bytes) and load its tensors."""
         import torch.distributed as dist
 
-        from megatron_dapo.rollout.fleet.group import flat_nbytes, split_flat
+        from megatron_dapo.rollout.fleet.group import flat_nbytes, on_device, split_flat
 
         groups = self._groups or {}
         if not groups:
@@ -251,7 +251,11 @@ class BroadcastWeightTransferEngine(_LayerwiseReload, WeightTransferEngine[Broad
         nbytes = flat_nbytes(dtypes, update_info.shapes)
         on_cpu = dist.get_backend(group) == "gloo"
         flat = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if on_cpu else self.device)
-        group.broadcast([flat], dist.BroadcastOptions()).wait()
+        # NCCL binds its communicator (made at the first broadcast) to the calling thread's current
+        # device: the worker's own GPU, made explicit for the TP-1 server whose calls run on its
+        # engine core's thread (vllm 0.32 uniproc_executor.py).
+        with on_device(flat):
+            group.broadcast([flat], dist.BroadcastOptions()).wait()
         tensors = split_flat(flat, dtypes, update_info.shapes)
         self.model.load_weights([(n, t if t.device == self.device else t.to(self.device))
                                  for n, t in zip(update_info.names, tensors)])

@@ -56,10 +56,12 @@ class WeightTransfer:
     def _post(self, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         raise NotImplementedError  # VLLMEngine
 
+    _tp_size: int
+
     @property
     def tp_size(self) -> int:
-        """Workers of the server in the broadcast group (one: the CPU build runs TP 1 here)."""
-        return 1
+        """Workers of the server in the broadcast group: its TP size (1 on CPU)."""
+        return self._tp_size
 
     # ------------------------------------------------------------------ both backends
 
