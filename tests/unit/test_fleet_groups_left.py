@@ -32,11 +32,17 @@ class _Group:
         pass
 
 
+class _Process:
+    def check_alive(self) -> None:
+        pass
+
+
 class _Server:
     tp_size = 1
 
     def __init__(self, name: str, *, join_fails: bool = False, leave_fails: bool = False) -> None:
         self.name, self.join_fails, self.leave_fails = name, join_fails, leave_fails
+        self.process = _Process()  # its server process (a restart replaces it)
         self.joined: list[str] = []
         self.left: list[list[str]] = []
 
@@ -66,23 +72,44 @@ BUCKET = [("w", torch.zeros(4))]
 
 
 def test_a_restart_makes_the_survivors_leave_the_old_group_before_the_new_one_forms() -> None:
-    a, b, b2 = _Server("s0"), _Server("s1"), _Server("s1")
+    """A restart replaces the server's process in place (the same engine object, engine.restart): the
+    fresh process holds none of the old groups and is not asked to leave them (SGLang answers
+    "The group to be destroyed does not exist")."""
+    a, b = _Server("s0"), _Server("s1")
     fleet = WeightBroadcast([a, b], master_address="127.0.0.1", timeout_s=5)
     fleet.update_weights(BUCKET)
     fleet.finish_weight_update(1)
     fleet.update_weights(BUCKET)  # the same group: nobody leaves
     assert a.left == [] and len(a.joined) == 1
     old = a.joined[0]
-    fleet.engine_replaced(1, b2)
+    b.process = _Process()  # restarted in place
+    fleet.engine_replaced(1, b)
     assert a.left == []  # left when the next group forms, not at the restart
     fleet.reload(1, [BUCKET], version=1)
-    # The restarted server's reload group is left once it is loaded; its dead process is not asked.
-    assert len(b2.joined) == 1 and b2.left == [[b2.joined[0]]] and b.left == []
+    # The restarted server's reload group is left once it is loaded.
+    reload_group = b.joined[-1]
+    assert b.left == [[reload_group]]
     fleet.update_weights(BUCKET)
-    assert a.left == [[old]] and a.joined[-1] != old and b2.left == [[b2.joined[0]]]
-    assert a.joined[-1] == b2.joined[-1]
+    assert a.left == [[old]] and a.joined[-1] != old and b.left == [[reload_group]]
+    assert a.joined[-1] == b.joined[-1]
     fleet.close()  # at shutdown the servers are stopped next: nobody is asked
-    assert a.left == [[old]] and len(b2.left) == 1
+    assert a.left == [[old]] and len(b.left) == 1
+
+
+def test_a_left_group_is_out_of_torchs_registry() -> None:
+    """destroy_weight_group (the vLLM workers' leave): group.shutdown() alone frees nothing of a gloo
+    group, and torch's destroy_process_group needs the ranks join_weight_group records."""
+    from torch.distributed.distributed_c10d import _world
+
+    from megatron_dapo.rollout.fleet.group import destroy_weight_group, join_weight_group
+    from megatron_dapo.rollout.server_process import free_port
+
+    group = join_weight_group(master_address="127.0.0.1", master_port=free_port("127.0.0.1"), world_size=1, rank=0,
+                              group_name="left-test", timeout_s=30)
+    group.broadcast([torch.zeros(4)], torch.distributed.BroadcastOptions()).wait()
+    assert group in _world.pg_map and _world.pg_group_ranks[group] == {0: 0}
+    destroy_weight_group(group)
+    assert group not in _world.pg_map and group not in _world.pg_backend_config and group not in _world.pg_to_tag
 
 
 def test_every_stage_group_is_left_and_a_failed_join_is_not(caplog) -> None:
@@ -92,7 +119,7 @@ def test_every_stage_group_is_left_and_a_failed_join_is_not(caplog) -> None:
     fleet.form()
     first = list(a.joined)
     assert len(first) == 2  # the controller's group and stage 1's
-    fleet.engine_replaced(0, a)  # the same server object (as a restart keeps it): the groups re-form
+    fleet.engine_replaced(0, a)  # the same server, not restarted: the groups re-form
     with caplog.at_level(logging.WARNING):
         fleet.update_weights(BUCKET)
     assert a.left == [first] and b.left == [first]

@@ -98,13 +98,10 @@ def test_both_servers_take_the_broadcast_weights_and_version(fleet, checkpoints)
             assert max(float(gaps(checkpoints[0], r, 1.0).max()) for r in results) > 1e-2  # not the old weights
         assert broadcast.bytes_broadcast == sum(t.numel() * t.element_size() for b in buckets(checkpoints[1])
                                                 for _, t in b)
-        # A group formed again (as after a restart: here with the same servers): each server's
-        # transfer engine leaves the old one first (fleet/broadcast.py _leave_stale).
-        left = 'POST /shutdown_weight_transfer_engine HTTP/1.1" 200'
-        before = [Path(e.log_path).read_text(errors="replace").count(left) for e in fleet]
+        # A group formed again (as after a restart: here with the same servers) serves the next sync;
+        # each worker's transfer engine destroys the old one as it joins it (transfer.py).
         broadcast.engine_replaced(1, fleet[1])
         sync(rollout, checkpoints[0], version=4)
-        assert [Path(e.log_path).read_text(errors="replace").count(left) for e in fleet] == [n + 1 for n in before]
         assert {engine._call("GET", "/weight_info")["weight_version"] for engine in fleet} == {"4"}
     finally:
         broadcast.close()

@@ -170,9 +170,10 @@ class WeightBroadcast:
         self._base_port = 0
         self._stage_groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
         self._planned: list[StageGroup] = []
-        self._joined: list[tuple[str, dict[Future, FleetMember]]] = []
-        """The groups formed (or being formed) since the last drop: each name with its servers' join requests."""
-        self._stale: list[tuple[str, dict[Future, FleetMember]]] = []
+        self._joined: list[tuple[str, dict[Future, FleetMember], dict[int, Any]]] = []
+        """The groups formed (or being formed) since the last drop: each name, its servers' join
+        requests, and each server's process then (by id(server): a restart replaces it in place)."""
+        self._stale: list[tuple[str, dict[Future, FleetMember], dict[int, Any]]] = []
         """The groups dropped since: their servers leave them before the next group forms (``_leave_stale``)."""
         self._pool = DaemonCalls()
         self.exit_grace_s = 10.0
@@ -354,6 +355,7 @@ class WeightBroadcast:
         if self._group is not None and members == self._members and len(self._stage_groups) == stages - 1:
             return None
         self._drop_group()
+        self._leave_stale()  # before the ports are taken and the stage sources start to join
         from megatron_dapo.rollout.server_process import free_ports
 
         base = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
@@ -380,9 +382,9 @@ class WeightBroadcast:
             from megatron_dapo.rollout.server_process import free_port
 
             self._drop_group()
+            self._leave_stale()  # before the port is taken: a slow leave must not let another process have it
             self._base_name = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
             self._base_port = free_port(self.master_address)
-        self._leave_stale()
         name = self._base_name
         self._group = self._form(name, self._base_port, rank=0, world_size=self.world_size)
         self._group_name, self._members = name, members
@@ -402,7 +404,7 @@ class WeightBroadcast:
                                      rank_offset=offset, world_size=world_size, group_name=name,
                                      backend=self.backend): e
                    for e, offset in zip(self.engines, offsets)}
-        self._joined.append((name, futures))
+        self._joined.append((name, futures, {id(e): getattr(e, "process", None) for e in self.engines}))
         fault_point("fleet_init", 0)
         # The store's rendezvous blocks until every rank joined or timeout_s passed: watched, so a
         # server that died while joining ends the wait at once, not at the deadline.
@@ -435,16 +437,19 @@ class WeightBroadcast:
         A group lives on each server until the server destroys it: sockets and threads on gloo, a
         communicator and its GPU buffers on NCCL. Without this, every restart left one on each
         server that survived it (the fleet's re-formed group) and on the restarted one (its reload's
-        group of two). Only the joins that succeeded are left; best effort, at most
+        group of two). Only the joins that succeeded are left, by the process that made them (a
+        restart replaces a server's process in place); best effort, at most
         min(timeout_s, 60) s, a failure a warning and never the sync's error: a server that cannot
         leave a broken group still serves the next one.
         """
         stale, self._stale = self._stale, []
         current = {id(e) for e in self.engines}
         leaving: dict[int, tuple[FleetMember, list[str]]] = {}
-        for name, joins in stale:
+        for name, joins, processes in stale:
             for future, engine in joins.items():
-                if id(engine) in current and future.done() and future.exception() is None:
+                # A server restarted since (in place: the same object, a new process) holds none of them.
+                same_process = getattr(engine, "process", None) is processes.get(id(engine))
+                if id(engine) in current and same_process and future.done() and future.exception() is None:
                     leaving.setdefault(id(engine), (engine, []))[1].append(name)
         if not leaving:
             return

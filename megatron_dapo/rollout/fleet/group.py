@@ -20,7 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["bucket_header", "flat_nbytes", "header_layout", "join_weight_group", "on_device", "split_flat"]
+__all__ = ["bucket_header", "destroy_weight_group", "flat_nbytes", "header_layout", "join_weight_group", "on_device",
+           "split_flat"]
 
 
 def on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager[object]:
@@ -51,7 +52,7 @@ def join_weight_group(*, master_address: str, master_port: int, world_size: int,
             stage's group (fleet/stages.py) has the stage's first rank as rank 0, the source
             of its broadcasts, while the controller, rank 1, hosts the store at its own address.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0 if store_master is None else store_master,
@@ -62,7 +63,25 @@ def join_weight_group(*, master_address: str, master_port: int, world_size: int,
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
         timeout=timeout, **{options: None},
     )  # fmt: skip
+    # Its ranks, as SGLang's recipe records them: torch's destroy_process_group needs the entry
+    # (destroy_weight_group); the group's own methods, which the broadcasts use, do not.
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def destroy_weight_group(group: dist.ProcessGroup) -> None:
+    """Leave a weight group for good: out of torch's registry of groups, its backend shut down.
+
+    ``group.shutdown()`` alone frees an NCCL communicator but nothing of a gloo group (torch 2.13's
+    gloo backend has no shutdown of its own) and leaves the group in torch's registry, so each
+    group a vLLM worker left stayed alive, sockets and threads, for the process's life. Only for a
+    group no collective is running on: a gloo group's threads finish its queued work first.
+    """
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # not registered as join_weight_group does, or broken: shut down at least
+        with contextlib.suppress(Exception):
+            group.shutdown()
 
 
 def split_flat(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:

@@ -260,9 +260,16 @@ class WeightUpdates:
 
     def leave_weight_update_groups(self, group_names: Sequence[str]) -> None:
         """Leave groups the fleet dropped (FleetMember; rollout/fleet/broadcast.py ``_leave_stale``):
-        sglang 0.5.18 keeps every group it joined, by name, until it is destroyed."""
+        sglang 0.5.18 keeps every group it joined, by name, until it is destroyed. Every name is
+        tried; the first failure is raised after."""
+        errors = []
         for name in group_names:
-            self.destroy_weight_update_group(name)
+            try:
+                self.destroy_weight_update_group(name)
+            except EngineError as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
 
     def finish_weight_update(self, version: int | None = None) -> None:
         """Close the weight-update session, flush the radix cache built on the old weights, and

@@ -261,11 +261,15 @@ class BroadcastWeightTransferEngine(_LayerwiseReload, WeightTransferEngine[Broad
                                  for n, t in zip(update_info.names, tensors)])
 
     def shutdown(self) -> None:
-        """Leave the groups (the controller forms new ones after any failure or restart)."""
+        """Leave the groups for good (the controller forms new ones after any failure or restart).
+
+        Runs between this worker's RPCs, so no collective is running on them (fleet/group.py
+        ``destroy_weight_group``)."""
+        from megatron_dapo.rollout.fleet.group import destroy_weight_group
+
         groups, self._groups, self._fleet = self._groups or {}, None, ""
         for group in groups.values():
-            with contextlib.suppress(Exception):  # a broken group may not shut down cleanly
-                group.shutdown()
+            destroy_weight_group(group)
 
 
 def register() -> None:

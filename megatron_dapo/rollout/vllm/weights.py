@@ -126,11 +126,11 @@ class WeightTransfer:
         self._post("/init_weight_transfer_engine", {"init_info": info}, timeout_s=timeout_s + 30.0)
 
     def leave_weight_update_groups(self, group_names: Sequence[str]) -> None:
-        """Leave the groups the fleet dropped (FleetMember): the transfer engine's shutdown leaves every
-        group it holds (transfer.py), all of them stale when the fleet asks (before it forms new ones).
-        vLLM 0.32 refuses it mid-update (gpu_worker.py ``shutdown_weight_transfer_engine``): after a
-        failed sync the group is dropped when the next one is joined instead."""
-        self._post("/shutdown_weight_transfer_engine")
+        """Nothing to ask (FleetMember): the transfer engine leaves, for good, every group it holds
+        when it joins one of a new fleet name (transfer.py ``init_transfer_engine``), which the
+        fleet's next forming is. vLLM's own ``/shutdown_weight_transfer_engine`` would drop every
+        group, not those named: a call that the fleet stopped waiting for and the server answered
+        late would take the new group with it."""
 
     def receive_distributed(self, bucket: Sequence[tuple[str, torch.Tensor]], *, group_name: str,
                             load_format: str | None = None, timeout_s: float | None = None) -> None:
