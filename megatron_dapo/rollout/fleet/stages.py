@@ -49,6 +49,7 @@ from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.fleet.broadcast import StageGroup, flat_bytes, wire_order
 from megatron_dapo.rollout.fleet.group import (
     bucket_header,
+    destroy_weight_group,
     flat_nbytes,
     header_layout,
     join_weight_group,
@@ -95,12 +96,12 @@ class StageSender:
         self.backend = "gloo"
 
     def drop(self) -> None:
+        """Leave the group for good before joining the next one (no broadcast runs on it: the last
+        sync's ended, or ``abandon`` already let it go): ``destroy_weight_group``, as the servers'
+        workers do, since a gloo group's shutdown alone frees nothing (fleet/group.py)."""
         group, self.group, self.name = self.group, None, ""
         if group is not None:
-            try:
-                group.shutdown()
-            except Exception as err:  # a broken group may not shut down cleanly; it is dropped either way
-                logger.debug("stage weight group shutdown: %s", err)
+            destroy_weight_group(group)
 
     def broadcast(self, flat: torch.Tensor, stage: int) -> threading.Thread:
         """Broadcast one bucket's bytes as the group's rank 0, on a thread (``abandon`` leaves it)."""
