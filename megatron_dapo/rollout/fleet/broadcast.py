@@ -109,6 +109,10 @@ class DaemonCalls:
         return future
 
 
+_Joins = tuple[str, dict[Future, FleetMember], dict[int, Any]]
+"""One group's joins (WeightBroadcast._joined): its name, each server's join request, each server's process."""
+
+
 def wire_order(bucket: Sequence[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
     """The bucket in the order its bytes travel: wider dtypes first, so every tensor starts at a multiple
     of its element size, which sglang 0.5.23's receiver requires ("Unaligned received tensor";
@@ -170,10 +174,10 @@ class WeightBroadcast:
         self._base_port = 0
         self._stage_groups: dict[int, tuple[dist.ProcessGroup, str]] = {}
         self._planned: list[StageGroup] = []
-        self._joined: list[tuple[str, dict[Future, FleetMember], dict[int, Any]]] = []
+        self._joined: list[_Joins] = []
         """The groups formed (or being formed) since the last drop: each name, its servers' join
         requests, and each server's process then (by id(server): a restart replaces it in place)."""
-        self._stale: list[tuple[str, dict[Future, FleetMember], dict[int, Any]]] = []
+        self._stale: list[_Joins] = []
         """The groups dropped since: their servers leave them before the next group forms (``_leave_stale``)."""
         self._pool = DaemonCalls()
         self.exit_grace_s = 10.0
@@ -326,13 +330,14 @@ class WeightBroadcast:
         """
         solo = WeightBroadcast([self.engines[index]], master_address=self.master_address, backend=self.backend,
                                timeout_s=self.timeout_s, device=self.device)
+        loaded = False
         try:
             for bucket in buckets:
                 solo.update_weights(bucket)
             solo.finish_weight_update(version)
-            solo.close(leave=True)  # the server holds no group but the fleet's next one
+            loaded = True
         finally:
-            solo.close()
+            solo.close(leave=loaded)  # loaded: the server holds no group but the fleet's next one
 
     def close(self, *, leave: bool = False) -> None:
         """Drop the controller's side of the groups; ``leave``: the servers leave theirs now too (not
