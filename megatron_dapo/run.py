@@ -41,7 +41,8 @@ from megatron_dapo.device import param_dtype, release_cached_memory
 from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.metrics import MetricsLogger
-from megatron_dapo.models import DecoderAdapter, adapter_for, choose_transformer_impl
+from megatron_dapo.models import DecoderAdapter, adapter_for
+from megatron_dapo.models.transformer_impl import choose_transformer_impl
 from megatron_dapo.output_dir import RunLock, check_output_dir, prepare_output_dir
 from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
 from megatron_dapo.rollout.controller import RolloutController

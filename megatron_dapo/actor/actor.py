@@ -62,8 +62,9 @@ from megatron_dapo.actor.routing_replay import RouteReplay
 from megatron_dapo.actor.settings import LRSchedule, make_optimizer_config
 from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
 from megatron_dapo.algo.objective import OBJECTIVE_METRICS, LossSettings, objective_metrics, policy_objective
-from megatron_dapo.models import ModelAdapter, te_available, unwrap_model
+from megatron_dapo.models import ModelAdapter, unwrap_model
 from megatron_dapo.models.shared_prompts import token_positions
+from megatron_dapo.models.transformer_impl import te_available
 from megatron_dapo.parallel import ParallelDims
 
 __all__ = ["LRSchedule", "MegatronActor", "make_optimizer_config"]
@@ -98,7 +99,7 @@ class MegatronActor:
         routing_replay: algorithm.routing_replay ("off" | "rollout" | "old_policy"); the passes
             choose per call whether they replay (actor/routing_replay.py), this only refuses
             what cannot replay.
-        use_te: the Transformer Engine layer spec (models.choose_transformer_impl of
+        use_te: the Transformer Engine layer spec (models/transformer_impl.choose_transformer_impl of
             model.transformer_impl); None = where it imports next to a GPU.
     """
 

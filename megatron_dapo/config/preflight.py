@@ -95,7 +95,7 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
         check_engine_device(cfg.rollout, cfg.trainer.device)
     check_device(cfg.trainer.device)
     if cfg.model.transformer_impl == "transformer_engine":
-        from megatron_dapo.models import choose_transformer_impl
+        from megatron_dapo.models.transformer_impl import choose_transformer_impl
 
         choose_transformer_impl("transformer_engine")  # where TE cannot run, one line naming why
     check_installed(cfg.rollout.engine, cfg.rollout)

@@ -10,19 +10,13 @@ from pathlib import Path
 from typing import Any
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.models.adapter import (
-    DecoderAdapter,
-    ModelAdapter,
-    choose_transformer_impl,
-    te_available,
-    te_status,
-    unwrap_model,
-)
+from megatron_dapo.models.adapter import DecoderAdapter, ModelAdapter, unwrap_model
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.hf_checkpoint import HFCheckpoint, read_hf_config
 from megatron_dapo.models.llama import LlamaAdapter
 from megatron_dapo.models.qwen2 import Qwen2Adapter
 from megatron_dapo.models.qwen3 import Qwen3Adapter, Qwen3MoeAdapter
+from megatron_dapo.models.transformer_impl import choose_transformer_impl, te_available, te_status
 
 ADAPTERS: dict[str, type[DecoderAdapter]] = {
     "qwen2": Qwen2Adapter, "llama": LlamaAdapter, "qwen3": Qwen3Adapter, "qwen3_moe": Qwen3MoeAdapter,

@@ -1,7 +1,7 @@
 """Kernel fusions of the Transformer Engine spec change speed, not results.
 
 Needs one CUDA GPU and Transformer Engine; skipped elsewhere with the reason. The same tiny
-fp32 checkpoint and batch go through the actor with the fusions models/adapter.kernel_fusions
+fp32 checkpoint and batch go through the actor with the fusions models/transformer_impl.kernel_fusions
 picks (TE's fused RoPE always; megatron's torch.compile'd SwiGLU and bias-dropout-add with
 triton; apex's fused wgrad accumulation with apex) and with all of them off: log-probs
 and the weights after one plain SGD step (which reads the gradient itself) must agree.
@@ -39,9 +39,11 @@ def _worker(fused: bool, directory: str) -> dict:
     from megatron_dapo.algo import LossSettings
     from megatron_dapo.models import adapter as adapter_module
     from megatron_dapo.models import adapter_for, unwrap_model
+    from megatron_dapo.models.transformer_impl import FUSION_FLAGS
 
     if not fused:  # this spawned process only: the reference without any fusion
-        adapter_module.kernel_fusions = lambda **_: dict.fromkeys(adapter_module.FUSION_FLAGS, False)
+        # build_model looks kernel_fusions up in adapter.py, which imports the name: patch it there.
+        adapter_module.kernel_fusions = lambda **_: dict.fromkeys(FUSION_FLAGS, False)
     parallel.init_distributed(os.environ["MEGATRON_DAPO_TEST_DEVICE"])
     dims = parallel.initialize_model_parallel(1, 1, seed=0)
     adapter = adapter_for(directory)
@@ -61,12 +63,12 @@ def _worker(fused: bool, directory: str) -> dict:
     log_probs, _ = actor.compute_log_probs(batch, 1.0)
     actor.train_step(batch, LossSettings(), old_from_forward=True)
     weights = {n: t.cpu() for n, t in adapter.export_hf(actor.model, dims)}
-    return {"fusions": {f: getattr(config, f) for f in adapter_module.FUSION_FLAGS}, "log_probs": log_probs.cpu(),
+    return {"fusions": {f: getattr(config, f) for f in FUSION_FLAGS}, "log_probs": log_probs.cpu(),
             "weights": weights}
 
 
 def test_fused_te_model_equals_unfused(tmp_path) -> None:
-    from megatron_dapo.models.adapter import kernel_fusions
+    from megatron_dapo.models.transformer_impl import kernel_fusions
 
     directory = str(make_tiny_checkpoint(tmp_path / "qwen2", "qwen2", num_layers=2, seed=6))
     (fused,) = run_distributed(_worker, 1, True, directory, device_kind="cuda", timeout_s=600)

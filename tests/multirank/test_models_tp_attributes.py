@@ -61,7 +61,7 @@ def _worker(directory: str) -> dict:
     from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for, mapping
-    from megatron_dapo.models.adapter import FUSION_FLAGS
+    from megatron_dapo.models.transformer_impl import FUSION_FLAGS
 
     parallel.init_distributed(os.environ["MEGATRON_DAPO_TEST_DEVICE"])
     t = _batch()
@@ -130,7 +130,7 @@ def test_actor_grad_norm_at_tp2_equals_tp1(results: list[dict]) -> None:
 
 
 def test_cpu_models_keep_megatrons_unfused_kernels(results: list[dict]) -> None:
-    """The fusions need TE, apex or triton on CUDA (models/adapter.kernel_fusions); none on CPU."""
+    """The fusions need TE, apex or triton on CUDA (models/transformer_impl.kernel_fusions); none on CPU."""
     for rank_out in results:
         assert len(rank_out["fusions"]) == 6
         if rank_out["device"] == "cpu":

@@ -130,7 +130,7 @@ def test_fused_path_divides_bf16_logits_by_the_temperature_in_fp32(temperature):
                         "bias_dropout_fusion"}),
 ])
 def test_kernel_fusions_follow_what_each_needs(use_te, apex_wgrad, triton, on):
-    from megatron_dapo.models.adapter import FUSION_FLAGS, kernel_fusions
+    from megatron_dapo.models.transformer_impl import FUSION_FLAGS, kernel_fusions
 
     fusions = kernel_fusions(use_te=use_te, apex_wgrad=apex_wgrad, triton=triton)
     assert set(fusions) == set(FUSION_FLAGS)
