@@ -132,3 +132,59 @@ def test_every_stage_group_is_left_and_a_failed_join_is_not(caplog) -> None:
     fleet.engine_replaced(1, b)
     fleet.update_weights(BUCKET)
     assert c.left == [] and a.left[-1] == [a.joined[-2]]
+
+
+def test_the_controllers_dropped_groups_leave_torchs_registry(monkeypatch) -> None:
+    """The controller's own side of a dropped group is destroyed, not only shut down: before, each
+    restart left one gloo group (its sockets and threads) in torch's registry for the run's life.
+    Real one-member gloo groups stand in for the fleet's (the fake servers join nothing)."""
+    from torch.distributed.distributed_c10d import _world
+
+    from megatron_dapo.rollout.fleet.group import join_weight_group
+    from megatron_dapo.rollout.server_process import free_port
+
+    made = []
+
+    def one_member_group(*, group_name: str, **kwargs):
+        made.append(join_weight_group(master_address="127.0.0.1", master_port=free_port("127.0.0.1"), world_size=1,
+                                      rank=0, group_name=group_name, timeout_s=30))
+        return made[-1]
+
+    monkeypatch.setattr(fleet_broadcast, "join_weight_group", one_member_group)
+    a, b = _Server("s0"), _Server("s1")
+    fleet = WeightBroadcast([a, b], master_address="127.0.0.1", timeout_s=5)
+    fleet.update_weights(BUCKET)
+    first = made[0]
+    assert first in _world.pg_map
+    b.process = _Process()
+    fleet.engine_replaced(1, b)  # a restart
+    assert first not in _world.pg_map and first not in _world.pg_group_ranks
+    fleet.update_weights(BUCKET)
+    assert len(made) == 2 and made[1] in _world.pg_map
+    fleet.close()
+    assert made[1] not in _world.pg_map
+
+
+def test_a_failed_forming_is_formed_again_under_a_fresh_name(monkeypatch) -> None:
+    """A forming that failed at the rendezvous drops what it made: the next one takes a new name and
+    port (the failed rendezvous may still hold its port) and the servers leave the failed name."""
+    ports = []
+    calls = {"n": 0}
+
+    def join_once_failing(*, master_port: int, **kwargs) -> _Group:
+        ports.append(master_port)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise TimeoutError("rendezvous: 1 of 3 ranks joined")
+        return _Group()
+
+    monkeypatch.setattr(fleet_broadcast, "join_weight_group", join_once_failing)
+    a, b = _Server("s0"), _Server("s1")
+    fleet = WeightBroadcast([a, b], master_address="127.0.0.1", timeout_s=5)
+    with pytest.raises(fleet_broadcast.FleetSyncError, match="forming the weight broadcast group"):
+        fleet.form()
+    failed = a.joined[0]
+    fleet.form()
+    assert a.joined[-1] != failed and b.joined[-1] == a.joined[-1]
+    assert ports[0] != ports[1]
+    assert a.left == [[failed]] and b.left == [[failed]]

@@ -51,6 +51,7 @@ from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
 from megatron_dapo.rollout.fleet.blame import FleetSyncError, blame
 from megatron_dapo.rollout.fleet.group import (
+    destroy_weight_group,
     flat_nbytes,
     header_layout,
     join_weight_group,
@@ -391,11 +392,17 @@ class WeightBroadcast:
             self._base_name = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
             self._base_port = free_port(self.master_address)
         name = self._base_name
-        self._group = self._form(name, self._base_port, rank=0, world_size=self.world_size)
-        self._group_name, self._members = name, members
-        for plan in self._planned:
-            self._stage_groups[plan.stage] = (self._form(plan.name, plan.master_port, rank=1,
-                                                         world_size=plan.world_size), plan.name)
+        try:
+            self._group = self._form(name, self._base_port, rank=0, world_size=self.world_size)
+            self._group_name, self._members = name, members
+            for plan in self._planned:
+                self._stage_groups[plan.stage] = (self._form(plan.name, plan.master_port, rank=1,
+                                                             world_size=plan.world_size), plan.name)
+        except BaseException:
+            # A half-formed set is dropped whole: the next forming takes a fresh name and port (the
+            # failed rendezvous may still hold this one) and the servers leave what they joined.
+            self._drop_group()
+            raise
         logger.info("weight broadcast group %s: %d servers, world size %d, %s, %d pipeline stage group(s)", name,
                     len(self.engines), self.world_size, self.backend, len(self._planned))
         self._planned = []
@@ -424,17 +431,17 @@ class WeightBroadcast:
         return group
 
     def _drop_group(self) -> None:
+        """Forget the groups for good, each destroyed (shut down, out of torch's registry; shutting
+        down alone freed nothing of a gloo group: one leaked per restart before 2026-11-30), the
+        servers' joins kept for ``_leave_stale``. No gloo broadcast of ours is queued on them (each
+        was waited for); an NCCL one on a watched thread is aborted by the shutdown."""
         groups = [self._group, *(g for g, _ in self._stage_groups.values())]
         self._group, self._members, self._stage_groups, self._planned, self._base_name = None, (), {}, [], ""
         self._stale += self._joined
         self._joined = []
         for group in groups:
-            if group is None:
-                continue
-            try:
-                group.shutdown()
-            except Exception as err:  # a broken group may not shut down cleanly; it is dropped either way
-                logger.debug("weight broadcast group shutdown: %s", err)
+            if group is not None:
+                destroy_weight_group(group)
 
     def _leave_stale(self) -> None:
         """The servers still in the fleet leave the groups dropped since they joined them.
