@@ -8,7 +8,7 @@ scored by the configured reward function, exactly as the trainer's validation do
 
 - settings default to the training config stored in the checkpoint (rollout.val_kwargs,
   data.max_response_length / max_prompt_length, reward.*, and the validation seed
-  trainer.seed + 1), so the accuracy reported for the last checkpoint of a run equals the
+  trainer.seed + 2), so the accuracy reported for the last checkpoint of a run equals the
   trainer's last ``val/acc``; without a stored config (an HF directory, unless --config is
   given) the paper's AIME evaluation is the default: avg@32, temperature 1.0, top_p 0.7;
 - prompts are generated in batches of whole 64-row engine chunks with the global prompt
@@ -65,7 +65,7 @@ class EvalSettings:
     max_prompt_length: int
     """Prompts with more tokens are dropped (as in training)."""
     seed: int
-    """Base sampling seed; the trainer's validation uses trainer.seed + 1."""
+    """Base sampling seed; the trainer's validation uses trainer.seed + 2."""
     reward_fn: str
     """Reward function (reward.reward_fn)."""
     tools: dict[str, Any] | None = None
@@ -468,7 +468,7 @@ def add_eval_arguments(parser: Any) -> None:
     parser.add_argument("--top-k", type=int, help="default: rollout.val_kwargs.top_k (-1, off)")
     parser.add_argument("--max-new-tokens", type=int, help="default: data.max_response_length")
     parser.add_argument("--max-prompt-length", type=int, help="default: data.max_prompt_length")
-    parser.add_argument("--seed", type=int, help="sampling seed (default: trainer.seed + 1, the validation seed)")
+    parser.add_argument("--seed", type=int, help="sampling seed (default: trainer.seed + 2, the validation seed)")
     parser.add_argument("--pass-k", type=lambda s: [int(k) for k in s.split(",")], default=None,
                         help="comma-separated k of pass@k (default 1,2,4,...,n)")
     parser.add_argument("--config", help="experiment YAML whose settings to use (default: the one stored in "
@@ -503,6 +503,8 @@ def run_eval(args: Any) -> int:
         from megatron_dapo.config.preflight import check_hf_checkpoint
 
         check_hf_checkpoint(ckpt, where="checkpoint")
+    from megatron_dapo.collect.heldout import VAL_SEED_OFFSET
+
     cfg = load_config(args.config) if args.config else stored_config(training)
     v = (cfg or Config()).rollout.val_kwargs
     base = cfg or Config()
@@ -515,7 +517,7 @@ def run_eval(args: Any) -> int:
         top_p=pick(args.top_p, v.top_p), top_k=pick(args.top_k, v.top_k),
         max_new_tokens=pick(args.max_new_tokens, base.data.max_response_length),
         max_prompt_length=pick(args.max_prompt_length, base.data.max_prompt_length),
-        seed=pick(args.seed, base.trainer.seed + 1), reward_fn=base.reward.reward_fn,
+        seed=pick(args.seed, base.trainer.seed + VAL_SEED_OFFSET), reward_fn=base.reward.reward_fn,
         tools=asdict(base.tools) if base.tools.enable else None)
     out = args.out or Path("eval") / f"{(training or ckpt).name}_{Path(args.data[0]).stem}_n{settings.n}.jsonl"
     _check_out(out)

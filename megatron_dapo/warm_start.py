@@ -10,7 +10,7 @@ token-mean loss has exactly the gradient of the token-mean negative log-likeliho
 SFT runs through the same actor, micro-batching and optimizer as RL (any TP/PP/DP).
 
 With a target band (model.sft_warm_start.target_acc_min/max) SFT stops at the first check
-whose held-out accuracy, measured exactly as the trainer's val/acc, lies in the band: the
+whose held-out accuracy, measured as the trainer's val/acc (its own draw), lies in the band: the
 same SFT steps land at different accuracies on different CPUs (float results differ by
 instruction set and are amplified over hundreds of steps at a high lr, DESIGN.md), and a
 band gives every machine a comparable starting policy instead of the same step count.
@@ -160,8 +160,10 @@ def warm_start(cfg: Config, actor: MegatronActor, control: parallel.ControlGroup
 
 def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
                        closers: list[Callable[[], None]]) -> Callable[[list[tuple[str, torch.Tensor]]], float]:
-    """Controller: HF tensors -> the trainer's val/acc of them (same prompts, sampling and reward)."""
+    """Controller: HF tensors -> their held-out accuracy as the trainer's val/acc measures it (same
+    prompts, sampling settings and reward; its own seed)."""
     from megatron_dapo.collect import score_heldout, val_sampling_params
+    from megatron_dapo.collect.heldout import BAND_CHECK_SEED_OFFSET
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
     from megatron_dapo.rollout.controller import RolloutController
@@ -179,8 +181,10 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
                          max_failure_fraction=cfg.reward.max_failure_fraction,
                          log_path=Path(cfg.trainer.output_dir) / REWARD_LOG)
     closers.append(rewards.close)
+    # The trainer's sampling, a draw of its own: the check SFT stops on is selected for a high
+    # reading, so the run's step-0 val/acc must not be that same draw (collect/heldout.py).
     params = val_sampling_params(cfg.rollout.val_kwargs, max_new_tokens=cfg.data.max_response_length,
-                                 eos_id=tokenizer.eos_id, seed=cfg.trainer.seed)
+                                 eos_id=tokenizer.eos_id, seed=cfg.trainer.seed, offset=BAND_CHECK_SEED_OFFSET)
     # The trainer's val/acc: with tools.
     episodes = episode_runner(cfg.tools, tokenizer, cfg.data.max_response_length, log_dir=cfg.trainer.output_dir)
     if episodes is not None:

@@ -1,9 +1,13 @@
 """Held-out scoring during training: avg@n, pass@n on validation prompts, no filtering, no shaping.
 
-The trainer's `val/*` metrics and the warm start's band checks both come from here with
-the same sampling (`val_sampling_params`), so a run's first val/acc equals the warm
-start's last check of the same weights. (`megatron-dapo eval`, evaluate.py, is the
-separate command that scores any checkpoint.)
+The trainer's `val/*` metrics and the warm start's band checks both come from here with the
+same sampling settings (`val_sampling_params`) but draws of their own: the band checks are
+seeded trainer.seed + 1, the trainer's validation trainer.seed + 2. The warm start stops at
+the first check inside its band, so the check it stops on is selected for a high draw: reused
+as the run's step-0 val/acc it overstated the starting accuracy and understated every gain
+(2026-11-29: seed 21's stopping check read 0.316, ten fresh draws of the same weights
+0.264-0.309, mean 0.287; docs/benchmarks.md). (`megatron-dapo eval`, evaluate.py, is the
+separate command that scores any checkpoint; its default seed is the validation's.)
 """
 
 from __future__ import annotations
@@ -20,16 +24,25 @@ from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.tools.episode import EpisodeRunner, episode_metrics
 
+VAL_SEED_OFFSET = 2
+"""The trainer's validation (and `megatron-dapo eval` by default) samples with trainer.seed + 2."""
+BAND_CHECK_SEED_OFFSET = 1
+"""The warm start's band checks sample with trainer.seed + 1: a draw the run's evaluations never
+reuse (module docstring). Kept at 1 so that cached warm starts stay valid."""
 
-def val_sampling_params(val_kwargs: ValKwargsConfig, *, max_new_tokens: int, eos_id: int, seed: int) -> SamplingParams:
-    """The held-out evaluation's sampling (rollout.val_kwargs), seeded trainer.seed + 1.
 
-    The trainer's validation and the warm start's accuracy checks both use it, so the first
-    val/acc of a run equals the warm start's last check of the same weights.
+def val_sampling_params(val_kwargs: ValKwargsConfig, *, max_new_tokens: int, eos_id: int, seed: int,
+                        offset: int = VAL_SEED_OFFSET) -> SamplingParams:
+    """The held-out evaluation's sampling (rollout.val_kwargs), seeded trainer.seed + ``offset``.
+
+    Args:
+        seed: trainer.seed.
+        offset: VAL_SEED_OFFSET for the trainer's validation, BAND_CHECK_SEED_OFFSET for the warm
+            start's checks (the same sampling, an independent draw).
     """
     return SamplingParams(n=val_kwargs.n, temperature=val_kwargs.temperature, top_p=val_kwargs.top_p,
                           top_k=val_kwargs.top_k, max_new_tokens=max_new_tokens, stop_token_ids=(eos_id,),
-                          seed=seed + 1)
+                          seed=seed + offset)
 
 
 def score_heldout(

@@ -76,8 +76,8 @@ class SFTWarmStartConfig:
     lr: float = 3e-3
     """Learning rate of SFT (10 warm-up steps, then constant)."""
     target_acc_min: float | None = None
-    """Stop SFT at the first check whose held-out accuracy (the trainer's val/acc: val files,
-    rollout.val_kwargs, seed trainer.seed + 1) is in [target_acc_min, target_acc_max], so every
+    """Stop SFT at the first check whose held-out accuracy (as the trainer's val/acc: val files,
+    rollout.val_kwargs; seed trainer.seed + 1, validation's is + 2) is in [target_acc_min, target_acc_max], so every
     machine starts RL from a comparable policy; num_steps is then the most steps. None = a fixed
     num_steps."""
     target_acc_max: float | None = None

@@ -15,7 +15,7 @@ def warm_start_record(cache_dir):
     return json.loads(record.read_text())
 
 
-def test_band_stops_at_the_first_check_inside_it_and_rl_starts_from_that_accuracy(tmp_path):
+def test_band_stops_at_the_first_check_inside_it_and_rl_starts_from_its_weights(tmp_path):
     cache_dir, run_dir = tmp_path / "cache", tmp_path / "run"
     model = {**SFT, "sft_warm_start": {**SFT["sft_warm_start"], "target_acc_min": 0.0, "target_acc_max": 1.0}}
     config = write_config(tmp_path / "tiny.yaml", model=model)
@@ -23,8 +23,9 @@ def test_band_stops_at_the_first_check_inside_it_and_rl_starts_from_that_accurac
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = warm_start_record(cache_dir)
     assert record["steps"] == 5 and record["chosen_step"] == 5 and [c["step"] for c in record["checks"]] == [5]
-    # The check measures exactly what the trainer's validation measures, on the same weights.
-    assert read_rows(run_dir)[0]["val/acc"] == record["checks"][0]["acc"]
+    # The trainer's validation scores the chosen weights at step 0 with a draw of its own (the check
+    # was selected for its reading: tests/unit/test_heldout_draws.py).
+    assert 0.0 <= read_rows(run_dir)[0]["val/acc"] <= 1.0 and read_rows(run_dir)[0]["step"] == 0
     assert "held-out acc" in proc.stderr
 
     # An unreachable band runs every step and keeps the check nearest to it, with a warning;
@@ -39,7 +40,6 @@ def test_band_stops_at_the_first_check_inside_it_and_rl_starts_from_that_accurac
     assert record["steps"] == 10 and [c["step"] for c in record["checks"]] == [5, 10]
     best = max(record["checks"], key=lambda c: c["acc"])
     assert record["chosen_step"] == best["step"]
-    assert read_rows(tmp_path / "run2")[0]["val/acc"] == best["acc"]
     assert "no check landed in the target band" in proc.stderr
 
 
@@ -54,7 +54,6 @@ def test_band_check_at_tp2(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = warm_start_record(cache_dir)
     assert record["chosen_step"] == 5 and record["steps"] == 5
-    assert read_rows(run_dir)[0]["val/acc"] == record["checks"][0]["acc"]
 
 
 def test_checks_come_every_fine_interval_once_one_reads_half_the_band(tmp_path):

@@ -432,7 +432,7 @@ class WeightBroadcast:
 
     def _drop_group(self) -> None:
         """Forget the groups for good, each destroyed (shut down, out of torch's registry; shutting
-        down alone freed nothing of a gloo group: one leaked per restart before 2026-11-30), the
+        down alone freed nothing of a gloo group: one leaked per restart before 2026-11-29), the
         servers' joins kept for ``_leave_stale``. No gloo broadcast of ours is queued on them (each
         was waited for); an NCCL one on a watched thread is aborted by the shutdown."""
         groups = [self._group, *(g for g, _ in self._stage_groups.values())]
