@@ -20,6 +20,7 @@ it scores the actor's tensors without a server, whatever the run's engine.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ENGINE_NAMES", "FAMILIES", "EngineFamily", "EvalEngineArgs", "check_engine",
            "check_installed", "check_model", "eval_engine", "launch_rank_engines", "training_engines"]
+
+logger = logging.getLogger(__name__)
+
 
 @dataclass(kw_only=True, slots=True)
 class EvalEngineArgs:
@@ -268,8 +272,11 @@ def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:
                         "it with --engine local or --engine vllm")
 
     on_cpu = not torch.cuda.is_available()
+    if on_cpu:
+        logger.warning("--engine sglang on CPU samples without seeds (sglang 0.5.18 has no deterministic inference "
+                       "with its CPU attention backend): --seed does not apply and a rerun draws other responses")
     config = SGLangServerConfig(model_path=str(args.hf_dir), tp_size=args.tensor_parallel_size,
-                                mem_fraction_static=args.gpu_memory_utilization, deterministic=True,
+                                mem_fraction_static=args.gpu_memory_utilization, deterministic=not on_cpu,
                                 log_path=str(args.log_dir / "sglang_eval0.log"), device="cpu" if on_cpu else "cuda",
                                 dtype="float32" if on_cpu else "bfloat16", max_total_tokens=CPU_KV_TOKENS if on_cpu else 0)
     return SGLangEngine.launch(config, name="eval0", vocab_size=args.vocab_size)

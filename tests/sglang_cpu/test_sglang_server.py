@@ -291,3 +291,23 @@ def test_episodes_on_sglang_are_token_exact(engine, checkpoints, weights_a):
     streamed = check_streamed_episodes(RolloutController([engine]), checkpoints[0], vocab_size=SHAPE["vocab_size"])
     assert out["policy_gap"] < 1e-4 and out["tool_tokens"] > 0 and out["turns_max"] >= 2, out
     assert streamed["policy_gap"] < 1e-4 and streamed["cut"] > 0, streamed
+
+
+def test_the_eval_commands_sglang_engine_starts_on_cpu(checkpoints, tmp_path, caplog):
+    """`megatron-dapo eval --engine sglang` asked for --enable-deterministic-inference, which sglang
+    0.5.18 refuses with its CPU attention (torch_native): the server exited at startup, so eval
+    with SGLang failed on every CPU. It now samples unseeded there, and says so."""
+    import logging
+
+    from megatron_dapo.rollout.factory import EvalEngineArgs, eval_engine
+
+    with caplog.at_level(logging.WARNING, logger="megatron_dapo.rollout.factory"):
+        engine = eval_engine("sglang", EvalEngineArgs(hf_dir=checkpoints[0], vocab_size=SHAPE["vocab_size"],
+                                                      max_batch_size=64, log_dir=tmp_path))
+    try:
+        results = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=3))
+        assert [len(r.output_ids) for r in results] == [4] * 6
+        assert float(gaps(checkpoints[0], results, 1.0).max()) < 1e-4
+    finally:
+        engine.shutdown()
+    assert "samples without seeds" in caplog.text

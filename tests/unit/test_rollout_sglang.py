@@ -252,6 +252,11 @@ def test_launch_command_binds_the_node_address_with_a_key_and_memory_saver(tmp_p
     ]  # fmt: skip
     deterministic = resolve_server_config(SGLangServerConfig(model_path="/m", deterministic=True, python="/p"), "e")
     assert build_launch_command(deterministic)[-1] == "--enable-deterministic-inference"
+    # sglang 0.5.18 exits at startup with deterministic inference on its CPU attention (torch_native).
+    on_cpu = resolve_server_config(SGLangServerConfig(model_path="/m", deterministic=True, python="/p", device="cpu",
+                                                      max_total_tokens=4096), "e")
+    with pytest.raises(ValueError, match="cannot run --enable-deterministic-inference"):
+        build_launch_command(on_cpu)
     with pytest.raises(ValueError, match=r"mem_fraction_static=1.0 must be in \(0, 1\)"):
         SGLangServerConfig(model_path="/m", mem_fraction_static=1.0)
 

@@ -138,6 +138,11 @@ def build_launch_command(config: SGLangServerConfig) -> list[str]:
     assert config.host and config.port and config.nccl_port and config.api_key and config.python, \
         "resolve the config first"
     if config.device == "cpu":
+        if config.deterministic:
+            # sglang 0.5.18 (arg_groups/overrides.py `_deterministic_attention_backend`) allows it only
+            # with ascend/fa3/fa4/flashinfer/triton attention and exits at startup with torch_native.
+            raise ValueError("an SGLang CPU server cannot run --enable-deterministic-inference (its torch_native "
+                             "attention is not one of SGLang's deterministic backends)")
         # --sleep-on-idle: an idle scheduler waits on its sockets (a zmq poll that wakes on the next
         # request) instead of spinning a core the actor or another server needs (DESIGN.md).
         device_args = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
