@@ -4,7 +4,7 @@ The trainer's `val/*` metrics and the warm start's band checks both come from he
 same sampling settings (`val_sampling_params`) but draws of their own: the band checks are
 seeded trainer.seed + 1, the trainer's validation trainer.seed + 2. The warm start stops at
 the first check inside its band, so the check it stops on is selected for a high draw: reused
-as the run's step-0 val/acc it overstated the starting accuracy and understated every gain
+as the run's step-0 val/acc it could overstate the starting accuracy and so understate the gain
 (2026-11-29: seed 21's stopping check read 0.316, ten fresh draws of the same weights
 0.264-0.309, mean 0.287; docs/benchmarks.md). (`megatron-dapo eval`, evaluate.py, is the
 separate command that scores any checkpoint; its default seed is the validation's.)
