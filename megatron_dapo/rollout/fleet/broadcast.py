@@ -51,11 +51,12 @@ from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.flat_bucket import FLATTENED_BUCKET
 from megatron_dapo.rollout.fleet.blame import FleetSyncError, blame
 from megatron_dapo.rollout.fleet.group import (
+    broadcast_bytes,
     destroy_weight_group,
     flat_nbytes,
     header_layout,
     join_weight_group,
-    on_device,
+    side_stream,
     split_flat,
 )
 from megatron_dapo.rollout.weight_sync import with_lm_head_copy
@@ -181,6 +182,8 @@ class WeightBroadcast:
         self._stale: list[_Joins] = []
         """The groups dropped since: their servers leave them before the next group forms (``_leave_stale``)."""
         self._pool = DaemonCalls()
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        """The sync's own CUDA stream per device (group.side_stream): NCCL broadcasts wait there."""
         self.exit_grace_s = 10.0
         """How long a server whose worker died may take to exit before another member is blamed."""
         self.seconds_broadcast = 0.0
@@ -248,8 +251,10 @@ class WeightBroadcast:
         flat = buffer()
         fault_point("fleet_metadata", 0)
         start = time.perf_counter()
+        stream = None
         if self.backend == "nccl":
-            self._watched_broadcast(group, flat, what, futures, source)
+            stream = side_stream(flat, self._streams)  # on this thread, which wrote the bytes
+            self._watched_broadcast(group, flat, stream, what, futures, source)
         else:
             try:
                 work = group.broadcast([flat], dist.BroadcastOptions())
@@ -265,19 +270,22 @@ class WeightBroadcast:
         self.seconds_broadcast += time.perf_counter() - start
         self.bytes_broadcast += flat.numel()
         self._answers(what, futures, source=source)
+        if stream is not None:  # every server has the bucket: the broadcast ended; a received one is read next
+            torch.cuda.current_stream(flat.device).wait_stream(stream)
         return flat
 
-    def _watched_broadcast(self, group: dist.ProcessGroup, flat: torch.Tensor, what: str, futures: dict,
-                           source: str | None) -> None:
+    def _watched_broadcast(self, group: dist.ProcessGroup, flat: torch.Tensor, stream: torch.cuda.Stream | None,
+                           what: str, futures: dict, source: str | None) -> None:
         """The NCCL broadcast, watched (``_watch``): it ends the sync when a server's request fails or
         timeout_s passes. NCCL's communicator is made at the first broadcast, which blocks until
         every rank joins, with no deadline of its own; a server that failed before joining (an
-        update refused, a worker gone) would hold it for ever. Dropping the group shuts the
-        communicator down, which aborts the broadcast in flight."""
+        update refused, a worker gone) would hold it for ever. The collective is ordered and waited
+        on the sync's own stream (group.side_stream), so a broadcast that never ends stalls no kernel
+        of the trainer; dropping the group aborts the communicator (group.abort_weight_group), which
+        cancels the broadcast in flight (a shutdown would wait for it)."""
 
         def send() -> None:
-            with on_device(flat):
-                group.broadcast([flat], dist.BroadcastOptions()).wait()
+            broadcast_bytes(group, flat, stream)
 
         fault_point("broadcast", 0)  # the controller killed, or failing, as the broadcast starts (tests)
         _, ended, err = self._watch(send, "fleet-broadcast", futures)
@@ -434,14 +442,15 @@ class WeightBroadcast:
         """Forget the groups for good, each destroyed (shut down, out of torch's registry; shutting
         down alone freed nothing of a gloo group: one leaked per restart before 2026-11-29), the
         servers' joins kept for ``_leave_stale``. No gloo broadcast of ours is queued on them (each
-        was waited for); an NCCL one on a watched thread is aborted by the shutdown."""
+        was waited for); an NCCL group is aborted, which cancels a broadcast still in flight on a
+        watched thread (``destroy_weight_group``: NCCL's shutdown would wait for it)."""
         groups = [self._group, *(g for g, _ in self._stage_groups.values())]
         self._group, self._members, self._stage_groups, self._planned, self._base_name = None, (), {}, [], ""
         self._stale += self._joined
         self._joined = []
         for group in groups:
             if group is not None:
-                destroy_weight_group(group)
+                destroy_weight_group(group, backend=self.backend)
 
     def _leave_stale(self) -> None:
         """The servers still in the fleet leave the groups dropped since they joined them.
@@ -481,8 +490,8 @@ class WeightBroadcast:
         """Wait for every server's answer (at most timeout_s); raise naming who failed or did not answer.
 
         On NCCL the first failure ends the wait: the servers still waiting sit in a collective that
-        only dropping the group aborts (and torch's NCCL watchdog would end this process at the
-        same deadline)."""
+        only aborting the group ends (torch's NCCL watchdog would end this process, but only
+        NCCL_TIMEOUT_HEADROOM_S after this deadline: group.collective_timeout_s)."""
         _, pending = wait(futures, timeout=self.timeout_s,
                           return_when=FIRST_EXCEPTION if self.backend == "nccl" else ALL_COMPLETED)
         if pending or any(f.exception() is not None for f in futures if f.done()):

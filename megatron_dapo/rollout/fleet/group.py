@@ -20,8 +20,22 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["bucket_header", "destroy_weight_group", "flat_nbytes", "header_layout", "join_weight_group", "on_device",
+__all__ = ["NCCL_TIMEOUT_HEADROOM_S", "abort_weight_group", "broadcast_bytes", "bucket_header", "collective_timeout_s",
+           "destroy_weight_group", "flat_nbytes", "header_layout", "join_weight_group", "on_device", "side_stream",
            "split_flat"]
+
+NCCL_TIMEOUT_HEADROOM_S = 120.0
+"""How much longer than the controller's watch an NCCL collective may run before torch's watchdog
+acts: the watcher (fleet/broadcast.py) aborts the group at its deadline (``timeout_s``), and the
+jobs set ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, under which a collective past the group's timeout
+kills the process; with equal deadlines the watchdog could win and FleetSyncError, the restart
+budget and re-forming would be unreachable (DESIGN.md, "Rules where the device ... matters")."""
+
+
+def collective_timeout_s(timeout_s: float, backend: str) -> float:
+    """The group's collective deadline: ``timeout_s`` on gloo (its own deadline ends a hung
+    broadcast, which the controller reports), ``timeout_s`` + NCCL_TIMEOUT_HEADROOM_S on NCCL."""
+    return float(timeout_s) + (NCCL_TIMEOUT_HEADROOM_S if backend == "nccl" else 0.0)
 
 
 def on_device(tensor: torch.Tensor) -> contextlib.AbstractContextManager[object]:
@@ -47,21 +61,21 @@ def join_weight_group(*, master_address: str, master_port: int, world_size: int,
         rank: this process's rank (0 = the controller, the source of every broadcast).
         group_name: the group's name (the store's key prefix); fresh for each forming.
         backend: "nccl" (GPUs) or "gloo" (CPU tensors).
-        timeout_s: the rendezvous's and every collective's deadline.
+        timeout_s: the rendezvous's deadline, and every collective's (plus NCCL_TIMEOUT_HEADROOM_S
+            on NCCL: ``collective_timeout_s``).
         store_master: whether this process hosts the TCP store (default: rank 0). A pipeline
             stage's group (fleet/stages.py) has the stage's first rank as rank 0, the source
             of its broadcasts, while the controller, rank 1, hosts the store at its own address.
     """
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-    timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0 if store_master is None else store_master,
-                         timeout=timeout)
+                         timeout=timedelta(seconds=timeout_s))
     options = "backend_options" if "backend_options" in inspect.signature(_new_process_group_helper).parameters \
         else "pg_options"
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store), group_name=group_name,
-        timeout=timeout, **{options: None},
+        timeout=timedelta(seconds=collective_timeout_s(timeout_s, backend)), **{options: None},
     )  # fmt: skip
     # Its ranks, as SGLang's recipe records them: torch's destroy_process_group needs the entry
     # (destroy_weight_group); the group's own methods, which the broadcasts use, do not.
@@ -69,19 +83,92 @@ def join_weight_group(*, master_address: str, master_port: int, world_size: int,
     return group
 
 
-def destroy_weight_group(group: dist.ProcessGroup) -> None:
-    """Leave a weight group for good: out of torch's registry of groups, its backend shut down.
+def destroy_weight_group(group: dist.ProcessGroup, *, backend: str | None = None) -> None:
+    """Leave a weight group for good: out of torch's registry of groups, its backend ended.
 
-    ``group.shutdown()`` alone frees an NCCL communicator but nothing of a gloo group (torch 2.13's
-    gloo backend has no shutdown of its own) and leaves the group in torch's registry, so each
-    group a vLLM worker left stayed alive, sockets and threads, for the process's life. Only for a
-    group no collective is running on: a gloo group's threads finish its queued work first.
+    NCCL groups are aborted (``abort_weight_group``), never shut down: since torch 2.5
+    ``ProcessGroupNCCL::shutdown()``, which ``destroy_process_group`` calls, is graceful (it
+    finalizes the communicator and waits for the kernels in flight), so leaving a group whose
+    broadcast a dead or stalled server never joins would hang the caller; only ``abort()`` cancels
+    them (torch 2.4's shutdown was itself an abort). Gloo groups are destroyed: ``group.shutdown()``
+    alone frees nothing of a gloo group (torch 2.13's gloo backend has no shutdown of its own) and
+    leaves it in torch's registry, so each group a vLLM worker left stayed alive, sockets and
+    threads, for the process's life; a gloo group's threads finish its queued work first, which
+    its own deadline bounds.
+
+    Args:
+        backend: "nccl" or "gloo"; default: the group's own (``dist.get_backend``).
     """
+    if backend is None:
+        try:
+            backend = str(dist.get_backend(group))
+        except Exception:  # not in torch's registry: ask the group itself
+            backend = str(getattr(group, "_get_backend_name", lambda: "")())
+    if backend == "nccl":
+        abort_weight_group(group)
+        return
     try:
         dist.destroy_process_group(group)
     except Exception:  # not registered as join_weight_group does, or broken: shut down at least
         with contextlib.suppress(Exception):
             group.shutdown()
+
+
+def abort_weight_group(group: dist.ProcessGroup) -> None:
+    """Abort a group's communicator (the NCCL kernels in flight are cancelled, nothing waits on them)
+    and take the group out of torch's registry; returns at once whatever its members do.
+
+    torch >= 2.5: c10d's ``_abort_process_group`` (``pg.abort()`` plus the registry's entries);
+    before, or for a group torch's registry does not hold, the group's ``abort()`` (torch 2.4:
+    ``shutdown()``, which aborted then) and the entries removed here.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    abort_registered = getattr(c10d, "_abort_process_group", None)
+    if abort_registered is not None and group in c10d._world.pg_map:
+        try:
+            abort_registered(group)
+            return
+        except Exception:  # a partly registered group: abort it and clean up below
+            pass
+    end = getattr(group, "abort", None) or group.shutdown
+    with contextlib.suppress(Exception):
+        end()
+    cleanup = getattr(c10d, "_cleanup_process_group_global_state", None)
+    if cleanup is not None:
+        with contextlib.suppress(Exception):
+            cleanup(group)
+        return
+    world = c10d._world
+    for registry in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                     world.pg_coalesce_state):
+        registry.pop(group, None)
+
+
+def side_stream(tensor: torch.Tensor, streams: dict[torch.device, torch.cuda.Stream]) -> torch.cuda.Stream | None:
+    """The weight sync's own CUDA stream on `tensor`'s GPU (made once, kept in `streams`), after the
+    calling thread's current stream: call it on the thread that wrote `tensor`, before handing the
+    broadcast to a helper thread. None for a CPU tensor.
+
+    ``work.wait()`` of an NCCL collective makes the *current* stream wait for the collective; on a
+    helper thread that is the device's default stream, where the trainer computes, so a broadcast
+    that never ends (a dead server mid-sync) would stall every later kernel of the trainer's rank.
+    On this stream only the sync waits, and the abort (``abort_weight_group``) ends the wait.
+    """
+    if tensor.device.type != "cuda":
+        return None
+    stream = streams.get(tensor.device)
+    if stream is None:
+        stream = streams[tensor.device] = torch.cuda.Stream(tensor.device)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the bytes are written before they go
+    return stream
+
+
+def broadcast_bytes(group: dist.ProcessGroup, flat: torch.Tensor, stream: torch.cuda.Stream | None) -> None:
+    """Broadcast `flat` from the group's rank 0 (or receive it) on the calling thread, the NCCL
+    collective ordered after `stream` (``side_stream``) and waited on there, not on the default stream."""
+    with on_device(flat), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+        group.broadcast([flat], dist.BroadcastOptions()).wait()
 
 
 def split_flat(flat: torch.Tensor, dtypes: list[torch.dtype], shapes: list[list[int]]) -> list[torch.Tensor]:

@@ -48,12 +48,14 @@ import torch.distributed as dist
 from megatron_dapo.faults import fault_point
 from megatron_dapo.rollout.fleet.broadcast import StageGroup, flat_bytes, wire_order
 from megatron_dapo.rollout.fleet.group import (
+    abort_weight_group,
+    broadcast_bytes,
     bucket_header,
     destroy_weight_group,
     flat_nbytes,
     header_layout,
     join_weight_group,
-    on_device,
+    side_stream,
     split_flat,
 )
 from megatron_dapo.rollout.weight_sync import BucketMeter, WeightSyncStats, iter_buckets
@@ -94,6 +96,7 @@ class StageSender:
         self.group: dist.ProcessGroup | None = None
         self.name = ""
         self.backend = "gloo"
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def drop(self) -> None:
         """Leave the group for good before joining the next one (no broadcast runs on it: the last
@@ -101,18 +104,19 @@ class StageSender:
         workers do, since a gloo group's shutdown alone frees nothing (fleet/group.py)."""
         group, self.group, self.name = self.group, None, ""
         if group is not None:
-            destroy_weight_group(group)
+            destroy_weight_group(group, backend=self.backend)
 
     def broadcast(self, flat: torch.Tensor, stage: int) -> threading.Thread:
         """Broadcast one bucket's bytes as the group's rank 0, on a thread (``abandon`` leaves it)."""
         group = self.group
+        # Waited on the sync's own stream, not the default one where this rank trains (group.side_stream).
+        stream = side_stream(flat, self._streams)
 
         def send() -> None:
             try:
                 if group is None:
                     raise RuntimeError("this stage's weight group is not formed")
-                with on_device(flat):
-                    group.broadcast([flat], dist.BroadcastOptions()).wait()
+                broadcast_bytes(group, flat, stream)
             except Exception as err:  # the controller's FleetSyncError names who failed
                 logger.warning("pipeline stage %d's weight broadcast failed: %s", stage, err)
 
@@ -123,13 +127,11 @@ class StageSender:
     def abandon(self) -> None:
         """Forget a group whose broadcast failed elsewhere. A gloo send ends at the group's deadline (a
         gloo group is not shut down under an operation in flight); an NCCL one waits with no
-        deadline but the watchdog's, which would end this rank, so its communicator is shut down."""
+        deadline but the watchdog's, which would end this rank, so its communicator is aborted
+        (group.abort_weight_group: a shutdown would wait for the broadcast in flight)."""
         group, self.group, self.name = self.group, None, ""
         if group is not None and self.backend == "nccl":
-            try:
-                group.shutdown()
-            except Exception as err:  # dropped either way
-                logger.debug("stage weight group shutdown: %s", err)
+            abort_weight_group(group)
 
     def start_join(self, plan: StageGroup) -> tuple[threading.Thread, dict[str, Any]]:
         """Join ``plan``'s group in a thread (its rendezvous waits for the servers the controller asks)."""
