@@ -2,10 +2,11 @@
 
 `build_run(cfg)` brings up, in order: the process group and device, the data (the
 embedded task or the user's files), the initial HF checkpoint (given, or a scratch
-model with an SFT warm start, cached), Megatron's parallel layout and the actor, the
-colocated SGLang engines (their leader ranks on every node start them), then on the
-controller the engine clients, the reward pool and the metrics, and finally resumes
-from the latest checkpoint. `Run` carries these to the loop in trainer.py and offers the
+model with an SFT warm start, cached), Megatron's parallel layout and the actor, its
+optimizer state and the checkpoint it resumes from (both before any engine starts, which
+sizes its memory from what is free then), the colocated SGLang engines (their leader ranks
+on every node start them), then on the controller the engine clients, the reward pool and
+the metrics, and finally the sampler's and collection's resumed state. `Run` carries these to the loop in trainer.py and offers the
 small collective helpers the loop needs (dispatching the batch over DP ranks, weight
 sync, checkpointing).
 """
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+from megatron_dapo.actor.optimizer_state import materialize_optimizer_state
 from megatron_dapo.actor.reference import ReferencePolicy
 from megatron_dapo.actor.route_layout import pad_routes
 from megatron_dapo.algo import LossSettings
@@ -337,6 +339,13 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
                               resume_from: Path | None) -> None:
     """_build's last part: the engines and the controller, the resume, the first weight sync (collective)."""
     dims, actor = run.dims, run.actor
+    # What training holds is resident before any engine starts: a colocated SGLang server sizes its
+    # pool from the memory free at its start, once (actor/optimizer_state.py). So the optimizer's
+    # state is made now, not at the first step, and a resumed checkpoint is loaded now, not after.
+    made = materialize_optimizer_state(actor.optimizer)
+    logger.info("optimizer state: %.3f GiB on this rank before the engines start", made / 2**30)
+    state = run.checkpoints.load(resume_from, [actor.model], actor.optimizer, actor.scheduler, verified=True) \
+        if resume_from is not None else None
     # Collective: engines the ranks own (colocated SGLang: each node's leader ranks start theirs).
     run.colocated = launch_rank_engines(cfg, hf_dir, rank=env.rank, world_size=env.world_size,
                                         local_rank=env.local_rank, log_dir=run.output_dir / "engine_logs",
@@ -344,7 +353,7 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
     _on_controller(lambda: _build_controller(run, hf_dir, sources))
 
     if resume_from is not None:
-        state = run.checkpoints.load(resume_from, [actor.model], actor.optimizer, actor.scheduler, verified=True)
+        assert state is not None
         run.start_step = int(state["step"])
         if run.sampler is not None and state.get("sampler") is not None:
             run.sampler.load_state_dict(state["sampler"])

@@ -117,6 +117,7 @@ def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Te
     from megatron_dapo import parallel
     from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
     from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
+    from megatron_dapo.actor.optimizer_state import materialize_optimizer_state
     from megatron_dapo.algo import LossSettings
     from megatron_dapo.config import OptimConfig
     from megatron_dapo.models import adapter_for
@@ -153,6 +154,13 @@ def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Te
                 out["num_microbatches"] = len(a._microbatches(mine))
             metrics = a.train_step(mine, loss)
             out["steps"][ways] = {"metrics": metrics, "weights": export(a)}
+            if ways == 2:
+                # The state the run makes before the engines start (run.py) steps bit-equal to the
+                # lazy one, through megatron's distributed optimizer and its fp32 shards.
+                eager = actor(adam, budget)
+                out["state_made_bytes"] = materialize_optimizer_state(eager.optimizer)
+                eager.train_step(mine, loss)
+                out["eager_weights"] = export(eager)
         sgd = OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, lr=SGD_LR, min_lr=SGD_LR, weight_decay=0.0,
                               clip_grad=0.0, params_dtype=torch.float32, use_distributed_optimizer=False)
         for mode in ("token-mean", "seq-mean-token-mean"):
@@ -221,6 +229,10 @@ def _check_layout(out_by_rank: list[dict], layout: tuple[int, int], setup: dict)
         assert step["metrics"]["actor/lr"] == ADAM["lr"]
         for rank_out in out_by_rank:  # every rank reports the same metrics
             assert rank_out[layout]["steps"][ways]["metrics"] == step["metrics"]
+    # Adam's state made before the first step (actor/optimizer_state.py) changes no bit of it.
+    lazy = r0["steps"][2]["weights"]
+    assert all(torch.equal(r0["eager_weights"][n], lazy[n]) for n in lazy), layout
+    assert all(rank_out[layout]["state_made_bytes"] > 0 for rank_out in out_by_rank)
     return errors
 
 
