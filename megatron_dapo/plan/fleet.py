@@ -221,7 +221,7 @@ def make_fleet_plan(cfg: Config, dims: ModelDims, *, nodes: int, engine_nodes: i
     colocated = make_plan(cfg, dims, nodes=nodes, gpus_per_node=gpus_per_node, hardware=hardware, assumptions=a)
 
     # Engine GPUs: nothing of the actor's is resident when SGLang starts, only the overhead.
-    gpu, overhead = hardware.mem_gib * GIB, a.overhead_gib * GIB
+    gpu, overhead = hardware.usable * GIB, a.overhead_gib * GIB
     weights = dims.num_params() * 2 / rtp
     kv_per_tok = kv_bytes_per_token(dims, rtp)
     static = r.engine_memory_bytes(gpu, overhead)

@@ -18,17 +18,22 @@ and the formulas below are what those measurements follow (docs/benchmarks.md ha
   rank's expert), and nothing at PP 1 x EP 1. The controller also holds one bucket
   (rollout.update_weights_bucket_megabytes).
 - **Engine restarts** (rollout.max_engine_restarts > 0, colocated SGLang): each engine's leader
-  rank keeps the last sync's full weights in host buffers reused by every sync (pinned beside a
-  GPU; rollout/sglang/colocated.py), so a restarted server reloads them: N x 2 B per leader, one
-  copy (before issue 39 a fresh copy was made at each sync while the last one was kept: two).
+  rank keeps the last sync's full weights in host buffers reused by every sync, views of a few
+  blocks pinned at their exact size beside a GPU (rollout/host_arena.py; rollout/sglang/colocated.py),
+  so a restarted server reloads them: N x 2 B per leader, one copy, plus at most one block's tail
+  (before issue 39 a fresh copy was made at each sync while the last one was kept: two; before
+  issue 57 each tensor was pinned on its own, ~18k allocations that torch's pinned allocator
+  rounds up to powers of two).
 - **Routed experts** (algorithm.routing_replay on, SGLang): a server started with
-  --enable-return-routed-experts keeps every KV slot's expert ids in a host buffer of int32
-  [KV tokens + a page, num_hidden_layers, k] (sglang 0.5.18, state_capturer/base.py), per engine.
+  --enable-return-routed-experts keeps every KV slot's expert ids in a pinned host buffer of int32
+  [KV tokens + a page, num_hidden_layers, k], one per TP worker (sglang 0.5.23
+  model_runner.py, state_capturer/base.py).
 """
 
 from __future__ import annotations
 
 from megatron_dapo.plan.dims import ModelDims
+from megatron_dapo.rollout.host_arena import BLOCK_BYTES
 
 GIB = 1024**3
 IMPORT_BASELINE_BYTES = int(0.47 * GIB)
@@ -102,11 +107,21 @@ def export_transient_bytes(dims: ModelDims, tp: int, bytes_per_param: int = 2, *
     return max(held, default=0), formula
 
 
+RESTART_ARENA_TAIL_BYTES = BLOCK_BYTES
+"""The most a leader's restart copy pins beyond the model's bytes: the unused tail of its last block
+(rollout/host_arena.py; blocks grow from 64 MiB to 1 GiB)."""
+
+
 def restart_copy_bytes(dims: ModelDims, bytes_per_param: int = 2) -> int:
-    """Host bytes an engine leader keeps for restarts: one copy of the whole model (all experts)."""
-    return dims.num_params() * bytes_per_param
+    """Pinned host bytes an engine leader keeps for restarts: one copy of the whole model (all
+    experts) in exactly pinned blocks, plus at most one block's unused tail (RESTART_ARENA_TAIL_BYTES)."""
+    return dims.num_params() * bytes_per_param + RESTART_ARENA_TAIL_BYTES
 
 
 def routes_buffer_bytes(dims: ModelDims, kv_tokens: int) -> int:
-    """Host bytes of one SGLang engine's routed-experts buffer: (KV tokens) x layers x k x 4 B."""
+    """Pinned host bytes of one SGLang TP worker's routed-experts buffer: (KV tokens) x layers x k x 4 B.
+
+    sglang 0.5.23 makes one per ModelRunner (model_runner.py `init_routed_experts_capturer`, a
+    `RoutedExpertsCapturer` whose `BaseHostCache` is pinned, state_capturer/base.py), so an engine of
+    TP t holds t of them."""
     return kv_tokens * dims.num_layers * dims.num_experts_per_tok * 4 if dims.is_moe else 0

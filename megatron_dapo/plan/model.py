@@ -42,11 +42,25 @@ class Hardware:
     mem_gib: float
     peak_tflops: float
     hbm_gbps: float
+    usable_gib: float | None = None
+    """What one process can have of mem_gib (the driver keeps the rest): the total a CUDA process
+    sees, which is what SGLang's and the actor's budgets divide. None: mem_gib x USABLE_FRACTION."""
 
+    @property
+    def usable(self) -> float:
+        """Usable GiB (usable_gib, else mem_gib x USABLE_FRACTION)."""
+        return self.usable_gib if self.usable_gib is not None else self.mem_gib * USABLE_FRACTION
+
+
+USABLE_FRACTION = 79.6 / 80
+"""An H100 80GB's usable share (~79.6 GiB of 80, as its driver reports it): the default for a GPU
+whose usable memory is not given (A100, H20, --gpu-mem-gib). Not measured here (no GPU lent since
+2026-11-22); --gpu-usable-gib sets the real figure."""
 
 GPUS = {
-    "h100": Hardware(name="H100 SXM 80GB", mem_gib=80, peak_tflops=989, hbm_gbps=3350),
-    "h200": Hardware(name="H200 SXM 141GB", mem_gib=141, peak_tflops=989, hbm_gbps=4800),
+    "h100": Hardware(name="H100 SXM 80GB", mem_gib=80, peak_tflops=989, hbm_gbps=3350, usable_gib=79.6),
+    # The lent H200's description: "about 139 GiB of GPU memory".
+    "h200": Hardware(name="H200 SXM 141GB", mem_gib=141, peak_tflops=989, hbm_gbps=4800, usable_gib=139.0),
     "h20": Hardware(name="H20 96GB", mem_gib=96, peak_tflops=148, hbm_gbps=4000),
     "a100": Hardware(name="A100 SXM 80GB", mem_gib=80, peak_tflops=312, hbm_gbps=2039),
 }
@@ -343,7 +357,7 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
     if dims.is_moe and gpus_per_node % (ep * etp) != 0:
         warnings.append(f"EP x ETP = {ep}x{etp} does not divide {gpus_per_node} GPUs per node: the token "
                         "alltoall crosses nodes")
-    gpu_bytes = hardware.mem_gib * GIB
+    gpu_bytes = hardware.usable * GIB
     # dtype auto is bf16 on GPU and fp32 on CPU (config/training.py); the planner follows the device.
     bf16 = cfg.model.dtype == "bf16" or (cfg.model.dtype == "auto" and cfg.trainer.device != "cpu")
 

@@ -184,14 +184,18 @@ def _host_rows(plan: Plan) -> list[str]:
     rows = [
         f"  convert (1 proc.) {_gib(convert)}  peak RSS of `megatron-dapo convert` either way: {convert_formula}",
         f"  weight export     {_gib(export)}  per actor rank, on its device, on top of its weights: {export_formula}",
-        f"  engine restarts   {_gib(restart)}  host memory per engine leader while rollout.max_engine_restarts > 0: "
-        f"N x 2 B, one reused copy; x {leaders} leader(s) per node = {restart * leaders / GIB:.2f} GiB",
+        f"  engine restarts   {_gib(restart)}  pinned host memory per engine leader while rollout.max_engine_restarts "
+        f"> 0: N x 2 B, one reused copy in exactly pinned blocks, + at most one block's tail ("
+        f"{host.RESTART_ARENA_TAIL_BYTES / GIB:g} GiB); x {leaders} leader(s) per node = "
+        f"{restart * leaders / GIB:.2f} GiB",
     ]
     routes = host.routes_buffer_bytes(plan.model, plan.kv_tokens)
     if routes:
-        rows.append(f"  routed experts    {_gib(routes)}  host memory per SGLang engine with algorithm.routing_replay on: "
-                    f"{plan.kv_tokens} KV tokens x {plan.model.num_layers} layers x top-{plan.model.num_experts_per_tok} "
-                    f"x 4 B; x {leaders} engine(s) per node = {routes * leaders / GIB:.2f} GiB")
+        workers = leaders * plan.rollout_tp
+        rows.append(f"  routed experts    {_gib(routes)}  pinned host memory per SGLang TP worker with "
+                    f"algorithm.routing_replay on: {plan.kv_tokens} KV tokens x {plan.model.num_layers} layers x "
+                    f"top-{plan.model.num_experts_per_tok} x 4 B; x {workers} TP worker(s) per node "
+                    f"({leaders} engine(s) x TP {plan.rollout_tp}) = {routes * workers / GIB:.2f} GiB")
     return rows
 
 
@@ -206,13 +210,13 @@ def format_plan(plan: Plan) -> str:
         f"CP {plan.cp} DP {plan.dp}{experts}; rollout engines TP {plan.rollout_tp} x "
         f"{plan.world_size // plan.rollout_tp}",
         *_stage_rows(plan),
-        f"GPU: {hw.name}, {hw.mem_gib:g} GiB",
+        f"GPU: {hw.name}, {hw.mem_gib:g} GiB ({hw.usable:g} GiB usable by a process: what every budget below divides)",
         "",
         "actor, per GPU (fullest pipeline stage)",
         *_actor_rows(plan),
         f"  overhead          {_gib(a.overhead_gib * GIB)}  CUDA contexts, NCCL, fragmentation (--overhead-gib)",
         f"  train phase       {_gib(plan.train_phase_bytes)}  {'fits' if plan.train_fits else 'DOES NOT FIT'} "
-        f"in {hw.mem_gib:g} GiB",
+        f"in {hw.usable:g} GiB",
         "",
         "rollout (SGLang, colocated), per GPU",
         f"  engine weights    {_gib(plan.rollout_weight_bytes)}  N x 2 B / rollout TP {plan.rollout_tp}"
@@ -220,14 +224,16 @@ def format_plan(plan: Plan) -> str:
         f"  KV per token      {plan.kv_bytes_per_token:>8,} B    2 x L x max(1, kv_heads/TP) x d x 2 B",
         f"  KV capacity       {plan.kv_tokens:>8,} tokens per engine = {plan.kv_tokens // plan.max_sequence_tokens} "
         f"sequences of {plan.max_sequence_tokens} (mem_fraction x free at start - weights) / KV per token",
-        "                    (SGLang sizes from the memory free when it starts: GPU - actor states - overhead)",
+        "                    (SGLang sizes from the memory free when it starts: usable GPU - what training holds then -",
+        "                     overhead; the actor's weights, grads, fp32 masters and Adam moments all exist then: the",
+        "                     run makes the optimizer state and loads a resumed checkpoint before the engines start)",
         f"  rollout phase     {_gib(plan.rollout_phase_bytes)}  actor model states + engine + overhead: "
         f"{'fits' if plan.rollout_fits else 'DOES NOT FIT'}",
         "",
         "host memory: conversion and weight export (benchmarks/scale.py measured both at these shapes, 2 layers, on CPU), restarts",
         *_host_rows(plan),
         "",
-        f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'} on {hw.mem_gib:g} GiB GPUs",
+        f"verdict: {'FITS' if plan.fits else 'DOES NOT FIT'} on {hw.mem_gib:g} GiB GPUs ({hw.usable:g} GiB usable)",
         "",
         f"step time estimate (peak {hw.peak_tflops:g} TFLOP/s bf16 dense, MFU {a.mfu:g}, HBM {hw.hbm_gbps:g} GB/s x "
         f"{a.hbm_efficiency:g}, {a.gen_rounds:g} generation round(s); attention FLOPs, communication and weight "
@@ -240,7 +246,7 @@ def format_plan(plan: Plan) -> str:
 
 def format_fleet(f: FleetPlan) -> str:
     """The split's report: actor and engine GPUs, the weight sync, the step against the colocated one."""
-    a, mem = f.actor, f.actor.hardware.mem_gib
+    a, mem = f.actor, f.actor.hardware.usable
     overhead = a.assumptions.overhead_gib * GIB
     seq = f.mean_sequence_tokens
     what_if = "" if f.disaggregated else (f" (the config is colocated: planned as rollout.placement=disaggregated "
@@ -309,6 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, default=None, help="GPUs per node (default: trainer.n_gpus_per_node or 8)")
     parser.add_argument("--gpu", choices=sorted(GPUS), default="h100", help="GPU preset for memory, peak and bandwidth")
     parser.add_argument("--gpu-mem-gib", type=float, default=None, help="GPU memory in GiB (default: the preset's)")
+    parser.add_argument("--gpu-usable-gib", type=float, default=None,
+                        help="what one process can allocate, e.g. torch.cuda.mem_get_info()[1] / 2**30 on an idle GPU "
+                             "(default: the preset's; H100 79.6 of 80)"),
     parser.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak (default: the preset's)")
     parser.add_argument("--hbm-gbps", type=float, default=None, help="HBM bandwidth in GB/s (default: the preset's)")
     parser.add_argument("--mfu", type=float, default=defaults.mfu, help="achieved fraction of peak FLOP/s")
@@ -343,7 +352,7 @@ def run(argv: list[str] | None = None) -> int:
     """tools/plan.py: print the plan (and layout); exit 2 with one line on bad input."""
     args = build_parser().parse_intermixed_args(argv)
     # NaN fails every comparison, so each rule is written as what holds, then negated.
-    for name in ("nodes", "gpus_per_node", "gpu_mem_gib", "peak_tflops", "hbm_gbps", "avg_prompt_tokens",
+    for name in ("nodes", "gpus_per_node", "gpu_mem_gib", "gpu_usable_gib", "peak_tflops", "hbm_gbps", "avg_prompt_tokens",
                  "avg_response_tokens", "vocab_size"):
         value = getattr(args, name)
         if value is not None and not (0 < value < math.inf):
@@ -385,6 +394,7 @@ def run(argv: list[str] | None = None) -> int:
     hardware = Hardware(
         name=preset.name if args.gpu_mem_gib in (None, preset.mem_gib) else f"{preset.name}, memory set to",
         mem_gib=args.gpu_mem_gib or preset.mem_gib,
+        usable_gib=args.gpu_usable_gib or (preset.usable_gib if args.gpu_mem_gib in (None, preset.mem_gib) else None),
         peak_tflops=args.peak_tflops or preset.peak_tflops,
         hbm_gbps=args.hbm_gbps or preset.hbm_gbps,
     )

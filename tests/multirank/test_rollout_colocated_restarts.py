@@ -26,6 +26,8 @@ from dist_utils import run_distributed
 from test_rollout_colocated_sync import SHAPES, _describe, _export, _FakeServer
 from test_rollout_colocated_sync import _tensors as _export_tensors
 
+from megatron_dapo.rollout.host_arena import MIN_BLOCK_BYTES
+
 pytestmark = pytest.mark.multirank
 
 
@@ -78,7 +80,8 @@ def _scenario() -> dict[str, Any]:
         out["buffers_reused"] = buffers == {name: t.data_ptr() for name, t in engines._host_buffers.items()}
         out["kept_is_second_sync"] = all(torch.equal(t, dict(_export_tensors())[name] * 2)
                                          for bucket in engines._kept for name, t in bucket)
-        out["kept_bytes"] = sum(t.numel() * t.element_size() for t in engines._host_buffers.values())
+        out["kept_bytes"] = engines._host_buffers.used_bytes
+        out["reserved_bytes"] = engines._host_buffers.reserved_bytes  # the arena's blocks (rollout/host_arena.py)
     synced = len(servers[0].requests)
 
     # 1. The controller asks; rank 1 serves from its thread while its main thread waits here.
@@ -134,6 +137,7 @@ def test_the_owner_restarts_its_server_for_the_controller_and_at_the_resume() ->
     assert owner["relaunches_after_request"] == [owner["relaunches_after_request"][0]]
     assert owner["buffers_reused"] and owner["kept_is_second_sync"]
     assert owner["kept_bytes"] == sum(math.prod(shape) * 4 for shape in SHAPES.values())
+    assert owner["reserved_bytes"] == MIN_BLOCK_BYTES  # one block for a model this small, not one per tensor
     reload = owner["reload"]
     sent = [tensor[0] for path, body in reload if path == "/update_weights_from_tensor"
             for tensor in json.loads(body["serialized_named_tensors"][0])["tensors"]]

@@ -70,19 +70,19 @@ def test_engine_gpu_memory_on_gpus_of_its_own() -> None:
     weights = N * 2 / 8
     assert plan.engine_weight_bytes == weights == 8_190_969_088
     # SGLang keeps 0.7 of the memory free when it starts: all but the 4 GiB overhead (no actor states here).
-    static = 0.7 * (80 * GIB - 4 * GIB)
+    static = 0.7 * (79.6 * GIB - 4 * GIB)  # the H100's usable 79.6 GiB
     assert plan.engine_static_bytes == pytest.approx(static, rel=1e-12)
     assert plan.kv_bytes_per_token == 2 * L * (8 // 8) * 128 * 2 == 32_768
-    assert plan.kv_tokens == int((static - weights) // 32_768) == 1_493_289
+    assert plan.kv_tokens == int((static - weights) // 32_768) == 1_484_114
     assert plan.engine_bytes == pytest.approx(static + 4 * GIB, rel=1e-12)
-    assert round(plan.engine_bytes / GIB, 2) == 57.2
+    assert round(plan.engine_bytes / GIB, 2) == 56.92
     # 6144 responses per engine, mean sequence 256 + 5120: as many at once as the pool holds.
-    assert plan.concurrent == 1_493_289 // 5376 == 277
+    assert plan.concurrent == 1_484_114 // 5376 == 276
     assert plan.engine_fits
 
     tp4 = _fleet(["rollout.tensor_model_parallel_size=4"])
     assert (tp4.num_engines, tp4.kv_bytes_per_token) == (8, 2 * L * 2 * 128 * 2)
-    assert tp4.kv_tokens == int((static - N * 2 / 4) // 65_536) == 621_660
+    assert tp4.kv_tokens == int((static - N * 2 / 4) // 65_536) == 617_072
     assert tp4.engine_fits
     # TP 1: 61 GiB of weights above SGLang's 53.2 GiB share: it would refuse to start.
     tp1 = _fleet(["rollout.tensor_model_parallel_size=1"])
@@ -162,11 +162,11 @@ def test_cli_prints_the_split(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([CONFIG_32B, "--nodes", "8", "--engine-nodes", "4", "--no-search"]) == 0
     out = capsys.readouterr().out
     assert "disaggregated split: --engine-nodes 4 of 8 nodes x 8 GPUs: actor 32 GPUs (TP 8 PP 2 CP 1 DP 2)" in out
-    assert "  engine GPU           57.20 GiB  weights + KV pool + overhead: fits in 80 GiB" in out
+    assert "  engine GPU           56.92 GiB  weights + KV pool + overhead: fits in 79.6 GiB" in out
     assert "weight sync: 61.03 GiB per sync = N x 2 B" in out
     assert "  W weight sync           1.64 s  sum over the PP 2 stage(s)" in out
     assert "split verdict: FITS" in out
-    assert out.index("verdict: FITS on 80 GiB GPUs") < out.index("disaggregated split")
+    assert out.index("verdict: FITS on 80 GiB GPUs (79.6 GiB usable)") < out.index("disaggregated split")
 
 
 @pytest.mark.parametrize(

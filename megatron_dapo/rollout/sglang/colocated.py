@@ -79,6 +79,7 @@ from megatron_dapo.rollout.flat_bucket import (
     encode_bucket,
     payload_tensors,
 )
+from megatron_dapo.rollout.host_arena import HostArena
 from megatron_dapo.rollout.placement import (
     EnginePlacement,
     EngineSlot,
@@ -248,9 +249,10 @@ class ColocatedEngines:
         self._kept: list[list[tuple[str, torch.Tensor]]] = []  # the last sync's buckets, on the host
         self._kept_version: int | None = None
         self._kept_device: torch.device | None = None
-        # One host buffer per tensor, reused by every sync (pinned beside a GPU): the last sync's
-        # weights for a restart cost one copy of the model per leader, not two at the peak.
-        self._host_buffers: dict[str, torch.Tensor] = {}
+        # One host buffer per tensor, reused by every sync, carved from a few blocks pinned at their
+        # exact size beside a GPU (rollout/host_arena.py): the last sync's weights for a restart cost
+        # one copy of the model per leader plus at most one block's tail, not two at the peak.
+        self._host_buffers = HostArena(pin=torch.cuda.is_available())
         self._released = False
         self._dead = False  # found dead at the release: relaunched at the resume
         self._relaunches = 0  # servers restart_owned relaunched (shutdown stops one that came up meanwhile)
@@ -401,10 +403,7 @@ class ColocatedEngines:
 
     def _host_copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` copied into this name's reused host buffer (allocated on first use or a new shape)."""
-        buffer = self._host_buffers.get(name)
-        if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-            buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda)
-            self._host_buffers[name] = buffer
+        buffer = self._host_buffers.buffer(name, tensor.shape, tensor.dtype)
         buffer.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
         return buffer
 
