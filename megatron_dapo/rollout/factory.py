@@ -278,7 +278,10 @@ def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:
     config = SGLangServerConfig(model_path=str(args.hf_dir), tp_size=args.tensor_parallel_size,
                                 mem_fraction_static=args.gpu_memory_utilization, deterministic=not on_cpu,
                                 log_path=str(args.log_dir / "sglang_eval0.log"), device="cpu" if on_cpu else "cuda",
-                                dtype="float32" if on_cpu else "bfloat16", max_total_tokens=CPU_KV_TOKENS if on_cpu else 0)
+                                dtype="float32" if on_cpu else "bfloat16", max_total_tokens=CPU_KV_TOKENS if on_cpu else 0,
+                                # Nothing to hand back between rollouts; and in sglang 0.5.23 the memory
+                                # saver turns off its post-capture KV sizing (arg_groups/overrides.py).
+                                releases_memory=False)
     return SGLangEngine.launch(config, name="eval0", vocab_size=args.vocab_size)
 
 

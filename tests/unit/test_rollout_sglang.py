@@ -1,5 +1,6 @@
 """SGLang engine on CPU: exact HTTP payloads against a fake server, command line, death detection."""
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -547,3 +548,25 @@ def test_a_gpu_fleet_gives_each_server_its_own_gpus_in_the_actors_dtype(monkeypa
     launched.clear()
     factory._sglang_training(cfg, tmp_path, None, torch.device("cuda", 0), tmp_path)
     assert {c.dtype for c in launched} == {"float32"}
+
+
+def test_evals_gpu_server_starts_without_the_memory_saver(monkeypatch, tmp_path) -> None:
+    """`megatron-dapo eval --engine sglang` on a GPU: nothing is released between rollouts, and in
+    sglang 0.5.23 --enable-memory-saver turns off the post-capture KV sizing
+    (arg_groups/overrides.py), so eval's server must not ask for it (issue 57, item 6)."""
+    import torch
+
+    from megatron_dapo.rollout import factory
+    from megatron_dapo.rollout.sglang import engine as sglang_engine
+    from megatron_dapo.rollout.sglang.server import build_launch_command
+
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sglang_engine.SGLangEngine, "launch",
+                        classmethod(lambda cls, config, **kwargs: seen.setdefault("config", config)))
+    args = factory.EvalEngineArgs(hf_dir=tmp_path, vocab_size=100, max_batch_size=4, log_dir=tmp_path)
+    factory._sglang_eval(args)
+    config = seen["config"]
+    assert config.device == "cuda" and config.releases_memory is False
+    resolved = dataclasses.replace(config, host="127.0.0.1", port=1, nccl_port=2, api_key="k", python="python")
+    assert "--enable-memory-saver" not in build_launch_command(resolved)
