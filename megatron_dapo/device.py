@@ -37,6 +37,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -88,6 +89,12 @@ def setup_device(kind: str = "auto") -> torch.device:
             "to a live CUDA runtime: hide the GPUs with CUDA_VISIBLE_DEVICES='' or use 'auto'"
         )
     if has_cuda:
+        # A CUDA process must run megatron-core's own CUDA path: none of the CPU shims may be in
+        # place (they would remap streams, RNG and collectives silently).
+        shims = active_shims()
+        if _cpu_mode is not None or shims:
+            raise RuntimeError(f"the CPU layer is installed in a process that sees CUDA ({', '.join(shims) or 'mode'}); "
+                               "a process must pick its device before building anything")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -254,7 +261,7 @@ class _DropTrackerForkWarning(logging.Filter):
 
 def _patch_torch_cuda() -> None:
     cuda = torch.cuda
-    cuda.current_device = lambda: 0
+    cuda.current_device = _mark(lambda: 0)
     cuda.synchronize = lambda device=None: None
     cuda.Stream = _NullStream
     cuda.Event = _NullEvent
@@ -280,8 +287,8 @@ def _patch_torch_cuda() -> None:
 def _patch_megatron_rng() -> None:
     from megatron.core.tensor_parallel import random as mcore_random
 
-    mcore_random._get_cuda_rng_state = _cpu_get_rng_state
-    mcore_random._set_cuda_rng_state = _cpu_set_rng_state
+    mcore_random._get_cuda_rng_state = _mark(_cpu_get_rng_state)
+    mcore_random._set_cuda_rng_state = _mark(_cpu_set_rng_state)
     logging.getLogger(mcore_random.__name__).addFilter(_DropTrackerForkWarning())
 
 
@@ -294,7 +301,7 @@ def _under_cpu_mode(fn: Callable) -> Callable:
         with _cpu_mode:
             return fn(*args, **kwargs)
 
-    return wrapper
+    return _mark(wrapper)
 
 
 def _patch_megatron_recompute() -> None:
@@ -346,7 +353,7 @@ def _patch_megatron_moe_splits() -> None:
             return tensor.numpy()
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = move
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _mark(move)
 
 
 def _patch_megatron_uneven_gather() -> None:
@@ -385,21 +392,111 @@ def _patch_megatron_uneven_gather() -> None:
         dist.reduce_scatter_tensor(out, padded, group=group)
         return out[: sizes[group.rank()]].clone()
 
-    mappings._gather_along_first_dim = gather_uneven
-    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+    mappings._gather_along_first_dim = _mark(gather_uneven)
+    mappings._reduce_scatter_along_first_dim = _mark(reduce_scatter_uneven)
+
+
+@dataclass(frozen=True)
+class CpuShim:
+    """One patch of the CPU layer: what it replaces, why, and where that was read."""
+
+    name: str
+    targets: tuple[str, ...]
+    """What is replaced, as ``module:attribute`` (``module:Class.method`` for a method)."""
+    why: str
+    read_in: str
+    """The versions whose source the need was read in (and tested against on CPU)."""
+    install: Callable[[], None]
+
+
+CPU_SHIMS: tuple[CpuShim, ...] = (
+    CpuShim("torch.cuda entry points",
+            tuple(f"torch.cuda:{n}" for n in ("current_device", "synchronize", "Stream", "Event", "stream",
+                                              "current_stream", "default_stream", "set_stream", "get_rng_state",
+                                              "set_rng_state", "manual_seed", "empty_cache", "memory_allocated",
+                                              "max_memory_allocated", "memory_reserved", "max_memory_reserved",
+                                              "reset_peak_memory_stats", "memory_stats")),
+            "megatron-core calls them unconditionally (streams in DDP and the optimizer, RNG in the tracker, "
+            "memory statistics in its logging)", "megatron-core 0.16.1, torch 2.13", _patch_torch_cuda),
+    CpuShim("model-parallel RNG on the CPU generator",
+            ("megatron.core.tensor_parallel.random:_get_cuda_rng_state",
+             "megatron.core.tensor_parallel.random:_set_cuda_rng_state"),
+            "the tracker forks the CUDA generator; CPU dropout and init draw from the CPU one",
+            "megatron-core 0.16.1", _patch_megatron_rng),
+    CpuShim("recompute under the device mode",
+            ("megatron.core.tensor_parallel.random:CheckpointFunction.backward",
+             "megatron.core.tensor_parallel.random:CheckpointWithoutOutput._recompute"),
+            "the forward re-run inside backward runs below the mode that remaps device='cuda'",
+            "megatron-core 0.16.1, torch 2.13", _patch_megatron_recompute),
+    CpuShim("tensor-parallel backward under the device mode",
+            ("megatron.core.tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication.backward",
+             "megatron.core.tensor_parallel.mappings:<every autograd.Function>.backward"),
+            "sequence parallelism's backward allocates buffers on torch.cuda.current_device()",
+            "megatron-core 0.16.1", _patch_megatron_tensor_parallel_backward),
+    CpuShim("MoE dispatcher split sizes",
+            ("megatron.core.transformer.moe.moe_utils:maybe_move_tensor_to_cpu",
+             "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu"),
+            "it converts only CUDA tensors to numpy; all_to_all_single refuses tensor split sizes",
+            "megatron-core 0.16.1", _patch_megatron_moe_splits),
+    CpuShim("uneven gather / reduce-scatter padded",
+            ("megatron.core.tensor_parallel.mappings:_gather_along_first_dim",
+             "megatron.core.tensor_parallel.mappings:_reduce_scatter_along_first_dim"),
+            "gloo refuses list collectives of tensors of different sizes (NCCL takes them)",
+            "megatron-core 0.16.1, torch 2.13 gloo", _patch_megatron_uneven_gather),
+)
+"""The CPU layer, patch by patch (DESIGN.md "Megatron-Core on CPU"): installed only without CUDA;
+``active_shims`` tells which are in place, and ``setup_device`` refuses a CUDA device while any is."""
+
+
+def _resolve(target: str) -> Any:
+    import importlib
+
+    module, _, attr = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def active_shims() -> list[str]:
+    """The CPU shims in place in this process, by name: each target that is one of ours.
+
+    Looks only at modules already imported (a shim of megatron-core cannot be in place before
+    megatron-core is imported); the mapping backward functions are held through their module."""
+    import sys
+
+    found = []
+    for shim in CPU_SHIMS:
+        for target in shim.targets:
+            if "<" in target or target.partition(":")[0] not in sys.modules:
+                continue
+            try:
+                obj = _resolve(target)
+            except (ImportError, AttributeError):
+                continue
+            if getattr(obj, _SHIM_MARK, False):
+                found.append(shim.name)
+                break
+    return found
+
+
+_SHIM_MARK = "__megatron_dapo_cpu_shim__"
+
+
+def _mark(obj: Any) -> Any:
+    """Tag a replacement as the CPU layer's (``active_shims`` finds it)."""
+    with contextlib.suppress(AttributeError, TypeError):  # a builtin, a class without a writable dict
+        setattr(obj, _SHIM_MARK, True)
+    return obj
 
 
 def _install_cpu_layer() -> None:
     global _cpu_mode
     if _cpu_mode is None:
         assert not torch.cuda.is_available(), "the CPU layer must never patch a live CUDA runtime"
-        _patch_torch_cuda()
-        _patch_megatron_rng()
         _cpu_mode = _CudaToCpuMode()
-        _patch_megatron_recompute()
-        _patch_megatron_tensor_parallel_backward()
-        _patch_megatron_moe_splits()
-        _patch_megatron_uneven_gather()
+        for shim in CPU_SHIMS:
+            shim.install()
     # Torch function modes live on a per-thread stack, so every thread that builds or
     # moves megatron tensors needs its own push; it stays entered for the thread's life
     # because megatron creates CUDA tensors at arbitrary depth.
