@@ -143,6 +143,7 @@ def _namespaced(spec: dict, report: int, code: bytes) -> int:
         os.setgroups([])  # root's supplementary groups would stay the code's otherwise
     to_c_r, to_c_w = os.pipe()
     to_j0_r, to_j0_w = os.pipe()
+    j0 = os.getpid()
     pid = os.fork()
     if pid == 0:
         os.close(to_c_w)
@@ -172,6 +173,9 @@ def _namespaced(spec: dict, report: int, code: bytes) -> int:
                 # Files the jail creates need a uid of the namespace; its capabilities stay.
                 os.setresgid(NOBODY, NOBODY, NOBODY)
                 os.setresuid(NOBODY, NOBODY, NOBODY)
+                _die_with_parent()  # a uid change clears it
+                if os.getppid() != j0:
+                    raise JailError("the jail died while it was being set up")
             life_r, life_w = os.pipe()
             j1 = os.fork()
             if j1 == 0:
