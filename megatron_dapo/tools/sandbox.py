@@ -262,7 +262,8 @@ def isolation_problem(isolation: str = "namespaces") -> str | None:
     r = run_python("print('ok')", SandboxLimits(isolation=isolation, timeout_s=60, cpu_seconds=30))
     if r.ok and r.text == "ok\n":
         return None
-    return r.text.strip().splitlines()[-1][:300] if r.text.strip() else f"a probe call ended {r.status}"
+    text = r.text.strip().removeprefix("error: ")
+    return text.splitlines()[-1][:300] if text else f"a probe call ended {r.status}"
 
 
 def _collect(proc: subprocess.Popen, limits: SandboxLimits, start: float) -> tuple[bytes, str | None]:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.config.fields import ConfigError
+from megatron_dapo.config.loader import load_config
 from megatron_dapo.tools.sandbox import SandboxLimits, isolation_problem, run_python
 
 PROBLEM = isolation_problem()
@@ -119,3 +121,28 @@ def test_no_inherited_secrets_or_descriptors(monkeypatch, tmp_path):
     env, fds = r.text.splitlines()
     assert "MEGATRON_DAPO_TEST_SECRET" not in env and "hunter2" not in r.text
     assert eval(fds) == ["0", "1", "2", "3"], fds  # stdin, stdout, stderr and listdir's own
+
+
+def test_a_nul_byte_a_lone_surrogate_or_a_240_kb_program_is_the_programs_error_not_the_tools():
+    # argv refused all three (ValueError, UnicodeEncodeError, E2BIG past 128 KB per argument): the program now
+    # travels in a file, and what Python's compiler says of it is the answer (status error, never "failed").
+    for code, said in (("print(1)\x00", "null bytes"), ("print('\udc80')", "Non-UTF-8")):
+        r = run_python(code)
+        assert r.status == "error" and said in r.text, (code, r)
+    big = "x = 1\n" * 40_000 + "print('ran', x)\n"  # 240 KB
+    r = run_python(big, SandboxLimits(timeout_s=30))
+    assert r.ok and r.text == "ran 1\n", r
+
+
+@pytest.mark.parametrize("override", ["tools.python.cpu_seconds=100000000000000000000", "tools.python.memory_mb=1000000000000000",
+                                      "tools.python.processes=100000000000000000000", "tools.python.timeout_s=1e20",
+                                      "tools.python.isolation=none"])
+def test_limits_past_their_bounds_are_refused_at_config_time(override):
+    key = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"^command line: {key}=[^\n]*$"):
+        load_config(None, [override])
+
+
+def test_limits_only_says_so_in_every_call_record():
+    r = run_python("print(1)", SandboxLimits(isolation="limits_only"))
+    assert r.ok and r.isolation.startswith("limits_only"), r
