@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import subprocess
@@ -359,3 +360,37 @@ def test_kill_9_of_the_trainer_takes_the_call_down(kind):
         for pid in _pids_with(mark.encode()):
             os.kill(pid, signal.SIGKILL)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_machine_without_namespaces_refuses_the_python_tool_at_config_time_unless_limits_only(tmp_path):
+    """As root in a chroot without CAP_SYS_ADMIN no namespace can be made (the kernel refuses a user
+    namespace in a chroot, and the others need the capability): `config validate` stops in one line
+    naming tools.python.isolation, accepts limits_only, and the calls then say limits_only."""
+    if os.geteuid() != 0:
+        pytest.skip("making a machine without namespaces (chroot, no CAP_SYS_ADMIN) needs root")
+    if not all(shutil.which(t) for t in ("unshare", "mount", "chroot", "setpriv")):
+        pytest.skip("NOT TESTED: unshare, mount, chroot or setpriv (util-linux, coreutils) is missing")
+    root = tmp_path / "root"
+    root.mkdir()
+    validate = ["-m", "megatron_dapo.cli", "config", "validate", "examples/tiny_tools_cpu.yaml",
+                "tools.tools=[calculator,python]", f"trainer.output_dir={tmp_path / 'run'}"]
+    calls = ["-c", "from megatron_dapo.tools.sandbox import SandboxLimits as L, run_python as run\n"
+             "print([(r.status, r.isolation) for r in (run('print(1)'), run('print(1)', L(isolation='limits_only')))])"]
+
+    def without_namespaces(args: list[str]) -> subprocess.CompletedProcess:
+        inner = " ".join(map(shlex.quote, ["setpriv", "--bounding-set=-sys_admin", sys.executable, *args]))
+        script = f"mount --rbind / {shlex.quote(str(root))} && exec chroot {shlex.quote(str(root))} sh -c " + \
+            shlex.quote(f"cd {shlex.quote(str(REPO))} && exec {inner}")
+        return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    refused = without_namespaces(validate)
+    lines = refused.stderr.strip().splitlines() + refused.stdout.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, (refused.returncode, lines)
+    assert "tools.python.isolation=namespaces" in lines[0] and "limits_only" in lines[0], lines[0]
+    accepted = without_namespaces([*validate, "tools.python.isolation=limits_only"])
+    assert accepted.returncode == 0, accepted.stderr
+    ran = without_namespaces(calls)
+    (jailed, jail_says), (limited, limits_say) = eval(ran.stdout.strip().splitlines()[-1])
+    assert jailed == "failed" and jail_says == "", "a call asked for namespaces ran without them"
+    assert limited == "ok" and limits_say.startswith("limits_only"), ran.stdout
