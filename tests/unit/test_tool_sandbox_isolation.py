@@ -394,3 +394,26 @@ def test_a_machine_without_namespaces_refuses_the_python_tool_at_config_time_unl
     (jailed, jail_says), (limited, limits_say) = eval(ran.stdout.strip().splitlines()[-1])
     assert jailed == "failed" and jail_says == "", "a call asked for namespaces ran without them"
     assert limited == "ok" and limits_say.startswith("limits_only"), ran.stdout
+
+
+@pytest.mark.parametrize("kind", ["root", "user"])
+def test_an_interpreter_in_a_venv_under_tmp_runs_behind_the_private_tmp(kind):
+    # The jail's /tmp is its own scratch: the venv is bound read-only onto it at its own path.
+    base = Path(tempfile.mkdtemp(prefix="mdapo-isolation-"))
+    try:
+        actor = Actor(kind, base)
+        venv = base / "venv"
+        venv.mkdir()
+        actor.own(venv)
+        made = actor.popen(["-m", "venv", "--without-pip", str(venv)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+        assert made.wait(timeout=120) == 0, made.stdout.read()
+        actor.python = str(venv / "bin" / "python")
+        code = "import sys\nprint(sys.prefix)\nopen(sys.prefix + '/planted.py', 'w')\n"  # its owner's, read-only here
+        runner = actor.popen(["isolation_runner.py", actor.job({"attacks": {"venv": code}})], stdout=subprocess.PIPE,
+                             text=True)
+        out, _ = runner.communicate(timeout=120)
+        r = json.loads(out.splitlines()[0])["venv"]
+        assert r["text"].startswith(f"{venv}\n") and "Read-only file system" in r["text"], r
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
