@@ -5,7 +5,9 @@ trainer would, next to an "engine" of the same user that holds VLLM_API_KEY in i
 environment and listens on 127.0.0.1. As root (CI) the runner is root; for the ordinary user
 this test creates one (``useradd``) and drops to it in the subprocess (setresuid, no groups,
 as setpriv does), so both ways users run
-are covered on every CI run. Each case fails if its guard is taken away:
+are covered on every CI run. Each case fails if its guard is taken away (where two layers
+guard, e.g. the fixed environment of both the jail and the code, or the sessions of both, when
+both are; as root the nobody uid is a further layer under most cases):
 
 - killing the ancestors, the process group, every process (kill -1): the PID namespace (the
   code's parent is the namespace's init, which it cannot signal), the code's own session,
@@ -18,7 +20,9 @@ are covered on every CI run. Each case fails if its guard is taken away:
 - a fork loop: RLIMIT_NPROC, counted in the call's user namespace;
 - a setsid()'d child: the namespace dies with its init when the code exits;
 - unshare/mount/umount: no capabilities, nested user namespaces off, locked mounts;
-- kill -9 of the trainer: PR_SET_PDEATHSIG down the jail's processes.
+- kill -9 of the trainer: PR_SET_PDEATHSIG down the jail's processes;
+- a venv under /tmp: the prefix bound onto the private /tmp after it is made;
+- a machine without namespaces (root, chroot, no CAP_SYS_ADMIN): config validate's probe.
 """
 
 from __future__ import annotations
