@@ -18,6 +18,8 @@ and a job that does not validate fails on them in its first seconds. In order:
 - every prompt file (or the embedded task's problem space), and that there are at least
   `data.train_batch_size` prompts (fewer would repeat prompts inside every batch);
 - a custom reward function answers one probe call within reward.timeout_s;
+- the python tool (tools.enable, "python" listed) runs a probe call with its tools.python.isolation
+  (tools/sandbox.isolation_problem: the namespaces, the interpreter readable by the jail's user);
 - custom tools (tools.enable) import in a worker as the run's tool workers will import them;
 - the checkpoint the run would resume from (explicit, or `latest` of output_dir with
   resume=auto): its manifest, its architecture against the configured model and the
@@ -35,6 +37,7 @@ from typing import Any
 
 from megatron_dapo.config.experiment import Config
 from megatron_dapo.config.fields import ConfigError
+from megatron_dapo.config.tools import tool_entry
 from megatron_dapo.errors import UserError
 
 
@@ -140,6 +143,8 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
         from megatron_dapo.rewards.pool import probe_reward_fn
 
         probe_reward_fn(cfg.reward.reward_fn, cfg.reward.timeout_s, first_answer)
+    if cfg.tools.enable and "python" in (spec for _, spec in map(tool_entry, cfg.tools.tools)):
+        check_python_tool(cfg.tools.python.isolation)
     if cfg.tools.enable and cfg.tools.custom_tools():
         from megatron_dapo.tools.custom import check_custom_tools
 
@@ -147,6 +152,22 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     resume = resume_checkpoint(cfg)
     if resume is not None:
         check_resume(cfg, resume, verify_checksums=verify_resume_checksums)
+
+
+def check_python_tool(isolation: str) -> None:
+    """Raise a one-line UserError unless the python tool's sandbox runs code here as configured (one probe call)."""
+    from megatron_dapo.tools.sandbox import isolation_problem
+
+    problem = isolation_problem(isolation)
+    if problem is None:
+        return
+    if isolation == "limits_only":
+        raise UserError(f"tools.python.isolation=limits_only: the python tool cannot run code here ({problem})")
+    raise UserError(
+        f"tools.python.isolation=namespaces: this machine cannot isolate the python tool ({problem}); allow "
+        "unprivileged user namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 "
+        "where it exists, no seccomp or AppArmor rule against them), or accept resource limits alone with "
+        "tools.python.isolation=limits_only (the policy's code can then signal your processes and read your files)")
 
 
 def check_model_layout(cfg: Config, world_size: int | None = None, world_source: str = "--world-size") -> None:

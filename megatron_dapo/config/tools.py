@@ -31,25 +31,39 @@ def tool_entry(entry: str) -> tuple[str, str]:
 
 @dataclass(kw_only=True, slots=True)
 class PythonToolConfig:
-    """Bounds of one call of the python tool (tools/sandbox.py says what each guards)."""
+    """Bounds of one call of the python tool (tools/sandbox.py and tools/jail.py say what each guards)."""
 
     timeout_s: float = 5.0
-    """Wall-clock deadline; the call's whole session is killed then."""
+    """Wall-clock deadline; the call's whole session is killed then (at most 3600)."""
     cpu_seconds: int = 5
-    """CPU seconds of the code and everything it starts."""
+    """CPU seconds of the code and everything it starts (at most 3600)."""
     memory_mb: int = 512
-    """Address space per process."""
+    """Address space per process (64 to 1048576)."""
     file_mb: int = 16
-    """Largest file it may write."""
+    """Largest file it may write (at most 65536)."""
     processes: int = 16
-    """Processes of the sandbox user."""
+    """Processes of the call (at most 4096)."""
     max_output_bytes: int = 65536
-    """Output kept; more ends the call and is cut in the middle."""
+    """Output kept; more ends the call and is cut in the middle (at most 2**30)."""
+    isolation: str = "namespaces"
+    """namespaces: user, PID, network, IPC, mount and UTS namespaces, a read-only system and a
+    private scratch (the kernel must allow unprivileged user namespaces, or the trainer be root);
+    checked at config time, a machine that cannot refuses the run in one line. limits_only:
+    resource limits alone, for machines without namespaces: the policy's code can then signal
+    the trainer's processes, reach its ports and read what the trainer's user can read (every
+    call's record says limits_only)."""
 
     def __post_init__(self) -> None:
-        for name in ("timeout_s", "cpu_seconds", "memory_mb", "file_mb", "processes", "max_output_bytes"):
-            _check(getattr(self, name) > 0, name, "must be > 0")
+        from megatron_dapo.tools.sandbox import ISOLATIONS
+
+        for name, top in (("timeout_s", 3600), ("cpu_seconds", 3600), ("memory_mb", 2**20), ("file_mb", 2**16),
+                          ("processes", 4096), ("max_output_bytes", 2**30)):
+            value = getattr(self, name)
+            _check(value > 0, name, "must be > 0")
+            _check(value <= top, name, f"is {value:g}, past the bound {top} (a limit past it is no limit, and the "
+                   "kernel refuses some); lower it")
         _check(self.memory_mb >= 64, "memory_mb", "must be >= 64 (the interpreter alone needs ~50 MB)")
+        _check(self.isolation in ISOLATIONS, "isolation", f"must be one of {list(ISOLATIONS)}")
 
 
 @dataclass(kw_only=True, slots=True)

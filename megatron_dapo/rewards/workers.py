@@ -87,7 +87,8 @@ class _Worker:
         self.deadline = math.inf  # monotonic time: end of start-up, or of the running call
 
 
-def _worker_main(conn: Connection, load: Loader, spec: Any, log_path: str | None = None) -> None:
+def _worker_main(conn: Connection, load: Loader, spec: Any, log_path: str | None = None,
+                 scrub_env: tuple[str, ...] = ()) -> None:
     """Loop of a worker process: load the function, then run calls until told to stop.
 
     Messages in: (call_id, args), or None to exit.
@@ -99,7 +100,10 @@ def _worker_main(conn: Connection, load: Loader, spec: Any, log_path: str | None
         load: resolves spec to the function, here in the worker.
         spec: what names the function (sent to load).
         log_path: where the function's own prints go (stdout and stderr); None = inherited.
+        scrub_env: environment variables removed before the function is loaded (secrets it must not see).
     """
+    for name in scrub_env:
+        os.environ.pop(name, None)
     # A worker outlives a SIGKILLed trainer otherwise (lifetime.py); its parent is the forkserver,
     # which exits when the trainer does.
     die_with_parent()
@@ -155,6 +159,7 @@ class WorkerSet:
         log_path: file that receives what the function prints; None = the console.
         slow_hint: the setting to raise when loading is only slow, e.g. "reward.timeout_s".
         process_name: the workers' process name.
+        scrub_env: environment variables the workers drop before loading the function.
 
     Raises:
         UserError: a worker could not load the function, exited or hung while loading it.
@@ -162,13 +167,14 @@ class WorkerSet:
 
     def __init__(self, load: Loader, spec: Any, num_workers: int, *, label: str, timeout_s: float,
                  start_timeout_s: float, start_method: str, log_path: str | None, slow_hint: str,
-                 process_name: str) -> None:
+                 process_name: str, scrub_env: tuple[str, ...] = ()) -> None:
         self.load, self.spec, self.label = load, spec, label
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.log_path = log_path
         self.slow_hint = slow_hint
         self.process_name = process_name
+        self.scrub_env = tuple(scrub_env)
         self._context = mp.get_context(start_method)
         self._workers: list[_Worker] = []
         self._next_call_id = 0
@@ -262,7 +268,7 @@ class WorkerSet:
     def _start_worker(self) -> _Worker:
         """Start one worker process; it becomes ready once it has loaded the function."""
         parent_conn, child_conn = self._context.Pipe(duplex=True)
-        process = self._context.Process(target=_worker_main, args=(child_conn, self.load, self.spec, self.log_path),
+        process = self._context.Process(target=_worker_main, args=(child_conn, self.load, self.spec, self.log_path, self.scrub_env),
                                         name=self.process_name, daemon=True)
         process.start()
         # Without the parent's copy of the child end, a dead worker reads as EOF.

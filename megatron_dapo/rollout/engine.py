@@ -130,6 +130,9 @@ class ToolCallRecord:
     answer: str
     """The text inserted after the call (before tokenization and truncation)."""
     seconds: float
+    isolation: str = ""
+    """How the tool ran the call (tools/sandbox.ToolResult.isolation: the python tool's namespaces, or
+    "limits_only"; "worker process" for a custom tool); "" for an in-process tool."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,11 @@ pool's workers (rewards/workers.py): forkserver processes that import every cust
 each call with ``tools.custom_timeout_s``, a worker that hangs or dies killed and replaced,
 what the functions print in ``tool_workers.log`` of the run, the workers gone with the trainer.
 
+A custom tool is trusted code of the run's user, not sandboxed like the python tool: its
+workers run as the trainer's user, with its files, network and processes within reach. What
+they are spared is the engines' key: ENGINE_KEY_ENV is removed from their environment before
+the tools load (a tool has no business with the engines' admin and weight routes).
+
 A tool's failure is its answer, never the trainer's exception: a call that raised, timed out,
 lost its worker or returned something other than a str answers ``error: ...`` with status
 "failed", which the episode runner's breaker counts (tools.max_failure_fraction), as the reward
@@ -34,10 +39,13 @@ from megatron_dapo.rewards.registry import UserFnContract, import_user_fn
 from megatron_dapo.rewards.workers import Outcome, WorkerSet, choose_start_method
 from megatron_dapo.tools.sandbox import ToolResult
 
-__all__ = ["TOOL_CONTRACT", "TOOL_LOG", "CustomToolPool", "check_custom_tools", "load_tools"]
+__all__ = ["ENGINE_KEY_ENV", "TOOL_CONTRACT", "TOOL_LOG", "CustomToolPool", "check_custom_tools", "load_tools"]
 
 TOOL_LOG = "tool_workers.log"
 """What custom tools print in the workers, under trainer.output_dir."""
+ENGINE_KEY_ENV = ("VLLM_API_KEY", "SGLANG_API_KEY")
+"""Environment variables that hold an engine's key (rollout/vllm/engine.py sets VLLM_API_KEY for its
+servers; a user may export either for engines of their own): never in a tool worker's environment."""
 START_TIMEOUT_S = 60.0
 """How long a worker may take to import the custom tools (or tools.custom_timeout_s, if longer)."""
 
@@ -89,7 +97,7 @@ class CustomToolPool:
             timeout_s=self.timeout_s, start_timeout_s=start_timeout_s or max(START_TIMEOUT_S, self.timeout_s),
             start_method=choose_start_method(start_method, "CustomToolPool"),
             log_path=None if log_path is None else str(log_path), slow_hint="tools.custom_timeout_s",
-            process_name="tool-worker")
+            process_name="tool-worker", scrub_env=ENGINE_KEY_ENV)
         self._lock = threading.Lock()
         self._queued: deque[tuple[str, str, Future[Outcome]]] = deque()
         self._closing = False

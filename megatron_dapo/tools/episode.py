@@ -331,7 +331,7 @@ class EpisodeRunner:
         result = self._run(call)
         status = "malformed" if call.error else result.status
         record = ToolCallRecord(tool=call.tool, argument=call.argument, status=status, answer=result.text,
-                                seconds=result.seconds)
+                                seconds=result.seconds, isolation=result.isolation)
         return record, self._answer_ids(result.text)
 
     def _run(self, call: ParsedCall) -> ToolResult:

@@ -32,7 +32,8 @@ def tool_set(cfg: ToolsConfig, *, log_dir: str | os.PathLike[str] | None = None,
     """
     p = cfg.python
     limits = SandboxLimits(timeout_s=p.timeout_s, cpu_seconds=p.cpu_seconds, memory_bytes=p.memory_mb * 2**20,
-                           file_bytes=p.file_mb * 2**20, processes=p.processes, max_output_bytes=p.max_output_bytes)
+                           file_bytes=p.file_mb * 2**20, processes=p.processes, max_output_bytes=p.max_output_bytes,
+                           isolation=p.isolation)
     builtins: dict[str, Tool] = {"calculator": run_calculator, "python": functools.partial(run_python, limits=limits)}
     custom = cfg.custom_tools()
     pool = None

@@ -185,3 +185,14 @@ def test_a_custom_tool_that_always_raises_stops_the_run_and_the_runner_closes_it
         runner.close()
     assert custom.call("calculator", "1").text == "error: the tool pool is closed"
     assert not any(alive(pid) for pid in pids)
+
+
+def test_tool_workers_never_see_the_engines_key(monkeypatch) -> None:
+    # spawn starts each worker with this environment (a forkserver keeps the one it started with):
+    # the other variable arrives, so only the scrub keeps the key away.
+    monkeypatch.setenv("VLLM_API_KEY", "engine-secret")
+    monkeypatch.setenv("SGLANG_API_KEY", "engine-secret")
+    monkeypatch.setenv("MEGATRON_DAPO_TEST_VISIBLE", "seen")
+    with CustomToolPool({"env": f"{HELPERS}:environment_variable"}, 1, 30.0, start_method="spawn") as p:
+        answers = [p.call("env", name).text for name in ("VLLM_API_KEY", "SGLANG_API_KEY", "MEGATRON_DAPO_TEST_VISIBLE")]
+    assert answers == ["<unset>", "<unset>", "seen"]

@@ -43,3 +43,8 @@ def two_arguments(argument: str, other: str) -> str:
 
 
 NOT_CALLABLE = 42
+
+
+def environment_variable(argument: str) -> str:
+    """The worker's value of the environment variable named by the argument, or "<unset>"."""
+    return os.environ.get(argument, "<unset>")
