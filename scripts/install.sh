@@ -30,4 +30,5 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 # Idempotent and quick when everything is there; also picks up new requirements and
 # moves packages to the constrained versions.
-"$PY" -m pip install -q ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} -e ".[test]"
+# [docs]: the suite builds the user guide strictly (tests/unit/test_docs_build.py).
+"$PY" -m pip install -q ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} -e ".[test,docs]"

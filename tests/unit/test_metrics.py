@@ -108,8 +108,8 @@ def test_no_wandb_needed_unless_enabled(tmp_path: Path, monkeypatch: pytest.Monk
     assert read_metrics(tmp_path / METRICS_FILENAME) == [{"step": 1, "critic/score/mean": 1.0}]
     with pytest.raises(ValueError) as err:
         MetricsLogger(tmp_path, "p", "e", use_wandb=True, total_steps=1)
-    assert str(err.value).startswith("metrics.use_wandb is true but wandb cannot be imported (")
-    assert str(err.value).endswith("); pip install wandb or set metrics.use_wandb: false")
+    assert str(err.value).startswith("logging.wandb is true but wandb cannot be imported (")
+    assert str(err.value).endswith("); pip install wandb or set logging.wandb=false")
 
 
 def test_formatting_helpers() -> None:

@@ -56,7 +56,7 @@ def test_constraints_pin_every_requirement_and_keep_transformers_in_vllm_cpus_ra
             pins[re.sub(r"[-_.]+", "-", name.lower())] = version
     setup = (REPO / "setup.py").read_text()
     required = re.findall(r'"([A-Za-z][A-Za-z0-9_.-]*)(?:\[[^\]]*\])?[<>=!~]', setup.split("extras_require")[0])
-    required += ["pytest", "pytest-xdist", "hypothesis", "ruff"]
+    required += ["pytest", "pytest-xdist", "hypothesis", "ruff", "mkdocs", "mkdocs-material"]
     assert [r for r in required if re.sub(r"[-_.]+", "-", r.lower()) not in pins] == []
     assert pins["torch"] == "2.13.0" and pins["megatron-core"] == "0.16.1"
     major, minor, patch = (int(x) for x in pins["transformers"].split("."))
