@@ -15,7 +15,7 @@ token-mean global (DESIGN.md). A new objective is a new function of the same inp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,7 +42,7 @@ class LossSettings:
 
     loss_mode: str = "vanilla"
     """algorithm.policy_loss.loss_mode, a key of algo.loss_modes.POLICY_LOSS_MODES."""
-    params: ModeParams = ModeParams()
+    params: ModeParams = field(default_factory=ModeParams)
     """The modes' own parameters (algorithm.policy_loss.*)."""
     clip_ratio_low: float | None = 0.2
     """eps_low of Clip-Higher (None for the modes that clip no ratio)."""
