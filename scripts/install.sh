@@ -31,3 +31,6 @@ fi
 # Idempotent and quick when everything is there; also picks up new requirements and
 # moves packages to the constrained versions.
 "$PY" -m pip install -q ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} -e ".[test]"
+# tests/unit/test_algo_loss_modes.py holds each policy-loss mode equal to verl's own function:
+# verl's source only (tests/unit/verl_core_algos.py loads two of its files), not its dependencies.
+"$PY" -m pip install -q --no-deps "verl==0.9.1"
