@@ -258,3 +258,22 @@ def test_registry_and_config_name_the_same_modes():
     assert list(POLICY_LOSS_MODES) == list(LOSS_MODE_SPECS)
     for name, mode in POLICY_LOSS_MODES.items():
         assert mode.clips == (LOSS_MODE_SPECS[name].clip_ratio_low is not None), name
+
+
+def test_design_md_table_states_each_modes_defaults_and_metrics():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md").read_text()
+    section = text.split("### The policy-loss modes", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] in POLICY_LOSS_MODES:
+            rows[cells[0]] = cells
+    assert list(rows) == list(POLICY_LOSS_MODES)
+    for name, (_, low, high, agg, metrics) in rows.items():
+        spec = LOSS_MODE_SPECS[name]
+        as_doc = [f"{v:g}" if v is not None else "-" for v in (spec.clip_ratio_low, spec.clip_ratio_high)]
+        assert [f"{float(v):g}" if v != "-" else v for v in (low, high)] == as_doc, name
+        assert agg == spec.agg_modes[0], name
+        assert [m.strip() for m in metrics.split(",")] == list(POLICY_LOSS_MODES[name].metrics), name
