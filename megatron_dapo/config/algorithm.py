@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from megatron_dapo.config.distill import DistillConfig
 from megatron_dapo.config.fields import _check
 from megatron_dapo.config.policy_loss import LOSS_MODE_SPECS, PolicyLossConfig
 
@@ -118,6 +119,8 @@ class AlgorithmConfig:
     """Dynamic sampling."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Engine/trainer mismatch correction (verl's names); all off = mismatch metrics only."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a frozen teacher (off unless distill.teacher is set)."""
     routing_replay: Literal["off", "rollout", "old_policy"] = "off"
     """MoE routing replay (DESIGN.md): rollout = the actor's passes route every token to the
     experts the engine chose (R3); old_policy = the update replays the routes of the
