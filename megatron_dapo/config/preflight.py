@@ -242,7 +242,8 @@ _TOKENIZER_PROBE = "Compute 12 + 34 * 5 - 6. Answer: \\boxed{176}\n"
 
 def check_teacher(cfg: Config, student: Any | None) -> None:
     """One line unless algorithm.distill.teacher is an HF checkpoint the actor's layout can hold,
-    with the student's tokenizer (same vocabulary size, end token and ids of a probe text).
+    with the student's tokenizer (same vocabulary size, end token and ids of a probe text) and an
+    embedding row for every one of its ids.
 
     Args:
         student: the student's tokenizer, or None for the embedded task's (only its size is known here).
@@ -268,6 +269,10 @@ def check_teacher(cfg: Config, student: Any | None) -> None:
         raise UserError(f"{where}={teacher_dir!r}: its tokenizer is not the student's (vocabulary {teacher.vocab_size} "
                         f"vs {size}, or other ids for the same text); the teacher scores the student's tokens, so "
                         "distil from a model with the student's tokenizer")
+    rows = int(hf.get("vocab_size", 0))
+    if rows < size:
+        raise UserError(f"{where}={teacher_dir!r}: its embedding has {rows} rows (config.json vocab_size), fewer "
+                        f"than the student's {size} token ids; distil from a model with the student's vocabulary")
 
 
 def expected_architecture(cfg: Config) -> dict[str, int] | None:
