@@ -201,7 +201,7 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
 
     Args:
         groups: the controller's training batch ([] on other ranks).
-        timer: collects timing_s/dispatch, ref, old_log_prob, update_actor and sync.
+        timer: collects timing_s/dispatch, ref, teacher, old_log_prob, update_actor and sync.
         version: the step, which names the new weights on the engines.
 
     Returns:
