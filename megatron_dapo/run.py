@@ -95,6 +95,8 @@ class Run:
     """CPU groups where ranks wait for the controller and receive the batch."""
     reference: ReferencePolicy | None = None
     """The frozen starting policy; only with algorithm.use_kl_loss."""
+    teacher: ReferencePolicy | None = None
+    """The frozen distillation teacher; only with algorithm.distill.teacher."""
     start_step: int = 0
     tokenizer: Tokenizer | None = None
     sampler: PromptSampler | None = None
@@ -318,7 +320,9 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
     loss = LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature, cfg.data.max_response_length)
     # The reference is the policy RL starts from (after SFT warm start), also after a resume.
     reference = ReferencePolicy(actor, hf_dir) if cfg.algorithm.use_kl_loss else None
-    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, loss=loss, reference=reference,
+    teacher_dir = cfg.algorithm.distill.teacher
+    teacher = ReferencePolicy(actor, teacher_dir, adapter=adapter_for(teacher_dir)) if teacher_dir else None
+    run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, loss=loss, reference=reference, teacher=teacher,
               output_dir=output_dir, hf_dir=hf_dir,
               checkpoints=CheckpointManager(output_dir / "checkpoints", keep_last=cfg.trainer.max_checkpoints_to_keep),
               control=control)

@@ -5,7 +5,8 @@
     5.   all ranks: old log-probs with Megatron (forward only) for every mini-batch but the
          first, whose own training forward supplies them (Config.old_log_probs_source);
          for all of them when a rollout correction must weigh the batch first; with the KL
-         loss, the frozen reference's log-probs too
+         loss, the frozen reference's log-probs too; with distillation, the teacher's, whose
+         reverse KL joins each token's advantage
     6.   all ranks: one optimizer step per mini-batch, global token-mean loss
     7.   all ranks: weights Megatron -> rollout engines
     8.   controller: metrics; everyone: evaluation and checkpoints
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.algo.distill import distill_advantages
 from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_correction
 from megatron_dapo.collect import Group, collect_batch, score_heldout
 from megatron_dapo.collect.producer import RolloutProducer, check_staleness, staleness_metrics
@@ -199,7 +201,7 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
 
     Args:
         groups: the controller's training batch ([] on other ranks).
-        timer: collects timing_s/dispatch, ref, old_log_prob, update_actor and sync.
+        timer: collects timing_s/dispatch, ref, teacher, old_log_prob, update_actor and sync.
         version: the step, which names the new weights on the engines.
 
     Returns:
@@ -213,6 +215,10 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
     if run.reference is not None:
         with timer("ref"):
             compute_ref_log_probs(run, shards)
+    distill: dict[str, float] = {}
+    if run.teacher is not None:
+        with timer("teacher"):
+            distill = add_teacher_advantages(run, shards)
     replay = cfg.algorithm.routing_replay
     if replay == "rollout":
         for shard in shards:  # R3: every pass routes as the engine did
@@ -254,6 +260,7 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
     metrics.update(actor.route_metrics())  # moe/router_disagreement, moe/replay_route_mismatch
     metrics.update(drift)
     metrics.update(probe)
+    metrics.update(distill)
     metrics["sync/num_bytes"] = float(sync_stats.num_bytes)
     return shards, metrics
 
@@ -294,6 +301,26 @@ def compute_ref_log_probs(run: Run, shards: list[Shard]) -> None:
     """Fill each mini-batch's ref_log_probs with the frozen starting policy's (KL loss), in place."""
     for shard in shards:
         shard.batch.ref_log_probs = run.reference.compute_log_probs(shard.batch, run.cfg.rollout.temperature)
+
+
+def add_teacher_advantages(run: Run, shards: list[Shard]) -> dict[str, float]:
+    """On-policy distillation: the teacher's log-probs of every policy token, its reverse-KL advantage.
+
+    Each mini-batch's advantages become reward_weight x A_task - coef x (log pi_s - log pi_T)
+    on the policy tokens (algo/distill.py), log pi_s the engine's sampling log-probs; returns
+    distill/reverse_kl and distill/teacher_logprob, token means over the data-parallel ranks.
+    """
+    d = run.cfg.algorithm.distill
+    sums = torch.zeros(3, dtype=torch.float64)  # CPU: the control plane
+    for shard in shards:
+        batch = shard.batch
+        teacher = run.teacher.compute_log_probs(batch, run.cfg.rollout.temperature).cpu()
+        batch.advantages, local = distill_advantages(batch.advantages, shard.rollout_log_probs, teacher,
+                                                     batch.response_mask, coef=d.coef, reward_weight=d.reward_weight)
+        sums += local
+    dist.all_reduce(sums, group=run.dims.dp_group)
+    tokens = max(float(sums[2]), 1.0)
+    return {"distill/reverse_kl": float(sums[0]) / tokens, "distill/teacher_logprob": float(sums[1]) / tokens}
 
 
 def rollout_mismatch(run: Run, shards: list[Shard], *, correct: bool) -> dict[str, float]:

@@ -32,3 +32,6 @@ fi
 # moves packages to the constrained versions.
 # [docs]: the suite builds the user guide strictly (tests/unit/test_docs_build.py).
 "$PY" -m pip install -q ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"} -e ".[test,docs]"
+# tests/unit/test_algo_loss_modes.py holds each policy-loss mode equal to verl's own function:
+# verl's source only (tests/unit/verl_core_algos.py loads two of its files), not its dependencies.
+"$PY" -m pip install -q --no-deps "verl==0.9.1"

@@ -61,7 +61,7 @@ from megatron_dapo.actor.moe_metrics import RouterStats
 from megatron_dapo.actor.routing_replay import RouteReplay
 from megatron_dapo.actor.settings import LRSchedule, make_optimizer_config
 from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
-from megatron_dapo.algo.objective import OBJECTIVE_METRICS, LossSettings, objective_metrics, policy_objective
+from megatron_dapo.algo.objective import LossSettings, objective_metrics, policy_objective
 from megatron_dapo.models import ModelAdapter, unwrap_model
 from megatron_dapo.models.shared_prompts import token_positions
 from megatron_dapo.models.transformer_impl import te_available
@@ -460,7 +460,7 @@ class MegatronActor:
         # The routers are compared with the engine's only on the weights that generated the batch.
         with stats, self._routes_pass(replay=replay, record=False, compare=old_from_forward):
             outputs = self._run(microbatches, loss_func, forward_only=False)
-        sums = torch.zeros(len(OBJECTIVE_METRICS), dtype=torch.float32, device=dims.device)
+        sums = torch.zeros(len(loss.metric_names), dtype=torch.float32, device=dims.device)
         if dims.is_last_stage:
             sums = torch.stack(outputs).sum(0)
         if dims.pp > 1:

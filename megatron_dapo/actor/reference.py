@@ -1,4 +1,5 @@
-"""The frozen reference policy: log pi_ref of each batch for the KL loss (GRPO ablations; off in DAPO).
+"""The frozen reference policy: log pi_ref of each batch for the KL loss (GRPO ablations; off in DAPO),
+and the frozen teacher of on-policy distillation (algorithm.distill.teacher).
 
 With `algorithm.use_kl_loss=true` the loss adds kl_loss_coef x KL(pi || pi_ref), where
 pi_ref is the policy the RL run started from. `ReferencePolicy` is a second GPTModel of
@@ -11,6 +12,10 @@ Its forward pass is the actor's own (MegatronActor.compute_log_probs with `model
 micro-batching, temperature and the vocab-parallel log-prob code are shared and, while the
 actor has not moved, the two give bitwise the same log-probs: the KL starts at exactly 0.
 
+The distillation teacher is the same class built from the teacher's checkpoint with the
+teacher's own adapter: its own architecture (width, depth, heads), sharded in the actor's
+TP/PP layout (its heads must divide TP, its layers span PP), with the student's tokenizer.
+
 On GPU the weights live in host memory between uses and are copied in for the one
 forward per batch, as verl offloads its reference; on CPU there is nothing to offload.
 """
@@ -18,11 +23,15 @@ forward per batch, as verl offloads its reference; on CPU there is nothing to of
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_dapo.actor.actor import MegatronActor
 from megatron_dapo.actor.microbatch import RolloutBatch
+
+if TYPE_CHECKING:
+    from megatron_dapo.models import DecoderAdapter
 
 __all__ = ["ReferencePolicy"]
 
@@ -32,15 +41,19 @@ class ReferencePolicy:
 
     Args:
         actor: the actor whose layout, dtype, spec and micro-batching the reference shares.
-        hf_checkpoint: the HF checkpoint the run started from (after SFT warm start: its output).
+        hf_checkpoint: the HF checkpoint the run started from (after SFT warm start: its output),
+            or the teacher's.
+        adapter: the checkpoint's model adapter when it is not the actor's architecture (the teacher).
         offload: keep the weights in host memory between uses; None = exactly on CUDA.
     """
 
-    def __init__(self, actor: MegatronActor, hf_checkpoint: str | Path, *, offload: bool | None = None) -> None:
+    def __init__(self, actor: MegatronActor, hf_checkpoint: str | Path, *, adapter: DecoderAdapter | None = None,
+                 offload: bool | None = None) -> None:
         self.actor = actor
         dims = actor.dims
-        model = actor.adapter.build_model(dims, init_weights=False, **actor.model_build_kwargs)
-        actor.adapter.load_hf(model, hf_checkpoint, dims)
+        adapter = adapter if adapter is not None else actor.adapter
+        model = adapter.build_model(dims, init_weights=False, **actor.model_build_kwargs)
+        adapter.load_hf(model, hf_checkpoint, dims)
         model.requires_grad_(False)
         model.eval()
         # The same schedule runs it: micro-batches differ in shape between pipeline stages.

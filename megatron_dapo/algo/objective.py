@@ -7,20 +7,23 @@ sums it reduces over ranks. Nothing here knows about Megatron, ranks or micro-ba
 the global token and sequence counts come in as arguments, which is what makes the
 token-mean global (DESIGN.md). A new objective is a new function of the same inputs.
 
-    loss = policy loss (Clip-Higher surrogate, aggregated by loss_agg_mode)
+    loss = policy loss (settings.loss_mode: algo/loss_modes.py; vanilla = DAPO's Clip-Higher
+                        surrogate; aggregated by loss_agg_mode)
            - entropy_coeff x entropy (same aggregation)
            + kl_loss_coef x KL(pi || pi_ref)      (when use_kl_loss; off in DAPO)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_dapo.algo.aggregation import LOSS_AGG_MODES, agg_loss
 from megatron_dapo.algo.kl import kl_penalty
+from megatron_dapo.algo.loss_inputs import ModeParams
+from megatron_dapo.algo.loss_modes import POLICY_LOSS_MODES
 from megatron_dapo.algo.policy_loss import compute_policy_loss
 
 if TYPE_CHECKING:
@@ -29,16 +32,21 @@ if TYPE_CHECKING:
 __all__ = ["OBJECTIVE_METRICS", "LossSettings", "objective_metrics", "policy_objective"]
 
 OBJECTIVE_METRICS: tuple[str, ...] = ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "entropy", "kl_loss")
-"""Order of the per-micro-batch metric sums `policy_objective` returns."""
+"""Order of the per-micro-batch metric sums `policy_objective` returns for vanilla; any mode's
+is `LossSettings.metric_names`: pg_loss, the mode's metrics, entropy, kl_loss."""
 
 
 @dataclass(kw_only=True, slots=True)
 class LossSettings:
-    """What the DAPO loss of one update needs (from algorithm.* and rollout.temperature)."""
+    """What the loss of one update needs (from algorithm.* and rollout.temperature)."""
 
-    clip_ratio_low: float = 0.2
-    """eps_low of Clip-Higher."""
-    clip_ratio_high: float = 0.28
+    loss_mode: str = "vanilla"
+    """algorithm.policy_loss.loss_mode, a key of algo.loss_modes.POLICY_LOSS_MODES."""
+    params: ModeParams = field(default_factory=ModeParams)
+    """The modes' own parameters (algorithm.policy_loss.*)."""
+    clip_ratio_low: float | None = 0.2
+    """eps_low of Clip-Higher (None for the modes that clip no ratio)."""
+    clip_ratio_high: float | None = 0.28
     """eps_high of Clip-Higher."""
     clip_ratio_c: float | None = None
     """Dual-clip bound for negative advantages; None = off."""
@@ -58,6 +66,9 @@ class LossSettings:
     """Constant divisor of seq-mean-token-sum-norm (required in that mode); unused by the others."""
 
     def __post_init__(self) -> None:
+        if self.loss_mode not in POLICY_LOSS_MODES:
+            raise ValueError(f"loss_mode={self.loss_mode!r} (algorithm.policy_loss.loss_mode) is not one of "
+                             f"{', '.join(POLICY_LOSS_MODES)}")
         if self.loss_agg_mode not in LOSS_AGG_MODES:
             raise ValueError(f"loss_agg_mode={self.loss_agg_mode!r} (algorithm.loss_agg_mode) is not one of "
                              f"{', '.join(LOSS_AGG_MODES)}")
@@ -67,6 +78,11 @@ class LossSettings:
         if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (self.loss_scale_factor or 0) > 0:
             raise ValueError(f"loss_scale_factor={self.loss_scale_factor} (algorithm.loss_scale_factor): "
                              "seq-mean-token-sum-norm needs a constant > 0, e.g. the maximum response length")
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """Order of the metric sums `policy_objective` returns: pg_loss, the mode's, entropy, kl_loss."""
+        return ("pg_loss", *POLICY_LOSS_MODES[self.loss_mode].metrics, "entropy", "kl_loss")
 
     @property
     def needs_entropy_grad(self) -> bool:
@@ -86,9 +102,17 @@ class LossSettings:
         max_response_length when that is null: a constant, like Dr.GRPO's MAX_TOKENS.
         """
         scale = algorithm.loss_scale_factor if algorithm.loss_scale_factor is not None else float(max_response_length)
+        pl = algorithm.policy_loss
+        low, high = algorithm.clip_ratios
+        params = ModeParams(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
+                            kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, tau_pos=pl.tau_pos,
+                            tau_neg=pl.tau_neg)
+        # The dual clip belongs to the modes with a token-level PPO clip (config/policy_loss.py).
+        clip_c = algorithm.clip_ratio_c if pl.spec.dual_clip else None
         return cls(
-            clip_ratio_low=algorithm.clip_ratio_low, clip_ratio_high=algorithm.clip_ratio_high,
-            clip_ratio_c=algorithm.clip_ratio_c, loss_agg_mode=algorithm.loss_agg_mode,
+            loss_mode=pl.loss_mode, params=params,
+            clip_ratio_low=low, clip_ratio_high=high,
+            clip_ratio_c=clip_c, loss_agg_mode=algorithm.agg_mode,
             entropy_coeff=algorithm.entropy_coeff, use_kl_loss=algorithm.use_kl_loss,
             kl_loss_coef=algorithm.kl_loss_coef, kl_loss_type=algorithm.kl_loss_type, temperature=temperature,
             loss_scale_factor=scale,
@@ -124,14 +148,14 @@ def policy_objective(
 
     Returns:
         The loss (its sum over micro-batches and ranks is the mini-batch's loss) and a
-        float32 vector of this micro-batch's metric sums in OBJECTIVE_METRICS order.
+        float32 vector of this micro-batch's metric sums in settings.metric_names order.
     """
     s = settings
     agg = {"loss_agg_mode": s.loss_agg_mode, "num_global_tokens": num_global_tokens,
            "num_global_seqs": num_global_seqs, "loss_scale_factor": s.loss_scale_factor}
     pg_loss, pg_metrics = compute_policy_loss(
         log_prob, old_log_prob, advantages, loss_mask, s.clip_ratio_low,
-        s.clip_ratio_high, s.clip_ratio_c, is_weights=is_weights, **agg,
+        s.clip_ratio_high, s.clip_ratio_c, is_weights=is_weights, loss_mode=s.loss_mode, params=s.params, **agg,
     )
     entropy_loss = agg_loss(entropy, loss_mask, s.loss_agg_mode, num_global_tokens, num_global_seqs,
                             s.loss_scale_factor)
@@ -144,15 +168,15 @@ def policy_objective(
         total = total + s.kl_loss_coef * kl_loss
     with torch.no_grad():
         entropy_mean = agg_loss(entropy, loss_mask, "token-mean", num_global_tokens)
-        reduced = torch.stack([pg_loss.detach(), pg_metrics["pg_clipfrac"], pg_metrics["pg_clipfrac_lower"],
-                               pg_metrics["ppo_kl"], entropy_mean, kl_loss.detach()]).float()
+        reduced = torch.stack([pg_loss.detach(), *pg_metrics.values(), entropy_mean, kl_loss.detach()]).float()
     return total, reduced
 
 
 def objective_metrics(sums: list[float], settings: LossSettings) -> dict[str, float]:
-    """verl's names for the metric sums over the mini-batch: actor/pg_loss, actor/pg_clipfrac,
-    actor/pg_clipfrac_lower, actor/ppo_kl, actor/entropy, and actor/kl_loss when the KL term is on."""
-    metrics = {f"actor/{name}": float(value) for name, value in zip(OBJECTIVE_METRICS, sums, strict=True)}
+    """verl's names for the metric sums over the mini-batch: actor/pg_loss, the mode's (vanilla:
+    actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl), actor/entropy, and actor/kl_loss
+    when the KL term is on."""
+    metrics = {f"actor/{name}": float(value) for name, value in zip(settings.metric_names, sums, strict=True)}
     if not settings.use_kl_loss:
         del metrics["actor/kl_loss"]
     return metrics

@@ -8,7 +8,7 @@ silently becomes a default in a 128-GPU job. Key names follow verl's where one e
 overlong_buffer.*, max_response_length, ...) so a verl DAPO recipe maps over by eye.
 
 One module per group of sections (model.py: model + parallel; rollout.py; algorithm.py;
-data.py; reward.py; training.py: optim + trainer + logging), experiment.py for `Config`
+data.py; policy_loss.py: algorithm.policy_loss and its modes; reward.py; training.py: optim + trainer + logging), experiment.py for `Config`
 and the rules that span sections, fields.py for the validation primitives, loader.py for
 YAML and overrides, preflight.py for the inputs train reads first. Import every name from
 megatron_dapo.config.
@@ -26,6 +26,13 @@ from megatron_dapo.config.experiment import Config
 from megatron_dapo.config.fields import ConfigError, _FieldError
 from megatron_dapo.config.loader import from_dict, load_config, parse_override, to_dict, to_yaml
 from megatron_dapo.config.model import ModelConfig, ParallelConfig, ScratchModelConfig, SFTWarmStartConfig
+from megatron_dapo.config.policy_loss import (
+    LOSS_MODE_SPECS,
+    LOSS_MODES,
+    LossMode,
+    LossModeSpec,
+    PolicyLossConfig,
+)
 from megatron_dapo.config.reward import OverlongBufferConfig, RewardConfig
 from megatron_dapo.config.rollout import (
     ENGINE_NAMES,
@@ -40,6 +47,8 @@ from megatron_dapo.config.training import LoggingConfig, OptimConfig, TrainerCon
 __all__ = [
     "ENGINE_NAMES",
     "LOSS_AGG_MODES",
+    "LOSS_MODES",
+    "LOSS_MODE_SPECS",
     "AlgorithmConfig",
     "Config",
     "ConfigError",
@@ -49,10 +58,13 @@ __all__ = [
     "FilterGroupsConfig",
     "LoggingConfig",
     "LossAggMode",
+    "LossMode",
+    "LossModeSpec",
     "ModelConfig",
     "OptimConfig",
     "OverlongBufferConfig",
     "ParallelConfig",
+    "PolicyLossConfig",
     "PythonToolConfig",
     "RewardConfig",
     "RolloutConfig",

@@ -6,7 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from megatron_dapo.config.distill import DistillConfig
 from megatron_dapo.config.fields import _check
+from megatron_dapo.config.policy_loss import LOSS_MODE_SPECS, PolicyLossConfig
 
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 """algorithm.loss_agg_mode; the same modes as megatron_dapo.algo.LOSS_AGG_MODES, which the actor checks."""
@@ -87,14 +89,20 @@ class AlgorithmConfig:
     """Group-relative advantage (the only estimator DAPO uses)."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide by the group's std (GRPO/DAPO); false = Dr.GRPO."""
-    clip_ratio_low: float = 0.2
-    """epsilon_low of Clip-Higher."""
-    clip_ratio_high: float = 0.28
-    """epsilon_high of Clip-Higher (0.2 = symmetric PPO clip)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The objective (loss_mode: vanilla = DAPO's) and each mode's own parameters."""
+    clip_ratio_low: float | None = None
+    """epsilon_low: the ratio is clipped below at 1 - epsilon_low; null = the loss mode's paper
+    value (vanilla: DAPO's 0.2, gspo 3e-4, cispo 1.0 = no lower bound, geo_mean 0.4, clip_cov 0.2)."""
+    clip_ratio_high: float | None = None
+    """epsilon_high (Clip-Higher); null = the mode's (vanilla 0.28, gspo 4e-4, cispo 0.28, geo_mean 0.4,
+    clip_cov 0.2). sapo and kl_cov clip no ratio and take neither."""
     clip_ratio_c: float | None = 10.0
-    """Dual-clip bound for negative advantages (> 1), null = off."""
-    loss_agg_mode: LossAggMode = "token-mean"
-    """Loss aggregation: token-mean (DAPO, global over the mini-batch) or the GRPO-style modes."""
+    """Dual-clip bound for negative advantages (> 1), null = off; used by vanilla and clip_cov only."""
+    loss_agg_mode: LossAggMode | None = None
+    """Loss aggregation: token-mean (DAPO, global over the mini-batch) or the GRPO-style modes;
+    null = the loss mode's (vanilla, cispo, clip_cov, kl_cov: token-mean; gspo, sapo, geo_mean:
+    seq-mean-token-mean, the only one their papers define)."""
     loss_scale_factor: float | None = None
     """Constant divisor of seq-mean-token-sum-norm (Dr.GRPO's MAX_TOKENS); null = data.max_response_length."""
     use_kl_loss: bool = False
@@ -111,14 +119,40 @@ class AlgorithmConfig:
     """Dynamic sampling."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Engine/trainer mismatch correction (verl's names); all off = mismatch metrics only."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation from a frozen teacher (off unless distill.teacher is set)."""
     routing_replay: Literal["off", "rollout", "old_policy"] = "off"
     """MoE routing replay (DESIGN.md): rollout = the actor's passes route every token to the
     experts the engine chose (R3); old_policy = the update replays the routes of the
     old-log-prob pass (R2); off = every pass routes afresh (the routes are still compared)."""
 
+    @property
+    def clip_ratios(self) -> tuple[float | None, float | None]:
+        """(clip_ratio_low, clip_ratio_high) with null resolved to the loss mode's defaults."""
+        spec = self.policy_loss.spec
+        low = self.clip_ratio_low if self.clip_ratio_low is not None else spec.clip_ratio_low
+        high = self.clip_ratio_high if self.clip_ratio_high is not None else spec.clip_ratio_high
+        return low, high
+
+    @property
+    def agg_mode(self) -> str:
+        """loss_agg_mode with null resolved to the loss mode's default."""
+        return self.loss_agg_mode if self.loss_agg_mode is not None else self.policy_loss.spec.agg_modes[0]
+
     def __post_init__(self) -> None:
-        _check(0 < self.clip_ratio_low < 1, "clip_ratio_low", "must be in (0, 1); DAPO uses 0.2")
-        _check(0 < self.clip_ratio_high < 10, "clip_ratio_high", "must be in (0, 10); DAPO uses 0.28")
+        mode = self.policy_loss.loss_mode
+        spec = LOSS_MODE_SPECS[mode]
+        for key, value in (("clip_ratio_low", self.clip_ratio_low), ("clip_ratio_high", self.clip_ratio_high)):
+            _check(value is None or spec.clip_ratio_low is not None, key,
+                   f"is set but policy_loss.loss_mode={mode} clips no ratio; set it to null")
+        if self.clip_ratio_low is not None:
+            _check(0 < self.clip_ratio_low <= 1, "clip_ratio_low", "must be in (0, 1]; DAPO uses 0.2")
+        if self.clip_ratio_high is not None:
+            _check(0 < self.clip_ratio_high < 10, "clip_ratio_high", "must be in (0, 10); DAPO uses 0.28")
+        if self.loss_agg_mode is not None:
+            _check(self.loss_agg_mode in spec.agg_modes, "loss_agg_mode",
+                   f"is not what policy_loss.loss_mode={mode} allows ({', '.join(spec.agg_modes)}, "
+                   f"its paper's); set it to one of those or to null")
         if self.clip_ratio_c is not None:
             _check(self.clip_ratio_c > 1, "clip_ratio_c", "must be > 1 (or null to disable dual clip)")
         _check(self.kl_loss_coef >= 0, "kl_loss_coef", "must be >= 0")

@@ -54,6 +54,10 @@ class Config:
         if a.filter_groups.enable:
             _check(r.n >= 2, "rollout.n",
                    "must be >= 2 with algorithm.filter_groups.enable=true (a group of one has no spread)")
+        if a.distill.enabled and a.distill.reward_weight == 0:
+            _check(not a.filter_groups.enable, "algorithm.distill.reward_weight",
+                   "trains on the teacher's signal alone (0), but dynamic sampling keeps only groups whose task "
+                   "reward varies; set algorithm.filter_groups.enable=false (or reward_weight > 0)")
         if r.partial_rollout:
             _check(a.filter_groups.enable and a.filter_groups.mode == "streaming", "rollout.partial_rollout",
                    "continues responses that streaming aborted; it needs algorithm.filter_groups.enable=true "

@@ -147,6 +147,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check `value` against the annotation `tp`; return it (ints widen to float)."""
     origin = typing.get_origin(tp)
     if origin in (types.UnionType, typing.Union):
+        others = [arg for arg in typing.get_args(tp) if arg is not type(None)]
+        if value is not None and len(others) == 1:
+            return _coerce(value, others[0], key)  # X | null: X's own message (choices, finite, ...)
         for arg in typing.get_args(tp):
             try:
                 return _coerce(value, arg, key)

@@ -15,6 +15,8 @@ and a job that does not validate fails on them in its first seconds. In order:
 - the reward function imports as the reward workers will import it;
 - the HF checkpoint (config.json, a supported family, every safetensors shard header) and
   the tokenizer;
+- the distillation teacher (algorithm.distill.teacher): an HF checkpoint like the model's,
+  splittable in the actor's TP/PP layout, with the student's tokenizer;
 - every prompt file (or the embedded task's problem space), and that there are at least
   `data.train_batch_size` prompts (fewer would repeat prompts inside every batch);
 - a custom reward function answers one probe call within reward.timeout_s;
@@ -114,6 +116,8 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     check_model_layout(cfg, world_size, world_source)
     source = cfg.model.tokenizer or cfg.model.hf_checkpoint
     tokenizer = load_tokenizer(source) if source is not None else None
+    if cfg.algorithm.distill.teacher is not None:
+        check_teacher(cfg, tokenizer)
     if cfg.model.hf_checkpoint is not None and not cfg.data.train_files:
         raise UserError("data.train_files is empty and model.hf_checkpoint is set; give prompt files "
                         "(DAPO-Math-17K parquet/jsonl) in data.train_files (the embedded task is for "
@@ -251,6 +255,45 @@ def check_resume(cfg: Config, path: Path, *, verify_checksums: bool = True) -> d
     if verify_checksums:
         verify(path, manifest)
     return manifest
+
+
+# Text the student's and the teacher's tokenizers must encode to the same ids.
+_TOKENIZER_PROBE = "Compute 12 + 34 * 5 - 6. Answer: \\boxed{176}\n"
+
+
+def check_teacher(cfg: Config, student: Any | None) -> None:
+    """One line unless algorithm.distill.teacher is an HF checkpoint the actor's layout can hold,
+    with the student's tokenizer (same vocabulary size, end token and ids of a probe text) and an
+    embedding row for every one of its ids.
+
+    Args:
+        student: the student's tokenizer, or None for the embedded task's (only its size is known here).
+    """
+    from megatron_dapo.data.tokenizer import load_tokenizer
+
+    where = "algorithm.distill.teacher"
+    teacher_dir = cfg.algorithm.distill.teacher
+    if (Path(teacher_dir) / "manifest.json").is_file():
+        raise UserError(f"{where}={teacher_dir!r} is a training checkpoint; export its weights first "
+                        f"(megatron-dapo convert mcore-to-hf) and point {where} at the HF directory")
+    check_hf_checkpoint(teacher_dir, where)
+    hf = json.loads((Path(teacher_dir) / "config.json").read_text())
+    heads = int(hf.get("num_attention_heads", 0))
+    cfg.check_model_shape(heads, int(hf.get("num_key_value_heads", heads)), int(hf.get("num_hidden_layers", 0)),
+                          f"{where}={teacher_dir}")
+    teacher = load_tokenizer(teacher_dir)
+    size = student.vocab_size if student is not None else cfg.data.embedded.tokenizer_vocab_size
+    same = teacher.vocab_size == size
+    if same and student is not None:
+        same = teacher.eos_id == student.eos_id and teacher.encode(_TOKENIZER_PROBE) == student.encode(_TOKENIZER_PROBE)
+    if not same:
+        raise UserError(f"{where}={teacher_dir!r}: its tokenizer is not the student's (vocabulary {teacher.vocab_size} "
+                        f"vs {size}, or other ids for the same text); the teacher scores the student's tokens, so "
+                        "distil from a model with the student's tokenizer")
+    rows = int(hf.get("vocab_size", 0))
+    if rows < size:
+        raise UserError(f"{where}={teacher_dir!r}: its embedding has {rows} rows (config.json vocab_size), fewer "
+                        f"than the student's {size} token ids; distil from a model with the student's vocabulary")
 
 
 def expected_architecture(cfg: Config) -> dict[str, int] | None:

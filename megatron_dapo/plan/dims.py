@@ -251,3 +251,14 @@ def resolve_model(cfg: Config, model_config: str | None = None, vocab_size: int 
             return ModelDims.from_hf(_read_json(known[name]), name, f"{known[name]} (matched from {ckpt})")
     raise ConfigError(f"model.hf_checkpoint={ckpt!r}: no config.json there and the name matches no bundled "
                       f"model ({', '.join(known)}); pass --model-config NAME or a config.json path")
+
+
+def teacher_dims(cfg: Config, warnings: list[str]) -> ModelDims | None:
+    """The distillation teacher's dims from its config.json (algorithm.distill.teacher); None without one."""
+    if cfg.algorithm.distill.teacher is None:
+        return None
+    path = Path(cfg.algorithm.distill.teacher) / "config.json"
+    if not path.is_file():
+        warnings.append(f"algorithm.distill.teacher: no {path}; the teacher's pass is not counted")
+        return None
+    return ModelDims.from_hf(_read_json(path), "teacher", str(path))

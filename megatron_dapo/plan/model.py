@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 from megatron_dapo.config import Config, ConfigError, ParallelConfig
-from megatron_dapo.plan.dims import ModelDims
+from megatron_dapo.plan.dims import ModelDims, teacher_dims
 from megatron_dapo.plan.stages import stage_layers
 
 GIB = 1024**3
@@ -162,6 +162,8 @@ class Plan:
     """Activation bytes per token of one MoE layer on one GPU (no recompute)."""
     dispatch_bytes: float = 0.0
     """One MoE layer's alltoall send and receive buffers (transient, on top of the activations)."""
+    teacher: ModelDims | None = None
+    """The distillation teacher's dims (algorithm.distill.teacher), None without one."""
     timing: list[Line] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -411,8 +413,9 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
         warnings.append(f"the KV cache holds {kv_tokens} tokens per engine, less than one {max_seq}-token "
                         "sequence: raise rollout.gpu_memory_utilization or rollout.tensor_model_parallel_size")
 
+    teacher = teacher_dims(cfg, warnings)
     plan = Plan(
-        model=dims, hardware=hardware, assumptions=a, world_size=world, nodes=nodes,
+        teacher=teacher, model=dims, hardware=hardware, assumptions=a, world_size=world, nodes=nodes,
         gpus_per_node=gpus_per_node, tp=tp, pp=pp, cp=cp, dp=dp, rollout_tp=rtp,
         num_params=dims.num_params(), num_active_params=dims.num_active_params(), padded_vocab=vpad,
         params_per_gpu=fullest.dense, bytes_per_param=bpp, bytes_per_param_formula=bpp_formula,
@@ -503,6 +506,14 @@ def _timing(cfg: Config, plan: Plan) -> list[Line]:
     logprob_s = fwd_passes * 2 * n_params * train_tokens / flops_per_s
     lines.append(Line(label="old/ref log-probs", value=logprob_s, unit="s",
                       formula=f"{fwd_passes:g} x 2 x {n} x {train_tokens:,} tokens / (GPUs x peak x MFU)"))
+    if plan.teacher is not None:  # on-policy distillation: one forward of the frozen teacher per token
+        t_params = plan.teacher.num_params()
+        teacher_s = 2 * t_params * train_tokens / flops_per_s
+        per_gpu = 2 * t_params / (plan.tp * plan.pp) / 2**30
+        lines.append(Line(label="teacher log-probs", value=teacher_s, unit="s",
+                          formula=f"2 x N_teacher {t_params:,} x {train_tokens:,} tokens / (GPUs x peak x MFU); its "
+                                  f"bf16 weights {per_gpu:.3g} GiB/GPU in host memory, on the GPU only for this pass"))
+        logprob_s += teacher_s
 
     mb_per_rank = max(1, math.ceil(t.ppo_mini_batch_size * r.n * seq / plan.dp / plan.microbatch_tokens))
     bubble = (plan.pp - 1) / (mb_per_rank + plan.pp - 1)

@@ -141,3 +141,20 @@ def test_partial_rollouts_are_continued_and_survive_a_resume(tmp_path, cache_dir
         return {k: v for k, v in row.items() if not k.startswith(("timing_s/", "perf/"))}
 
     assert [same(r) for r in again] == [same(r) for r in rows]
+
+
+def test_a_sequence_level_loss_mode_trains(tmp_path, cache_dir):
+    # GSPO through the whole trainer: config -> LossSettings -> the actor's train step, with two
+    # updates per step (an old-log-prob pass), its sequence-level metrics logged by name.
+    out = tmp_path / "run"
+    config = write_config(tmp_path / "tiny.yaml")
+    proc = run_trainer(config, f"trainer.output_dir={out}", "algorithm.policy_loss.loss_mode=gspo",
+                       "trainer.total_training_steps=1", "trainer.val_before_train=false", "trainer.test_freq=0",
+                       cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1]
+    for row in rows:
+        assert "actor/pg_clipfrac_lower" not in row  # vanilla's dual clip is not GSPO's
+        assert row["actor/seq_ratio"] > 0 and 0 <= row["actor/pg_clipfrac"] <= 1
+        assert row["timing_s/old_log_prob"] > 0 and row["actor/grad_norm"] > 0

@@ -14,7 +14,7 @@ that cuts the batch 1, 2 and 5 ways (DP ranks then run equalised counts):
 - one plain SGD step (no decay, no clip, no momentum) moves the weights by exactly
   the float64 gradient of the whole-batch loss computed with transformers: the gradient
   itself, with no optimizer in between to hide or amplify errors; for token-mean (DAPO)
-  and seq-mean-token-mean (GRPO, global sequence count).
+  and seq-mean-token-mean (GRPO, global sequence count), and the loss modes gspo and geo_mean.
 Several layouts share one spawned job since spawning and importing megatron dominate.
 """
 
@@ -50,6 +50,17 @@ ADAM = {"lr": 1e-3, "weight_decay": 0.1, "clip_grad": 0.1}
 # A large step makes (w0 - w1) / lr read the gradient at fp32 precision of the update, not
 # of the weights: at lr 1 a q_proj gradient of norm 6e-4 is lost in w0's rounding (1e-3 rel).
 SGD_LR = 1e4
+# The SGD check's losses: DAPO, GRPO, and two sequence-level loss modes (GSPO's sequence ratio with
+# its token-level gradient, GMPO's geometric mean), whose per-sequence sums must come out whole
+# under every layout and micro-batch cut (clip bounds that clip part of this batch).
+SGD_CASES = {
+    "token-mean": {"loss_agg_mode": "token-mean"},
+    "seq-mean-token-mean": {"loss_agg_mode": "seq-mean-token-mean"},
+    "gspo": {"loss_mode": "gspo", "loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 0.02,
+             "clip_ratio_high": 0.03, "clip_ratio_c": None},
+    "geo_mean": {"loss_mode": "geo_mean", "loss_agg_mode": "seq-mean-token-mean", "clip_ratio_low": 0.1,
+                 "clip_ratio_high": 0.1, "clip_ratio_c": None},
+}
 
 
 def _batch_tensors() -> dict[str, torch.Tensor]:
@@ -95,12 +106,15 @@ def _hf_reference(directory: Path, **load_kwargs: object) -> dict[str, object]:
     ref = (log_probs.detach() + t["noise_ref"].double()).float().double()
     out: dict[str, object] = {"log_probs": log_probs.detach(), "old": old.float(), "ref": ref.float(),
                               "weights": {n: p.detach().clone() for n, p in model.named_parameters()}}
-    for mode in ("token-mean", "seq-mean-token-mean"):
+    for mode, case in SGD_CASES.items():
+        kw = {**LOSS, **case}
+        agg = kw["loss_agg_mode"]
         pg_loss, metrics = compute_policy_loss(log_probs, old, t["advantages"].double(), mask,
-                                               LOSS["clip_ratio_low"], LOSS["clip_ratio_high"],
-                                               LOSS["clip_ratio_c"], loss_agg_mode=mode)
-        kl_loss = agg_loss(kl_penalty(log_probs, ref, LOSS["kl_loss_type"]), mask, mode)
-        total = pg_loss - LOSS["entropy_coeff"] * agg_loss(entropy, mask, mode) + LOSS["kl_loss_coef"] * kl_loss
+                                               kw["clip_ratio_low"], kw["clip_ratio_high"],
+                                               kw["clip_ratio_c"], loss_agg_mode=agg,
+                                               loss_mode=kw.get("loss_mode", "vanilla"))
+        kl_loss = agg_loss(kl_penalty(log_probs, ref, LOSS["kl_loss_type"]), mask, agg)
+        total = pg_loss - LOSS["entropy_coeff"] * agg_loss(entropy, mask, agg) + LOSS["kl_loss_coef"] * kl_loss
         model.zero_grad()
         total.backward(retain_graph=True)
         out[f"grads/{mode}"] = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -163,9 +177,9 @@ def _layout_worker(layouts: list[tuple[int, int]], directory: str, old: torch.Te
                 out["eager_weights"] = export(eager)
         sgd = OptimizerConfig(optimizer="sgd", sgd_momentum=0.0, lr=SGD_LR, min_lr=SGD_LR, weight_decay=0.0,
                               clip_grad=0.0, params_dtype=torch.float32, use_distributed_optimizer=False)
-        for mode in ("token-mean", "seq-mean-token-mean"):
+        for mode, case in SGD_CASES.items():
             a = actor(sgd, BUDGETS[5])
-            a.train_step(mine, LossSettings(**LOSS, loss_agg_mode=mode))
+            a.train_step(mine, LossSettings(**{**LOSS, **case}))
             out[f"sgd_weights/{mode}"] = export(a)
         out["indices"] = balance_across_dp(LENGTHS, dims.dp)[dims.dp_rank]
         results[(tp, pp)] = out
@@ -208,7 +222,7 @@ def _check_layout(out_by_rank: list[dict], layout: tuple[int, int], setup: dict)
         assert float(r["response_log_probs"][~response].abs().max()) == 0.0
     r0 = out_by_rank[0][layout]
     # Plain SGD: (w0 - w1) / lr is the gradient; compare with float64 transformers.
-    for mode in ("token-mean", "seq-mean-token-mean"):
+    for mode in SGD_CASES:
         grad_err = max(_rel((hf["weights"][n] - r0[f"sgd_weights/{mode}"][n].double()) / SGD_LR, g)
                        for n, g in hf[f"grads/{mode}"].items())
         errors[f"grad_rel/{mode}"] = grad_err

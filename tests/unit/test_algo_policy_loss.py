@@ -160,9 +160,13 @@ def test_policy_loss_errors_name_the_bad_value():
     with pytest.raises(ValueError, match=r"clip_ratio_c=1.0 \(algorithm.clip_ratio_c\) must be > 1"):
         compute_policy_loss(*args, EPS_LOW, EPS_HIGH, clip_ratio_c=1.0)
     with pytest.raises(
-        ValueError, match=r"clip_ratio_low=1.0 \(algorithm.clip_ratio_low\) must be in \[0, 1\)"
+        ValueError, match=r"clip_ratio_low=1.5 \(algorithm.clip_ratio_low\) must be in \[0, 1\]"
     ):
-        compute_policy_loss(*args, 1.0, EPS_HIGH)
+        compute_policy_loss(*args, 1.5, EPS_HIGH)
+    with pytest.raises(ValueError, match=r"loss_mode='gspo' clips the ratio: pass clip_ratio_low"):
+        compute_policy_loss(*args, None, EPS_HIGH, loss_mode="gspo")
+    with pytest.raises(ValueError, match=r"unknown loss_mode 'dapo' \(algorithm.policy_loss.loss_mode\); use one of"):
+        compute_policy_loss(*args, EPS_LOW, EPS_HIGH, loss_mode="dapo")
     with pytest.raises(ValueError, match=r"clip_ratio_high=-0.1 \(algorithm.clip_ratio_high\) must be >= 0"):
         compute_policy_loss(*args, EPS_LOW, -0.1)
     with pytest.raises(ValueError, match=r"advantages of shape \(3,\) fit neither \[B\]=1"):

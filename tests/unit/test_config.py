@@ -20,9 +20,9 @@ BAD_CONFIGS = [
     ("trainer: {seed: 1}", ["algorithm.clip_ratio_hgh=0.3"],
      "command line: algorithm.clip_ratio_hgh: unknown key; did you mean 'algorithm.clip_ratio_high'?"),
     ("algorithm: {clip_ratio_low: 1.5}", [],
-     "{f}: algorithm.clip_ratio_low=1.5: must be in (0, 1); DAPO uses 0.2"),
+     "{f}: algorithm.clip_ratio_low=1.5: must be in (0, 1]; DAPO uses 0.2"),
     ("algorithm: {clip_ratio_low: 0}", [],
-     "{f}: algorithm.clip_ratio_low=0: must be in (0, 1); DAPO uses 0.2"),
+     "{f}: algorithm.clip_ratio_low=0: must be in (0, 1]; DAPO uses 0.2"),
     ("algorithm: {clip_ratio_high: -0.1}", [],
      "{f}: algorithm.clip_ratio_high=-0.1: must be in (0, 10); DAPO uses 0.28"),
     ("algorithm: {clip_ratio_c: 0.5}", [],
@@ -30,6 +30,17 @@ BAD_CONFIGS = [
     ("algorithm: {loss_agg_mode: token_mean}", [],
      "{f}: algorithm.loss_agg_mode='token_mean': must be one of 'token-mean', 'seq-mean-token-mean', "
      "'seq-mean-token-sum', 'seq-mean-token-sum-norm', got 'token_mean'; did you mean 'token-mean'?"),
+    ("algorithm: {policy_loss: {loss_mode: gspo}, loss_agg_mode: token-mean}", [],
+     "{f}: algorithm.loss_agg_mode='token-mean': is not what policy_loss.loss_mode=gspo allows "
+     "(seq-mean-token-mean, its paper's); set it to one of those or to null"),
+    ("trainer: {seed: 1}", ["algorithm.policy_loss.loss_mode=sapo", "algorithm.clip_ratio_high=0.28"],
+     "command line: algorithm.clip_ratio_high=0.28: is set but policy_loss.loss_mode=sapo clips no ratio; "
+     "set it to null"),
+    ("algorithm: {policy_loss: {loss_mode: gpg}}", [],
+     "{f}: algorithm.policy_loss.loss_mode='gpg': must be one of 'vanilla', 'gspo', 'cispo', 'sapo', 'geo_mean', "
+     "'clip_cov', 'kl_cov', got 'gpg'"),
+    ("algorithm: {policy_loss: {clip_cov_lb: 6.0}}", [],
+     "{f}: algorithm.policy_loss.clip_cov_lb=6.0: must be below clip_cov_ub=5.0; the paper uses 1 and 5"),
     ("algorithm: {kl_loss_coef: 0.01}", [],
      "{f}: algorithm.kl_loss_coef=0.01: is > 0 but use_kl_loss is false; set use_kl_loss=true"),
     ("algorithm: {filter_groups: {max_num_gen_batches: -1}}", [],
@@ -155,11 +166,27 @@ def test_validate_reads_options_between_overrides(tmp_path, capsys):
 def test_defaults_are_the_paper_settings():
     cfg = Config()
     a = cfg.algorithm
-    assert (a.clip_ratio_low, a.clip_ratio_high, a.loss_agg_mode) == (0.2, 0.28, "token-mean")
+    assert a.policy_loss.loss_mode == "vanilla"
+    assert (*a.clip_ratios, a.agg_mode) == (0.2, 0.28, "token-mean")
     assert a.filter_groups.enable and a.filter_groups.metric == "acc"
     assert not a.use_kl_loss and a.kl_loss_coef == 0.0
     assert cfg.reward.overlong_buffer.len == 4096 and cfg.data.max_response_length == 20480
     assert cfg.rollout.n == 16 and cfg.rollout.val_kwargs.top_p == 0.7
+
+
+@pytest.mark.parametrize(("mode", "low", "high", "agg"), [
+    ("gspo", 3e-4, 4e-4, "seq-mean-token-mean"), ("cispo", 1.0, 0.28, "token-mean"),
+    ("sapo", None, None, "seq-mean-token-mean"), ("geo_mean", 0.4, 0.4, "seq-mean-token-mean"),
+    ("clip_cov", 0.2, 0.2, "token-mean"), ("kl_cov", None, None, "token-mean"),
+])
+def test_each_loss_mode_defaults_to_its_papers_clip_and_aggregation(mode, low, high, agg):
+    a = load_config(EXAMPLES[0].parent / "tiny_cpu.yaml", [f"algorithm.policy_loss.loss_mode={mode}"]).algorithm
+    assert (*a.clip_ratios, a.agg_mode) == (low, high, agg)
+    # An explicit value wins over the mode's default.
+    if low is not None:
+        a = load_config(EXAMPLES[0].parent / "tiny_cpu.yaml",
+                        [f"algorithm.policy_loss.loss_mode={mode}", "algorithm.clip_ratio_high=0.5"]).algorithm
+        assert a.clip_ratios == (low, 0.5)
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)

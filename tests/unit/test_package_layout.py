@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import re
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "megatron_dapo"
@@ -160,3 +161,32 @@ def test_test_modules_have_unique_basenames() -> None:
 
     names = Counter(p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py"))
     assert [name for name, count in names.items() if count > 1] == []
+
+
+def _mode_name_uses(names: tuple[str, ...]) -> list[str]:
+    """Where a policy-loss mode's name, or loss_mode itself, is written outside algo/ and config/."""
+    alternatives = "|".join(map(re.escape, names))
+    pattern = re.compile(rf"""["']({alternatives})["']|\bloss_mode\b""")
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel.startswith(("algo/", "config/")):
+            continue
+        offenders += [f"{rel}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
+    return offenders
+
+
+def test_only_algo_and_config_know_the_policy_loss_modes() -> None:
+    """A new objective is one function and one registry entry in algo/ (and its spec in config/):
+    the actor, the trainer and the rollout never branch on a mode's name."""
+    from megatron_dapo.algo.loss_modes import POLICY_LOSS_MODES
+
+    names = tuple(m for m in POLICY_LOSS_MODES if m != "vanilla")  # "vanilla" is also an ordinary word
+    assert _mode_name_uses(names) == []
+
+
+def test_mode_name_pattern_matches_what_it_should(tmp_path, monkeypatch) -> None:
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "x.py").write_text('if settings.loss_mode == "gspo":\n    pass\nmode = "gspo"\n')
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", tmp_path)
+    assert _mode_name_uses(("gspo",)) == ["actor/x.py:1", "actor/x.py:3"]
