@@ -71,3 +71,17 @@ def check_trained_samples(records: list[dict], *, score: Callable[[list[int], st
                 assert math.isclose(r["advantage"], expected, rel_tol=1e-5, abs_tol=1e-5), \
                     f"{where} sample {r['sample']}: advantage {r['advantage']} trained, {expected} recomputed"
     return len(records)
+
+
+def check_run_records(path: Path, hf_dir: Path, *, n: int, num_groups: int, max_response_length: int,
+                      overlong: tuple[int, float] | None) -> int:
+    """check_trained_samples over a trainer run's record (MEGATRON_DAPO_TRAINED_SAMPLES=path) with the
+    reward e2e_reward_fns.char_code_score, decoded by the run's tokenizer (a checkpoint's hf/)."""
+    from e2e_reward_fns import char_code_score
+
+    from megatron_dapo.data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(str(hf_dir))
+    return check_trained_samples(
+        read_records(path), score=lambda ids, gt: char_code_score(tokenizer.decode(ids), gt)["score"], n=n,
+        overlong=None if overlong is None else (max_response_length, *overlong), num_groups=num_groups)
