@@ -80,11 +80,13 @@ def test_async_run_holds_the_invariants_within_the_bound(tmp_path, cache_dir, ma
     assert check_run_records(record, out / "checkpoints" / "step_5" / "hf", n=4, num_groups=groups,
                              max_response_length=max_len, overlong=(4, 1.0)) == 5 * groups * 4
     if "rollout.partial_rollout=true" in overrides:
-        # Step 1 is collected under the start weights with no update in flight, and the engine
-        # process stops where its token counts say (rollout/local/process.py): the groups its full
-        # batch leaves in flight are carried on every run. Later steps' carries depend on when
-        # the updates land (two full `make test` runs on 2026-11-28 carried none after step 1).
-        assert rows[1]["rollout/carried_groups"] > 0, rows[1]
+        # Whether a group is still in flight when the batch fills depends on when the updates land
+        # (two full `make test` runs on 2026-11-28 carried none; step 1, under the start weights
+        # alone, carried none on 2026-12-02 either): what a carry must keep is checked whenever
+        # one happens here, and carrying across a resume is held deterministically by
+        # tests/e2e/test_trainer.py's partial run (a non-empty carry after step 2, asserted),
+        # tests/unit/test_collect_partial.py and tests/unit/test_trained_samples.py (the
+        # producer with staleness, carries checked against a recomputation).
         for row in rows[1:]:
             # A continued response spans at most max_staleness + 1 versions (the bound is on its oldest token).
             assert 1 <= row["rollout/max_versions_per_response"] <= max_staleness + 1, row

@@ -245,7 +245,8 @@ def test_abort_stops_what_runs_and_what_is_sent_after_it_until_cleared(engine, w
     assert {r.finish_reason for r in out["results"]} == {"abort"}
     start = time.monotonic()
     after = engine.generate([[4, 5, 6]], SamplingParams(n=2, max_new_tokens=3000, seed=4))
-    assert time.monotonic() - start < 1.0
+    # Unaborted, 3000 tokens take minutes here; an aborted request's round trip under load a few seconds.
+    assert time.monotonic() - start < 10.0
     assert [(r.finish_reason, r.output_ids) for r in after] == [("abort", [])] * 2
     engine.clear_abort()
     assert [r.finish_reason for r in engine.generate([[4, 5, 6]], SamplingParams(n=2, max_new_tokens=5))] == \
