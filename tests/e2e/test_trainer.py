@@ -120,8 +120,8 @@ def test_partial_rollouts_are_continued_and_survive_a_resume(tmp_path, cache_dir
     # The trainer's wiring of partial rollouts: the carry goes into the checkpoint's trainer state,
     # so stopping after step 2 and resuming gives step 3 exactly. A scratch model runs every
     # response to the length cap, so its groups finish together and nothing would be carried: 40
-    # SFT steps teach it to stop at different lengths (up to 24 tokens), and a batch of 2 groups
-    # then fills with groups in flight. The schedule depends on token counts only (one engine, in
+    # SFT steps teach it to stop at different lengths (up to ~30 tokens, under a cap of 48 none
+    # reaches), and a batch of 2 groups then fills with groups in flight. The schedule depends on token counts only (one engine, in
     # process, seeded), so the carry after step 2 that the resume must restore is there on every run.
     # The same run records every trained sample and checks it against a recomputation
     # (tests/trained_samples.py): rewards reach their own responses across carries.
@@ -131,7 +131,8 @@ def test_partial_rollouts_are_continued_and_survive_a_resume(tmp_path, cache_dir
                                   "overlong_buffer": {"enable": True, "len": 4}})
     whole, split = tmp_path / "whole", tmp_path / "split"
     common = ("trainer.test_freq=0", "trainer.val_before_train=false", "data.train_batch_size=2",
-              "data.max_prompt_length=64", "data.max_response_length=24", "data.embedded.num_sft=200",
+              "data.max_prompt_length=64", "data.max_response_length=48", "model.scratch.max_position_embeddings=128",
+              "data.embedded.num_sft=200",
               "model.sft_warm_start.enable=true", "model.sft_warm_start.num_steps=40",
               "model.sft_warm_start.batch_size=16", "model.sft_warm_start.lr=3.0e-3")
     record = tmp_path / "trained.jsonl"
@@ -148,7 +149,7 @@ def test_partial_rollouts_are_continued_and_survive_a_resume(tmp_path, cache_dir
     assert rows[1]["rollout/carried_groups"] > 0 and rows[1]["rollout/carried_tokens"] > 0, rows[1]
     assert rows[2]["rollout/max_versions_per_response"] == 2, rows[2]
     assert check_run_records(record, whole / "checkpoints" / "step_3" / "hf", n=4, num_groups=2,
-                             max_response_length=24, overlong=(4, 1.0)) == 3 * 2 * 4
+                             max_response_length=48, overlong=(4, 1.0)) == 3 * 2 * 4
     for steps in (2, 3):
         proc = run_trainer(config, f"trainer.output_dir={split}", f"trainer.total_training_steps={steps}", *common,
                            cache_dir=cache_dir)
