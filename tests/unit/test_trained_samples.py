@@ -224,3 +224,14 @@ def test_the_check_catches_each_injected_fault(pieces, monkeypatch, inject, mess
     records, _ = collect_steps(pieces, [1])
     with pytest.raises(AssertionError, match=message):
         check(records)
+
+
+def test_design_names_the_hook_and_the_tier_helpers_as_the_code_does():
+    import tiers
+
+    from megatron_dapo.collect.trained import TRAINED_SAMPLES_ENV
+
+    design = (Path(__file__).resolve().parents[2] / "docs" / "DESIGN.md").read_text()
+    assert f"`{TRAINED_SAMPLES_ENV}=<path>`" in design
+    assert "`requires(sglang_missing())`" in design and "`tiers.unavailable(reason)`" in design
+    assert all(callable(getattr(tiers, name)) for name in ("requires", "sglang_missing", "vllm_missing", "unavailable"))
