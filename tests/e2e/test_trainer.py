@@ -145,9 +145,9 @@ def test_partial_rollouts_are_continued_and_survive_a_resume(tmp_path, cache_dir
         assert row["train/num_groups"] == 2 and row["train/num_responses"] == 8
         assert 0 < row["train/kept_group_acc_min"] <= row["train/kept_group_acc_max"] < 1
         assert row["rollout/max_versions_per_response"] <= 2
-    # Step 2 leaves groups in flight: the resume after it has a carry to restore, and step 3 continues it.
+    # Step 2 leaves groups in flight: the resume after it has a carry to restore, which step 3
+    # continues first (whether one of them is kept in its batch is the filter's: not asserted).
     assert rows[1]["rollout/carried_groups"] > 0 and rows[1]["rollout/carried_tokens"] > 0, rows[1]
-    assert rows[2]["rollout/max_versions_per_response"] == 2, rows[2]
     assert check_run_records(record, whole / "checkpoints" / "step_3" / "hf", n=4, num_groups=2,
                              max_response_length=48, overlong=(4, 1.0)) == 3 * 2 * 4
     for steps in (2, 3):
