@@ -34,6 +34,7 @@ from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume
 from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
+from megatron_dapo.collect.trained import record_trained_samples
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config.loader import to_dict
 from megatron_dapo.config.preflight import check_device, check_hf_checkpoint, check_inputs
@@ -118,16 +119,18 @@ class Run:
 
     # ---------------------------------------------------------------- step plumbing
 
-    def dispatch(self, groups: list[Group]) -> list[Shard]:
+    def dispatch(self, groups: list[Group], step: int = 0) -> list[Shard]:
         """Split the controller's batch into mini-batches and each over DP ranks by tokens.
 
         Collective over the world: every rank receives its share of every mini-batch (TP and
-        PP peers the same share), as `Shard`s in mini-batch order.
+        PP peers the same share), as `Shard`s in mini-batch order. `step` names the batch in the
+        trained-sample record (collect/trained.py).
         """
         per_dp = None
         if self.dims.is_controller:
             per_dp = _split_batch(groups, self.cfg.trainer.ppo_mini_batch_size, self.dims.dp,
                                   self.cfg.algorithm.overlong_filtering)
+            record_trained_samples(step, groups, per_dp)
         # CPU/gloo, long timeout: the other ranks have waited here for the whole rollout.
         return [_to_shard(rows) for rows in parallel.scatter_to_replicas(per_dp, self.control)]
 

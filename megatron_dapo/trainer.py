@@ -210,7 +210,7 @@ def update_policy(run: Run, groups: list[Group], timer: Timer, *, version: int) 
     cfg, actor = run.cfg, run.actor
     fault_point("dispatch", run.dims.rank)
     with timer("dispatch"):
-        shards = run.dispatch(groups)  # this rank's mini-batches: list[Shard]
+        shards = run.dispatch(groups, step=version)  # this rank's mini-batches: list[Shard]
         run.release_rollout_memory()  # colocated engines free the GPUs for training
     if run.reference is not None:
         with timer("ref"):

@@ -1,5 +1,6 @@
-"""Shared pytest setup: GPU-marked tests skip with a reason where CUDA is missing, and the
-slow tiers are collected first.
+"""Shared pytest setup: GPU-marked tests skip with a reason where CUDA is missing, the slow
+tiers are collected first, a tier whose engine is missing fails under CI=true (tests/tiers.py),
+and the run ends with how many tests of each tier ran.
 
 `make test` runs the suite on two xdist workers, a test file at a time (`--dist loadfile`,
 so a module's server or cluster fixture is started once); a worker takes the next file when
@@ -9,9 +10,11 @@ while the other has nothing to do.
 """
 
 import os
+from collections import Counter
 
 import pytest
 import torch
+from tiers import ci_message, in_ci
 
 # Keep every test process to the two cores CI has; spawned ranks inherit this.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -25,10 +28,59 @@ torch.set_num_threads(1)
 TIER_ORDER = ("sglang_cpu", "vllm_cpu", "slurm", "e2e", "multirank", "gpu", "unit")
 
 
+def tier_of(nodeid: str) -> str:
+    """The tier directory of a test id ("tests/e2e/test_x.py::t" -> "e2e"), "" outside one."""
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+
+
 def _tier(item: pytest.Item) -> int:
-    parts = item.nodeid.split("/")
-    name = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+    name = tier_of(item.nodeid)
     return TIER_ORDER.index(name) if name in TIER_ORDER else len(TIER_ORDER)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "engine_missing(reason): the tier's engine or cluster is missing "
+                                       "(tests/tiers.py): skip, or fail under CI=true")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    mark = item.get_closest_marker("engine_missing")
+    if mark is None:
+        return
+    if in_ci():
+        pytest.fail(ci_message(mark.args[0]), pytrace=False)
+    pytest.skip(mark.args[0])
+
+
+def tier_counts(stats: dict[str, list]) -> dict[str, Counter]:
+    """Per tier: how many tests passed, failed, were skipped or errored, from the terminal
+    reporter's reports (on xdist's controller these are every worker's, so the counts are the run's)."""
+    counts: dict[str, Counter] = {}
+    for outcome in ("passed", "failed", "skipped", "error"):
+        for report in stats.get(outcome, []):
+            nodeid = getattr(report, "nodeid", "")
+            when = getattr(report, "when", None)
+            # A test passes or fails in its call; skips and errors come from any phase.
+            if not nodeid or (outcome in ("passed", "failed") and when != "call"):
+                continue
+            counts.setdefault(tier_of(nodeid) or "(other)", Counter())[outcome] += 1
+    return counts
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """How many tests of each tier ran: a tier that shrank to skips shows here, not only in -ra."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller reports the run
+        return
+    counts = tier_counts(terminalreporter.stats)
+    if not counts:
+        return
+    terminalreporter.section("tests per tier")
+    for tier in sorted(counts, key=lambda t: TIER_ORDER.index(t) if t in TIER_ORDER else len(TIER_ORDER)):
+        c = counts[tier]
+        terminalreporter.write_line(f"{tier}: {c['passed'] + c['failed']} ran ({c['passed']} passed, "
+                                    f"{c['failed']} failed), {c['skipped']} skipped, {c['error']} errors")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -79,7 +79,22 @@ def run_distributed(
     from megatron_dapo.parallel import free_port
 
     ctx = _context(device_kind)
-    port = free_port()
+    for attempt in range(3):
+        port = free_port()
+        try:
+            return _run_once(ctx, port, fn, world_size, args, timeout_s, device_kind)
+        except WorkerError as err:
+            # The port was free when picked and may be taken before rank 0's store binds it (the
+            # other xdist worker's connection got it as its ephemeral port): pick another. Only the
+            # store's own bind of this port; any other failure is the test's.
+            if attempt == 2 or "EADDRINUSE" not in str(err) or f"port: {port}" not in str(err):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _run_once(ctx: Any, port: int, fn: Callable[..., Any], world_size: int, args: tuple[Any, ...],
+              timeout_s: float, device_kind: str) -> list[Any]:
+    """One try of run_distributed on `port`."""
     environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="dist_test_") as tmp:
         procs = [

@@ -10,7 +10,7 @@ Modules: types.py (Sample, Group, CollectSettings), scoring.py (generate, score,
 advantages, metrics), rounds.py, streaming.py, carry.py (what a step hands the next:
 partial rollouts, the keep rate), batch.py (`collect_batch`, the trainer's entry),
 producer.py (the asynchronous loop's producer thread), heldout.py (validation during
-training).
+training), trained.py (the tests' record of every trained sample).
 """
 
 from megatron_dapo.collect.batch import collect_batch

@@ -1,7 +1,10 @@
 """The DAPO trainer end to end: single process, TP=2 and PP=2, on CPU."""
 
 import pytest
+from trained_samples import check_run_records
 from trainer_utils import read_rows, run_trainer, write_config
+
+from megatron_dapo.collect.trained import TRAINED_SAMPLES_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -115,22 +118,38 @@ def test_kl_loss_against_the_frozen_reference_starts_at_zero(tmp_path, cache_dir
 
 def test_partial_rollouts_are_continued_and_survive_a_resume(tmp_path, cache_dir):
     # The trainer's wiring of partial rollouts: the carry goes into the checkpoint's trainer state,
-    # so stopping after step 2 and resuming gives step 3 exactly. (This random-init model runs
-    # every response to the length limit, so groups finish together and nothing is cut short;
-    # tests/unit/test_collect_partial.py covers carrying and continuing.)
+    # so stopping after step 2 and resuming gives step 3 exactly. A scratch model runs every
+    # response to the length cap, so its groups finish together and nothing would be carried: 40
+    # SFT steps teach it to stop at different lengths (up to ~30 tokens, under a cap of 48 none
+    # reaches), and a batch of 2 groups then fills with groups in flight. The schedule depends on token counts only (one engine, in
+    # process, seeded), so the carry after step 2 that the resume must restore is there on every run.
+    # The same run records every trained sample and checks it against a recomputation
+    # (tests/trained_samples.py): rewards reach their own responses across carries.
     config = write_config(tmp_path / "tiny.yaml", rollout={"engine": "local", "n": 4, "val_kwargs": {"n": 2},
-                                                           "partial_rollout": True})
+                                                           "partial_rollout": True},
+                          reward={"reward_fn": "e2e_reward_fns:char_code_score", "num_workers": 1,
+                                  "overlong_buffer": {"enable": True, "len": 4}})
     whole, split = tmp_path / "whole", tmp_path / "split"
-    common = ("trainer.test_freq=0", "trainer.val_before_train=false")
+    common = ("trainer.test_freq=0", "trainer.val_before_train=false", "data.train_batch_size=2",
+              "data.max_prompt_length=64", "data.max_response_length=48", "model.scratch.max_position_embeddings=128",
+              "data.embedded.num_sft=200",
+              "model.sft_warm_start.enable=true", "model.sft_warm_start.num_steps=40",
+              "model.sft_warm_start.batch_size=16", "model.sft_warm_start.lr=3.0e-3")
+    record = tmp_path / "trained.jsonl"
     proc = run_trainer(config, f"trainer.output_dir={whole}", "trainer.total_training_steps=3", *common,
-                       cache_dir=cache_dir)
+                       cache_dir=cache_dir, env={TRAINED_SAMPLES_ENV: str(record)})
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = read_rows(whole)
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
-        assert row["train/num_groups"] == 4 and row["train/num_responses"] == 16
+        assert row["train/num_groups"] == 2 and row["train/num_responses"] == 8
         assert 0 < row["train/kept_group_acc_min"] <= row["train/kept_group_acc_max"] < 1
-        assert row["rollout/max_versions_per_response"] <= 2 and row["rollout/aborted_tokens"] == 0
+        assert row["rollout/max_versions_per_response"] <= 2
+    # Step 2 leaves groups in flight: the resume after it has a carry to restore, which step 3
+    # continues first (whether one of them is kept in its batch is the filter's: not asserted).
+    assert rows[1]["rollout/carried_groups"] > 0 and rows[1]["rollout/carried_tokens"] > 0, rows[1]
+    assert check_run_records(record, whole / "checkpoints" / "step_3" / "hf", n=4, num_groups=2,
+                             max_response_length=48, overlong=(4, 1.0)) == 3 * 2 * 4
     for steps in (2, 3):
         proc = run_trainer(config, f"trainer.output_dir={split}", f"trainer.total_training_steps={steps}", *common,
                            cache_dir=cache_dir)

@@ -15,6 +15,33 @@ def warm_start_record(cache_dir):
     return json.loads(record.read_text())
 
 
+def heldout_of(hf_dir, config, cache_dir) -> dict[str, float]:
+    """The val/* metrics the trainer's step-0 validation gives the weights in `hf_dir` (same prompts,
+    sampling, seed, reward and engine: the in-process local engine)."""
+    from megatron_dapo.collect import score_heldout, val_sampling_params
+    from megatron_dapo.config.loader import load_config
+    from megatron_dapo.data.datasets import load_prompt_dataset
+    from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.embedded import task_for
+    from megatron_dapo.rewards.pool import RewardPool
+    from megatron_dapo.rollout.controller import RolloutController
+    from megatron_dapo.rollout.local.engine import LocalEngine
+
+    cfg = load_config(config, [])
+    task = task_for(cfg.data.embedded, cache_dir)
+    tokenizer = load_tokenizer(str(task.tokenizer_path))
+    prompts = load_prompt_dataset(str(task.val_path), tokenizer, cfg.data.max_prompt_length).records
+    rollout = RolloutController([LocalEngine(hf_dir, name="local0")])
+    rewards = RewardPool(cfg.reward.reward_fn, 0, cfg.reward.timeout_s)
+    try:
+        params = val_sampling_params(cfg.rollout.val_kwargs, max_new_tokens=cfg.data.max_response_length,
+                                     eos_id=tokenizer.eos_id, seed=cfg.trainer.seed)
+        return score_heldout(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params)
+    finally:
+        rewards.close()
+        rollout.shutdown()
+
+
 def test_band_stops_at_the_first_check_inside_it_and_rl_starts_from_its_weights(tmp_path):
     cache_dir, run_dir = tmp_path / "cache", tmp_path / "run"
     model = {**SFT, "sft_warm_start": {**SFT["sft_warm_start"], "target_acc_min": 0.0, "target_acc_max": 1.0}}
@@ -23,9 +50,16 @@ def test_band_stops_at_the_first_check_inside_it_and_rl_starts_from_its_weights(
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = warm_start_record(cache_dir)
     assert record["steps"] == 5 and record["chosen_step"] == 5 and [c["step"] for c in record["checks"]] == [5]
-    # The trainer's validation scores the chosen weights at step 0 with a draw of its own (the check
-    # was selected for its reading: tests/unit/test_heldout_draws.py).
-    assert 0.0 <= read_rows(run_dir)[0]["val/acc"] <= 1.0 and read_rows(run_dir)[0]["step"] == 0
+    # RL starts from the chosen weights: its step-0 validation (a draw of its own, since the check
+    # was selected for its reading: tests/unit/test_heldout_draws.py) is exactly what the cached
+    # checkpoint scores with the trainer's validation draw, recomputed here; the scratch weights
+    # it started SFT from score otherwise.
+    row = read_rows(run_dir)[0]
+    assert row["step"] == 0
+    chosen = next(cache_dir.glob("sft-*/warm_start.json")).parent
+    assert {k: v for k, v in row.items() if k.startswith("val/")} == heldout_of(chosen, config, cache_dir)
+    assert heldout_of(next(cache_dir.glob("scratch-*/config.json")).parent, config, cache_dir)["val/response_length/mean"] \
+        != row["val/response_length/mean"]
     assert "held-out acc" in proc.stderr
 
     # An unreachable band runs every step and keeps the check nearest to it, with a warning;

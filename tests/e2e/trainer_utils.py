@@ -57,9 +57,11 @@ def train_command(config: Path, *overrides: str, nproc: int = 1) -> list[str]:
             "-m", "megatron_dapo.train", str(config), *overrides]
 
 
-def run_trainer(config: Path, *overrides: str, cache_dir: Path, nproc: int = 1, timeout_s: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(config, *overrides, nproc=nproc), env=trainer_env(cache_dir), cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout_s)
+def run_trainer(config: Path, *overrides: str, cache_dir: Path, nproc: int = 1, timeout_s: float = 600,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run the trainer to its end; `env` adds variables to trainer_env's."""
+    return subprocess.run(train_command(config, *overrides, nproc=nproc), env={**trainer_env(cache_dir), **(env or {})},
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
 
 
 def read_rows(output_dir: Path) -> list[dict]:

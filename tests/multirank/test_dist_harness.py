@@ -32,3 +32,32 @@ def test_ranks_take_the_callers_environment_at_each_call(monkeypatch):
     # Forked from the forkserver: megatron-core is already imported in every rank.
     assert all(r["preloaded"] == sorted(_FORKSERVER_PRELOAD) for r in first + second)
     assert len({r["pid"] for r in first + second}) == 4
+
+
+def _all_reduce_rank() -> float:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method="env://")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return float(t.item())
+
+
+def test_a_port_taken_between_its_pick_and_the_store_bind_is_picked_again(monkeypatch):
+    """parallel.free_port binds, reads and closes: another process may take the port before rank
+    0's store binds it (EADDRINUSE, two xdist workers). The harness picks another port."""
+    import socket
+
+    from megatron_dapo import parallel
+
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = [taken.getsockname()[1]]
+    real = parallel.free_port
+    monkeypatch.setattr(parallel, "free_port", lambda: picks.pop() if picks else real())
+    try:
+        assert run_distributed(_all_reduce_rank, 2) == [3.0, 3.0]
+    finally:
+        taken.close()
+    assert picks == []  # the taken port was tried first

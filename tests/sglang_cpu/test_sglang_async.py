@@ -15,13 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 from model_utils import TINY_SHAPE
-
-from megatron_dapo.rollout.sglang.server import sglang_python
+from tiers import requires, sglang_missing
 
 pytestmark = [
     pytest.mark.sglang_cpu,
     pytest.mark.e2e,
-    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+    *requires(sglang_missing()),
 ]
 
 SHAPE = {**TINY_SHAPE, "hidden_size": 128, "max_position_embeddings": 4096}

@@ -25,6 +25,7 @@ import pytest
 from proc_utils import alive
 from safetensors.torch import load_file
 from test_sglang_server import PROMPTS, SHAPE, make_checkpoint
+from tiers import requires, sglang_missing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from trainer_utils import REPO, assert_run_gone, run_processes, train_command, trainer_env
@@ -33,12 +34,12 @@ from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.fleet.broadcast import FleetSyncError, WeightBroadcast
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
-from megatron_dapo.rollout.sglang.server import SGLangServerConfig, sglang_python
+from megatron_dapo.rollout.sglang.server import SGLangServerConfig
 from megatron_dapo.rollout.weight_sync import iter_buckets
 
 pytestmark = [
     pytest.mark.sglang_cpu,
-    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+    *requires(sglang_missing()),
 ]
 
 DEADLINE_S = 60.0

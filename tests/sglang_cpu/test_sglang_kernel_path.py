@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 from proc_utils import cpu_flags
 from sglang_venv import venv_kernel
-
-from megatron_dapo.rollout.sglang.server import sglang_python
+from tiers import requires, sglang_missing
 
 pytestmark = [
     pytest.mark.sglang_cpu,
-    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+    *requires(sglang_missing()),
 ]
 
 REPO = Path(__file__).resolve().parents[2]

@@ -28,6 +28,7 @@ import pytest
 import torch
 from model_utils import make_server_moe, sampled_gaps, with_experts_of
 from safetensors.torch import load_file
+from tiers import requires, sglang_missing
 
 from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
@@ -35,7 +36,7 @@ from megatron_dapo.rollout.sglang.server import SGLangServerConfig, sglang_pytho
 
 pytestmark = [
     pytest.mark.sglang_cpu,
-    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+    *requires(sglang_missing()),
 ]
 
 PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]

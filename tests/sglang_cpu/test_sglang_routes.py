@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiers import requires, sglang_missing
 
 from megatron_dapo.rollout.sglang.server import sglang_python
 
@@ -26,7 +27,7 @@ from trainer_utils import read_rows, run_trainer, write_config
 
 pytestmark = [
     pytest.mark.sglang_cpu,
-    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+    *requires(sglang_missing()),
 ]
 
 PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]

@@ -20,17 +20,18 @@ import torch
 from model_utils import TINY_SHAPE, sampled_gaps
 from safetensors.torch import load_file
 from sglang_venv import venv_kernel
+from tiers import requires, sglang_missing
 
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams
 from megatron_dapo.rollout.server_process import free_port
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.rollout.sglang.protocol import create_weight_update_group
-from megatron_dapo.rollout.sglang.server import SGLangServerConfig, sglang_python
+from megatron_dapo.rollout.sglang.server import SGLangServerConfig
 from megatron_dapo.rollout.streaming import CarriedPrompt, PromptFeed, stream_per_prompt
 
 pytestmark = [
     pytest.mark.sglang_cpu,
-    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+    *requires(sglang_missing()),
 ]
 
 # A context long enough that an unaborted request runs for many seconds on 2 cores.
@@ -244,7 +245,8 @@ def test_abort_stops_what_runs_and_what_is_sent_after_it_until_cleared(engine, w
     assert {r.finish_reason for r in out["results"]} == {"abort"}
     start = time.monotonic()
     after = engine.generate([[4, 5, 6]], SamplingParams(n=2, max_new_tokens=3000, seed=4))
-    assert time.monotonic() - start < 1.0
+    # Unaborted, 3000 tokens take minutes here; an aborted request's round trip under load a few seconds.
+    assert time.monotonic() - start < 10.0
     assert [(r.finish_reason, r.output_ids) for r in after] == [("abort", [])] * 2
     engine.clear_abort()
     assert [r.finish_reason for r in engine.generate([[4, 5, 6]], SamplingParams(n=2, max_new_tokens=5))] == \

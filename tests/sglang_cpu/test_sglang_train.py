@@ -14,8 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from megatron_dapo.rollout.sglang.server import sglang_python
+from tiers import requires, sglang_missing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from trainer_utils import (
@@ -30,7 +29,7 @@ from trainer_utils import (
 pytestmark = [
     pytest.mark.sglang_cpu,
     pytest.mark.e2e,
-    pytest.mark.skipif(sglang_python() is None, reason="SGLang is not installed (make install-sglang-cpu)"),
+    *requires(sglang_missing()),
 ]
 
 # Half the tiny run's batch (4 prompts x 8): the restart's claims need responses in flight on each

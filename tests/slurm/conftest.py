@@ -9,13 +9,14 @@ from collections.abc import Iterator
 import pytest
 import slurm_jobs
 from slurm_testbed import SlurmCluster, start_cluster, stop_cluster
+from tiers import unavailable
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """munged + slurmctld + slurmd on 127.0.0.1 for this session, stopped after it."""
     if os.geteuid() != 0:
-        pytest.skip("the SLURM test cluster runs its daemons as root (SlurmUser=root); run pytest as root")
+        unavailable("the SLURM test cluster runs its daemons as root (SlurmUser=root); run pytest as root")
     cluster, procs = start_cluster(tmp_path_factory.mktemp("slurm"))
     try:
         yield cluster
@@ -27,6 +28,6 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
 def trainer_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Environment for trainer jobs: the test reward importable, caches (tokenizer) in one tmp dir."""
     if (reason := slurm_jobs.trainer_missing()) is not None:
-        pytest.skip(reason)
+        unavailable(reason)
     return {"PYTHON": sys.executable, "PYTHONPATH": f"{slurm_jobs.PROBE_DIR}:{slurm_jobs.REPO}",
             "MEGATRON_DAPO_CACHE": str(tmp_path_factory.mktemp("cache"))}

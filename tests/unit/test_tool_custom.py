@@ -75,7 +75,8 @@ def test_a_call_past_the_deadline_fails_in_time_and_its_worker_is_replaced() -> 
         result = one.call("nap", "30")  # without the deadline: "rested" after 30 s
         elapsed = time.monotonic() - start
         assert (result.status, result.text) == ("failed", "error: the tool timed out after 1 s")
-        assert TIMEOUT_S <= elapsed < TIMEOUT_S + 3.0
+        # Past the deadline by at most a loaded machine's process start; the nap without it: 30 s.
+        assert TIMEOUT_S <= elapsed < TIMEOUT_S + 15.0
         after = one.call("shout", "b")  # the only worker: answered by its replacement
         assert after.status == "ok" and _pid(after.text) != before and not alive(before)
 
@@ -92,10 +93,12 @@ def test_a_worker_that_dies_fails_its_call_and_is_replaced() -> None:
 def test_calls_from_many_threads_run_at_once_across_workers_and_reach_their_caller(pool: CustomToolPool) -> None:
     start = time.monotonic()
     with ThreadPoolExecutor(8) as threads:
-        naps = list(threads.map(lambda _: pool.call("nap", "0.5"), range(8)))
+        naps = list(threads.map(lambda _: pool.call("nap", "0.75"), range(8)))
     elapsed = time.monotonic() - start
     assert [r.text for r in naps] == ["rested"] * 8
-    assert 2.0 <= elapsed < 3.0  # two at a time (4 rounds of 0.5 s), not one: 4 s serialised
+    # Two at a time: 4 rounds of 0.75 s (under the pool's 1 s deadline); one at a time: 6 s. The
+    # 2 s between is a loaded machine's.
+    assert 3.0 <= elapsed < 5.0
     # Each caller gets its own call's answer, with raising calls interleaved.
     with ThreadPoolExecutor(16) as threads:
         answers = list(threads.map(lambda i: pool.call("shout" if i % 3 else "misbehave", f"c{i}" if i % 3 else

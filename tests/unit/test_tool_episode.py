@@ -173,7 +173,7 @@ def test_an_abort_during_a_tool_call_stops_the_wait_and_the_resumed_episode_runs
 
     def slow(arg: str) -> ToolResult:
         runs.append(arg)
-        _time.sleep(3.0 if len(runs) == 1 else 0.0)
+        _time.sleep(6.0 if len(runs) == 1 else 0.0)
         return run_calculator(arg)
 
     runner = _runner(tok, tools={"calculator": slow})
@@ -183,7 +183,7 @@ def test_an_abort_during_a_tool_call_stops_the_wait_and_the_resumed_episode_runs
     threading.Timer(0.3, stop.set).start()
     start = _time.monotonic()
     (r,) = runner.generate(lambda p, q: [_turn(tok, "<calc>12*34</calc>")], [prompt], params, aborted=stop.is_set)
-    assert _time.monotonic() - start < 2.0, "the abort waited for the tool"
+    assert _time.monotonic() - start < 4.0, "the abort waited for the tool (6 s)"
     assert r.finish_reason == "abort" and r.episode.calls == () and r.episode.turns == 1
     assert r.output_ids == tok.encode("<calc>12*34</calc>") and all(r.episode.policy_mask)
     (done,) = runner.generate(lambda p, q: [_turn(tok, " so 408")], [prompt], params, carried=[r])

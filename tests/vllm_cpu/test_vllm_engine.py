@@ -12,20 +12,20 @@ import signal
 import sys
 import threading
 import time
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 import torch
 from model_utils import TINY_SHAPE, hf_log_probs
 from safetensors.torch import load_file
+from tiers import requires, vllm_missing
 
 from megatron_dapo.rollout.engine import EngineError, RolloutEngine, SamplingParams
 from megatron_dapo.rollout.weight_sync import sync_weights
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (scripts/install_vllm_cpu.sh)"),
+    *requires(vllm_missing()),
 ]
 
 # vLLM's CPU attention needs head_dim >= 32: 128 / 4 heads.

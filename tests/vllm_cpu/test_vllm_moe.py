@@ -14,13 +14,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 import torch
 from model_utils import make_server_moe, sampled_gaps, with_experts_of
 from safetensors.torch import load_file
+from tiers import requires, vllm_missing
 
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import SamplingParams
@@ -28,7 +28,7 @@ from megatron_dapo.rollout.weight_sync import sync_weights
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (scripts/install_vllm_cpu.sh)"),
+    *requires(vllm_missing()),
 ]
 
 PROMPTS = [[5, 17, 42, 8], [3, 9], [60, 61, 62, 63, 64, 65]]

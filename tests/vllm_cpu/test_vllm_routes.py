@@ -15,12 +15,13 @@ from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from tiers import requires, vllm_missing
 
 from megatron_dapo import cli
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (scripts/install_vllm_cpu.sh)"),
+    *requires(vllm_missing()),
 ]
 
 

@@ -17,10 +17,10 @@ import os
 import re
 import signal
 import sys
-from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
+from tiers import requires, vllm_missing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from trainer_utils import REPO, kill_engine_when, read_rows, step_logged, train_command, trainer_env
@@ -28,7 +28,7 @@ from trainer_utils import REPO, kill_engine_when, read_rows, step_logged, train_
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.e2e,
-    pytest.mark.skipif(find_spec("vllm") is None, reason="vLLM is not installed (scripts/install_vllm_cpu.sh)"),
+    *requires(vllm_missing()),
 ]
 
 # Streaming dynamic sampling stays on (a kill mid-stream once ended a step with none of its groups,
