@@ -32,14 +32,22 @@ def _config_validate(args: argparse.Namespace) -> int:
     from megatron_dapo.config.preflight import check_inputs
 
     cfg = load_config(args.file, args.overrides)
-    if args.world_size is not None:
-        cfg.check_world_size(args.world_size, "--world-size")
-    check_inputs(cfg, world_size=args.world_size)
-    if args.world_size is not None:
-        dp = cfg.check_world_size(args.world_size, "--world-size")
-        print(f"{args.file}: OK (data-parallel size {dp} at world size {args.world_size})")
+    world_size, source = args.world_size, "--world-size"
+    t = cfg.trainer
+    if world_size is None and args.static and t.n_gpus_per_node is not None:
+        # A recipe that names its launch shape is checked at it (the sbatch scripts pass --world-size).
+        world_size, source = t.nnodes * t.n_gpus_per_node, "trainer.nnodes x trainer.n_gpus_per_node"
+    if world_size is not None:
+        cfg.check_world_size(world_size, source)
+    warnings = check_inputs(cfg, world_size=world_size, world_source=source, static=args.static)
+    for line in warnings:
+        print(f"warning: {line}", file=sys.stderr)
+    mode = f" (--static: {len(warnings)} warning(s))" if args.static else ""
+    if world_size is not None:
+        dp = cfg.check_world_size(world_size, source)
+        print(f"{args.file}: OK{mode} (data-parallel size {dp} at world size {world_size})")
     else:
-        print(f"{args.file}: OK")
+        print(f"{args.file}: OK{mode}")
     return 0
 
 
@@ -86,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("overrides", nargs="*")
     val.add_argument("--world-size", type=_positive_int, default=None,
                      help="also check the layout against N processes")
+    val.add_argument("--static", action="store_true",
+                     help="only the checks that do not need the target node (no device, Transformer Engine or "
+                          "engine probe; a path missing here is a warning): for a login node")
     val.set_defaults(func=_config_validate)
 
     train = sub.add_parser("train", help="run DAPO training (one process per device)")
