@@ -32,6 +32,7 @@ from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume
 from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
+from megatron_dapo.collect.dump import ROLLOUTS_FILENAME, truncate_dump
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config.loader import to_dict
 from megatron_dapo.config.preflight import check_device, check_hf_checkpoint, check_inputs
@@ -356,6 +357,7 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
     if run.metrics is not None:
         # Lines after the resume point (all of them when starting at step 0) are redone now.
         run.metrics.truncate_after(run.start_step if resume_from is not None else -1)
+        truncate_dump(run.output_dir / ROLLOUTS_FILENAME, run.start_step if resume_from is not None else -1)
     # The engines start from the HF checkpoint; after a resume (or SFT) they need the actor's weights.
     run.sync_weights(version=run.start_step)
     # A CPU fleet beside an overlapped loop has its cores; the trainer keeps the rest (fleet/cores.py).
@@ -486,7 +488,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                 use_wandb=lg.wandb, total_steps=cfg.trainer.total_training_steps,
-                                wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl)
+                                wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl,
+                                tensorboard=lg.tensorboard, mlflow=lg.mlflow, mlflow_tracking_uri=lg.mlflow_tracking_uri)
 
 
 def _on_controller(fn: Any) -> Any:

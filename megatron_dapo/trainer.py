@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_correction
 from megatron_dapo.collect import Group, collect_batch, score_heldout
+from megatron_dapo.collect.dump import ROLLOUTS_FILENAME, dump_rollouts, should_dump
 from megatron_dapo.collect.producer import RolloutProducer, check_staleness, staleness_metrics
 from megatron_dapo.faults import fault_point
 from megatron_dapo.metrics import Timer
@@ -123,6 +124,8 @@ def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFla
             metrics.update(collect_metrics)
         if dims.is_controller:
             metrics.update(run.rollout_throughput())
+            if should_dump(step, cfg.logging.rollout_dump_freq):
+                dump_rollouts(run.output_dir / ROLLOUTS_FILENAME, step, groups, run.tokenizer)
         shards, update_metrics = update_policy(run, groups, timer, version=step)
         metrics.update(update_metrics)
         if producer is not None:

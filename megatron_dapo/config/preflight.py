@@ -144,6 +144,9 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
 
             choose_transformer_impl("transformer_engine")  # where TE cannot run, one line naming why
         check_installed(cfg.rollout.engine, cfg.rollout)
+        from megatron_dapo.metrics import check_trackers
+
+        check_trackers(cfg.logging.tensorboard, cfg.logging.mlflow)
     output_dir = Path(cfg.trainer.output_dir)
     if static and not output_dir.exists():
         try:
@@ -171,6 +174,12 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     else:
         tokenizer_here = hf_here or not static
     tokenizer = load_tokenizer(source) if source is not None and tokenizer_here else None
+    if source is None and (cfg.data.train_files or cfg.data.val_files):
+        # A scratch model reads prompt files with the embedded task's tokenizer, as train does (run.py).
+        from megatron_dapo.embedded import task_for
+
+        check_task(cfg.data.embedded)
+        tokenizer = load_tokenizer(task_for(cfg.data.embedded, cache_root()).tokenizer_path)
     if hf is not None and not cfg.data.train_files:
         raise UserError("data.train_files is empty and model.hf_checkpoint is set; give prompt files "
                         "(DAPO-Math-17K parquet/jsonl) in data.train_files (the embedded task is for "
@@ -179,19 +188,16 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     files += [(f"data.val_files[{i}]", f, False) for i, f in enumerate(cfg.data.val_files)]
     files = [(where, f, train) for where, f, train in files
              if not _missing_path(where, f, "prompt file (parquet or jsonl)", static, warnings)]
-    first_answer = "1"
+    first_answer, first_source = "1", None
     if files and (tokenizer is not None or not static):
         from megatron_dapo.data.datasets import load_prompt_dataset
 
-        if tokenizer is None:
-            raise UserError("data.train_files is set but neither model.tokenizer nor model.hf_checkpoint is; "
-                            "the prompt files need the model's tokenizer: set model.hf_checkpoint")
         num_train, all_train = 0, sum(train for _, _, train in files) == len(cfg.data.train_files)
         for _, f, train in files:
             records = load_prompt_dataset(f, tokenizer, cfg.data.max_prompt_length).records
             if train:
                 num_train += len(records)
-                first_answer = records[0].ground_truth
+                first_answer, first_source = records[0].ground_truth, records[0].data_source
         where = f"data.train_files ({len(cfg.data.train_files)} file(s))"
         if cfg.data.train_files and all_train:
             _check_enough_prompts(num_train, cfg.data.train_batch_size, where)
@@ -205,7 +211,7 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     if ":" in cfg.reward.reward_fn and cfg.reward.num_workers > 0:
         from megatron_dapo.rewards.pool import probe_reward_fn
 
-        probe_reward_fn(cfg.reward.reward_fn, cfg.reward.timeout_s, first_answer)
+        probe_reward_fn(cfg.reward.reward_fn, cfg.reward.timeout_s, first_answer, data_source=first_source)
     if cfg.tools.enable and cfg.tools.custom_tools():
         from megatron_dapo.tools.custom import check_custom_tools
 

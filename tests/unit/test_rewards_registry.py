@@ -111,7 +111,8 @@ def test_not_callable() -> None:
         get_reward_fn(f"{HELPERS}:NOT_CALLABLE")
     assert str(excinfo.value) == (
         f"reward function '{HELPERS}:NOT_CALLABLE': {HELPERS}.NOT_CALLABLE is of type int, not callable; "
-        "point the spec at a function f(solution_str, ground_truth, extra_info=None)"
+        "point the spec at a function f(solution_str, ground_truth, extra_info=None) or verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info)"
     )
 
 
@@ -121,7 +122,8 @@ def test_function_without_extra_info_parameter() -> None:
     assert str(excinfo.value) == (
         f"reward function '{HELPERS}:two_arguments': cannot be called as "
         "f(solution_str, ground_truth, extra_info=...) (got an unexpected keyword argument 'extra_info'); "
-        "give it the signature f(solution_str, ground_truth, extra_info=None)"
+        "give it the signature f(solution_str, ground_truth, extra_info=None) or verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info)"
     )
 
 
