@@ -32,7 +32,7 @@ from megatron_dapo.collect.dump import ROLLOUTS_FILENAME, dump_rollouts, should_
 from megatron_dapo.collect.producer import RolloutProducer, check_staleness, staleness_metrics
 from megatron_dapo.faults import fault_point
 from megatron_dapo.metrics import Timer
-from megatron_dapo.run import Run, Shard
+from megatron_dapo.run import NothingToTrain, Run, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +85,8 @@ def fit(run: Run) -> dict[str, float]:
     preemption = PreemptionFlag()
     timer = Timer()
     last: dict[str, float] = {}
-    if run.start_step >= cfg.trainer.total_training_steps:
-        logger.warning("%s already holds a checkpoint of step %d of %d: nothing to train; raise "
-                       "trainer.total_training_steps, or start afresh with trainer.resume=disable or a new "
-                       "trainer.output_dir", run.output_dir, run.start_step, cfg.trainer.total_training_steps)
-        return last
+    if run.start_step >= cfg.trainer.total_training_steps:  # a resume path not named step_<N> (build_run's check)
+        raise NothingToTrain(run.output_dir, run.start_step, cfg.trainer.total_training_steps)
     producer = start_producer(run) if cfg.rollout.placement == "disaggregated" and dims.is_controller else None
     try:
         last = _train(run, producer, preemption, timer)

@@ -25,9 +25,20 @@ TINY = ("model.scratch={hidden_size: 64, num_layers: 2, num_attention_heads: 4, 
 
 def test_a_verl_reward_trains_and_every_tracker_reads_back_the_jsonl(tmp_path, monkeypatch):
     out = tmp_path / "run"
-    proc = run_trainer(EXAMPLE, *TINY, f"trainer.output_dir={out}", "logging.tensorboard=true", "logging.mlflow=true",
-                       "logging.rollout_dump_freq=1", cache_dir=tmp_path / "cache")
+    command = (*TINY, f"trainer.output_dir={out}", "logging.tensorboard=true", "logging.mlflow=true",
+               "logging.rollout_dump_freq=1")
+    proc = run_trainer(EXAMPLE, *command, cache_dir=tmp_path / "cache")
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # The same command again: the run is finished, which it says in one line and a code of its own.
+    metrics = (out / "metrics.jsonl").read_text()
+    again = run_trainer(EXAMPLE, *command, cache_dir=tmp_path / "cache")
+    assert again.returncode == 5, again.stderr[-4000:]
+    errors = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {out} already holds the checkpoint of step 2 of trainer.total_training_steps=2: "
+                      "nothing to train; to continue this run raise trainer.total_training_steps (e.g. "
+                      "trainer.total_training_steps=4), or start afresh with a new trainer.output_dir"]
+    assert "warm start" not in again.stderr and "engine" not in again.stderr.lower()
+    assert (out / "metrics.jsonl").read_text() == metrics
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [0, 1, 2]
     for row in rows[1:]:
