@@ -122,3 +122,24 @@ def test_dry_run_validates_before_it_plans(script: str) -> None:
     assert lines == ["error: reward function 'no_such_module:f': module 'no_such_module' not found; expected a "
                      "built-in name (math_dapo) or 'package.module:function' with the module importable from "
                      "PYTHONPATH"]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["full", "static"])
+def test_the_custom_reward_example_validates(static: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Its verl-style module imports (probed in a worker) and its prompt files are read with the
+    embedded task's tokenizer, as train reads them."""
+    monkeypatch.setenv("MEGATRON_DAPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.syspath_prepend(str(REPO))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.chdir(REPO)
+    example = "examples/custom_reward/custom_reward.yaml"
+    code = cli.run(["config", "validate", *(["--static"] if static else []), example,
+                    "data.embedded.num_train=200", "data.embedded.num_val=8"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.startswith(f"{example}: OK") and "warning" not in err
+    code = cli.run(["config", "validate", example, "data.embedded.num_train=200", "data.embedded.num_val=8",
+                    "data.train_batch_size=65", "data.gen_batch_size=65", "trainer.ppo_mini_batch_size=13"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "holds 64 usable prompt(s), fewer than data.train_batch_size=65" in err
