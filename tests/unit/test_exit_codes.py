@@ -33,3 +33,11 @@ def test_the_sbatch_scripts_stop_at_max_requeues_with_a_code_of_its_own() -> Non
     literal = sorted({int(c) for c in re.findall(r"^\s*exit (\d+)", text, re.M)})
     assert literal == [0, errors.EXIT_USER_ERROR, train.EXIT_REQUEUES_EXHAUSTED]
     assert f"$RC -eq {train.EXIT_NOTHING_TO_TRAIN} " in text and f"$RC -eq {train.EXIT_PREEMPTED} " in text
+
+
+def test_design_md_names_every_exit_code() -> None:
+    text = (REPO / "docs" / "DESIGN.md").read_text()
+    entry = text[text.index("- **Exit codes of `train`**"):]
+    entry = entry[:entry.index("\n- **")]
+    for name, value in _codes().items():
+        assert re.search(rf"(?<![\d.]){value}(?![\d.])", entry), (name, value)

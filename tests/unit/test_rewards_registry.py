@@ -173,3 +173,12 @@ def test_a_verl_function_missing_an_argument_names_both_signatures(tmp_path: Pat
                                         r"or verl's compute_score\(data_source, solution_str, ground_truth, "
                                         r"extra_info\)$"):
         get_reward_fn("rw_verl_partial:compute_score")
+
+
+def test_the_docs_quote_the_signatures_the_registry_accepts() -> None:
+    from megatron_dapo.rewards.registry import REWARD_CONTRACT
+
+    ours, verl = REWARD_CONTRACT.signature.split(" or verl's ")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert verl == "compute_score(data_source, solution_str, ground_truth, extra_info)"
+    assert verl in readme and ours in readme
