@@ -167,7 +167,17 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
         check_hf_checkpoint(hf)
         if not static:
             check_model(cfg.rollout.engine, hf, cfg.trainer.device)
-    check_model_layout(cfg, world_size, world_source)
+    shape_known = True
+    if static and hf is not None and not hf_here:
+        from megatron_dapo.plan.dims import resolve_model
+
+        try:
+            resolve_model(cfg)  # a bundled config of the same name (examples/model_configs) stands in
+        except ConfigError as e:
+            shape_known = False
+            warnings.append(f"{e}; the layout is not checked against the model's shape here (--static)")
+    if shape_known:
+        check_model_layout(cfg, world_size, world_source)
     source = cfg.model.tokenizer or hf
     if cfg.model.tokenizer is not None:
         tokenizer_here = not _missing_path("model.tokenizer", cfg.model.tokenizer, "tokenizer", static, warnings)

@@ -143,3 +143,16 @@ def test_the_custom_reward_example_validates(static: bool, tmp_path: Path, monke
                     "data.train_batch_size=65", "data.gen_batch_size=65", "trainer.ppo_mini_batch_size=13"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "holds 64 usable prompt(s), fewer than data.train_batch_size=65" in err
+
+
+def test_a_checkpoint_not_here_of_an_unknown_model_leaves_only_its_shape_unchecked(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["config", "validate", "--static", str(REPO / "examples/dapo_qwen2.5_32b.yaml"),
+            "model.hf_checkpoint=/lustre/models/my-model"]
+    assert cli.run(argv) == 0
+    err = capsys.readouterr().err
+    assert "warning: model.hf_checkpoint='/lustre/models/my-model' does not exist on this machine" in err
+    assert "the layout is not checked against the model's shape here (--static)" in err
+    # The world size is still checked.
+    assert cli.run([*argv, "trainer.n_gpus_per_node=null", "--world-size", "100"]) == 2
+    assert "does not divide the world size 100" in capsys.readouterr().err
