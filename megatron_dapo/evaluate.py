@@ -409,7 +409,8 @@ def _generate(records: Sequence[Any], todo: Sequence[range], done: set[int], set
                                for r in runner.generate(_relative(gen, batch.start), prompts, params)]
                 texts = [tokenizer.decode(r.output_ids) for r in results]
                 scored, _ = pool.score_batch([(t, records[r.prompt_index].ground_truth,
-                                               records[r.prompt_index].extra_info or None)
+                                               records[r.prompt_index].extra_info or None,
+                                               records[r.prompt_index].data_source)
                                               for r, t in zip(results, texts)])
                 for r, text, s in zip(results, texts, scored):
                     if r.prompt_index in done:

@@ -1,4 +1,4 @@
-"""Metrics of every RL step to the console, a JSONL file and (optionally) wandb (step 8).
+"""Metrics of every RL step to the console, a JSONL file and (optionally) wandb, TensorBoard and MLflow (step 8).
 
 Metric names follow verl's, which users' dashboards already expect:
 critic/score/mean (verifier score), critic/rewards/mean (score + overlong shaping),
@@ -16,6 +16,14 @@ The console gets one plain line per step (no carriage returns: CI logs stay
 readable) with a progress bar and an ETA. wandb is imported only when enabled and
 runs offline unless configured otherwise; the run id is kept in the output directory
 so a resumed run continues the same wandb run.
+
+TensorBoard (logging.tensorboard) gets the same scalars through torch's SummaryWriter under
+<output_dir>/tensorboard; a resumed run purges the events after its checkpoint step, as
+truncate_after does the JSONL lines. MLflow (logging.mlflow) gets them in one run whose id
+is kept in the output directory, by default in a file store under <output_dir>/mlruns
+(logging.mlflow_tracking_uri otherwise). MLflow refuses some characters in metric names:
+mlflow_metric_name maps them ("val/pass@4" is "val/pass_4" there); a resumed run's redone
+steps appear twice in MLflow's history (it cannot delete metric values).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import fnmatch
 import json
 import math
 import os
+import re
 import secrets
 import sys
 import tempfile
@@ -38,6 +47,9 @@ from megatron_dapo.errors import UserError
 
 METRICS_FILENAME = "metrics.jsonl"
 WANDB_ID_FILENAME = "wandb_run_id.txt"
+MLFLOW_ID_FILENAME = "mlflow_run_id.txt"
+TENSORBOARD_DIRNAME = "tensorboard"
+MLFLOW_DIRNAME = "mlruns"
 METRICS_TMP_PREFIX = ".metrics-"
 """Prefix of the rewrite in progress of truncate_after; a leftover is deleted at the next start."""
 
@@ -114,7 +126,8 @@ def progress_bar(step: int, total_steps: int, width: int = 20) -> str:
 class MetricsLogger:
     """Writes each step's metrics to metrics.jsonl, the console and optionally wandb."""
 
-    __slots__ = ("_file", "_first_step", "_start_time", "_stream", "_wandb_run", "path", "total_steps")
+    __slots__ = ("_file", "_first_step", "_mlflow", "_start_time", "_stream", "_tensorboard", "_wandb_run", "path",
+                 "total_steps")
 
     def __init__(
         self,
@@ -128,6 +141,9 @@ class MetricsLogger:
         console: bool = True,
         jsonl: bool = True,
         stream: TextIO | None = None,
+        tensorboard: bool = False,
+        mlflow: bool = False,
+        mlflow_tracking_uri: str | None = None,
     ) -> None:
         """Opens (appends to) `<output_dir>/metrics.jsonl` and starts wandb if asked.
 
@@ -142,6 +158,9 @@ class MetricsLogger:
             console: print one line per step.
             jsonl: append to metrics.jsonl (a resumed run relies on it for its history).
             stream: where the console lines go; sys.stdout by default.
+            tensorboard: also write TensorBoard scalars under <output_dir>/tensorboard.
+            mlflow: also log to MLflow (experiment `project`, run `experiment`).
+            mlflow_tracking_uri: MLflow's tracking URI; None = a file store under <output_dir>/mlruns.
         """
         if total_steps <= 0:
             raise ValueError(f"total_steps={total_steps} must be positive")
@@ -158,6 +177,8 @@ class MetricsLogger:
         self._wandb_run = (
             _start_wandb(output_dir, project, experiment, wandb_mode, config) if use_wandb else None
         )
+        self._tensorboard = _TensorBoard(output_dir / TENSORBOARD_DIRNAME) if tensorboard else None
+        self._mlflow = _MLflow(output_dir, project, experiment, mlflow_tracking_uri) if mlflow else None
 
     def truncate_after(self, step: int) -> int:
         """Drops the lines of steps after `step` (the step the run continues from).
@@ -173,6 +194,8 @@ class MetricsLogger:
         Raises:
             UserError: the file cannot be rewritten (disk full, read-only); the file is unchanged.
         """
+        if self._tensorboard is not None:
+            self._tensorboard.purge_step = step + 1
         if self._file is None:
             return 0
         self._file.close()
@@ -228,8 +251,13 @@ class MetricsLogger:
         if self._stream is not None:
             self._stream.write(self._console_line(step, row) + "\n")
             self._stream.flush()
+        scalars = {k: v for k, v in row.items() if k != "step" and v is not None}
         if self._wandb_run is not None:
-            self._wandb_run.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
+            self._wandb_run.log(scalars, step=step)
+        if self._tensorboard is not None:
+            self._tensorboard.log(step, scalars)
+        if self._mlflow is not None:
+            self._mlflow.log(step, scalars)
 
     def _console_line(self, step: int, row: dict[str, Any]) -> str:
         now = time.monotonic()
@@ -260,6 +288,11 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.finish()
             self._wandb_run = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._mlflow is not None:
+            self._mlflow.close()
+            self._mlflow = None
 
     def __enter__(self) -> MetricsLogger:
         return self
@@ -274,10 +307,8 @@ def _start_wandb(
     try:
         import wandb
     except ImportError as e:
-        raise ValueError(
-            f"logging.wandb is true but wandb cannot be imported ({e}); "
-            "pip install wandb or set logging.wandb=false"
-        ) from None
+        raise UserError(f"logging.wandb=true but wandb cannot be imported ({e}); "
+                        "pip install wandb or set logging.wandb=false") from None
     # Reusing the id makes a resumed run continue its wandb curves instead of starting over.
     id_file = output_dir / WANDB_ID_FILENAME
     if id_file.is_file():
@@ -294,6 +325,86 @@ def _start_wandb(
         mode=mode,
         config=config or {},
     )
+
+
+def check_trackers(tensorboard: bool, mlflow: bool) -> None:
+    """The packages logging.tensorboard / logging.mlflow need (preflight: `config validate`, train).
+
+    Raises:
+        UserError: one is enabled and its package does not import.
+    """
+    wanted = [("logging.tensorboard", "torch.utils.tensorboard", "tensorboard")] if tensorboard else []
+    wanted += [("logging.mlflow", "mlflow", "mlflow-skinny")] if mlflow else []
+    for key, module, package in wanted:
+        try:
+            __import__(module)
+        except ImportError as e:
+            raise UserError(f"{key}=true but {module} cannot be imported ({e}); pip install {package} "
+                            f"(pinned in constraints/cpu.txt) or set {key}=false") from None
+
+
+def mlflow_metric_name(key: str) -> str:
+    """The name MLflow stores a metric under: characters it refuses (outside letters, digits,
+    _ - . / : and space) become "_"."""
+    return re.sub(r"[^/\w.\- :]", "_", key)
+
+
+class _TensorBoard:
+    """Scalars through torch.utils.tensorboard.SummaryWriter, opened at the first step logged so
+    that a resumed run's purge_step (set by truncate_after) hides the redone steps' old events."""
+
+    def __init__(self, log_dir: Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (fails here, not at step 1)
+
+        self.log_dir = log_dir
+        self.purge_step: int | None = None
+        self._writer: Any = None
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=self.purge_step)
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class _MLflow:
+    """One MLflow run through MlflowClient (no global active run); its id is kept in the run directory."""
+
+    def __init__(self, output_dir: Path, experiment: str, run_name: str, tracking_uri: str | None) -> None:
+        if tracking_uri is None:
+            # MLflow 3 keeps its file store only on request; a database store needs full mlflow.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            tracking_uri = (output_dir / MLFLOW_DIRNAME).resolve().as_uri()
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=tracking_uri)
+        id_file = output_dir / MLFLOW_ID_FILENAME
+        if id_file.is_file():
+            self.run_id = id_file.read_text().strip()
+        else:
+            found = self.client.get_experiment_by_name(experiment)
+            experiment_id = found.experiment_id if found is not None else self.client.create_experiment(experiment)
+            self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+            id_file.write_text(self.run_id + "\n")
+
+    def log(self, step: int, scalars: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(mlflow_metric_name(k), v, now, step) for k, v in scalars.items()]
+        for start in range(0, len(metrics), 1000):  # log_batch takes at most 1000 metrics
+            self.client.log_batch(self.run_id, metrics=metrics[start:start + 1000], synchronous=True)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
 
 
 class Timer:

@@ -31,9 +31,10 @@ from megatron_dapo.actor.optimizer_state import materialize_optimizer_state
 from megatron_dapo.actor.reference import ReferencePolicy
 from megatron_dapo.actor.route_layout import pad_routes
 from megatron_dapo.algo import LossSettings
-from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume
+from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume, step_of
 from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
+from megatron_dapo.collect.dump import ROLLOUTS_FILENAME, truncate_dump
 from megatron_dapo.collect.trained import record_trained_samples
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config.loader import to_dict
@@ -256,6 +257,20 @@ class Run:
 # ------------------------------------------------------------------------ building
 
 
+class NothingToTrain(Exception):
+    """The run would resume from a checkpoint of its last step (train.py exits EXIT_NOTHING_TO_TRAIN).
+
+    Raised on every rank alike, before the warm start, the actor or the engines start.
+    """
+
+    def __init__(self, output_dir: Path, step: int, total: int) -> None:
+        super().__init__(
+            f"{output_dir} already holds the checkpoint of step {step} of trainer.total_training_steps={total}: "
+            f"nothing to train; to continue this run raise trainer.total_training_steps (e.g. "
+            f"trainer.total_training_steps={max(total, step) * 2}), or start afresh with a new trainer.output_dir")
+        self.step = step
+
+
 def build_run(cfg: Config, config_source: str) -> Run:
     """Bring up a run from a validated config (collective: call on every rank)."""
     try:
@@ -274,6 +289,10 @@ def build_run(cfg: Config, config_source: str) -> Run:
         locks.append(RunLock.acquire(output_dir))
         # Every check `config validate` runs, before anything is written or trained (the warm start).
         check_inputs(cfg, verify_resume_checksums=False, world_size=env.world_size, world_source=_launcher_source())
+        resume = resolve_resume(cfg.trainer.resume, output_dir / "checkpoints")
+        done = step_of(resume.resolve()) if resume is not None else None
+        if done is not None and done >= cfg.trainer.total_training_steps:
+            return {"finished_at": str(done)}  # nothing written, nothing built
         # Leftovers of a crashed save go first: after a full disk nothing else could write.
         prepare_output_dir(output_dir, cfg.trainer.resume)
         (output_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
@@ -281,6 +300,8 @@ def build_run(cfg: Config, config_source: str) -> Run:
 
     try:
         sources = _on_controller(prepare)
+        if "finished_at" in sources:
+            raise NothingToTrain(output_dir, int(sources["finished_at"]), cfg.trainer.total_training_steps)
         run = _build(cfg, env, output_dir, sources)
     except BaseException:
         for lock in locks:
@@ -372,6 +393,7 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
     if run.metrics is not None:
         # Lines after the resume point (all of them when starting at step 0) are redone now.
         run.metrics.truncate_after(run.start_step if resume_from is not None else -1)
+        truncate_dump(run.output_dir / ROLLOUTS_FILENAME, run.start_step if resume_from is not None else -1)
     # The engines start from the HF checkpoint; after a resume (or SFT) they need the actor's weights.
     run.sync_weights(version=run.start_step)
     # A CPU fleet beside an overlapped loop has its cores; the trainer keeps the rest (fleet/cores.py).
@@ -502,7 +524,8 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
     lg = cfg.logging
     run.metrics = MetricsLogger(run.output_dir, cfg.trainer.project_name, cfg.trainer.experiment_name,
                                 use_wandb=lg.wandb, total_steps=cfg.trainer.total_training_steps,
-                                wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl)
+                                wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl,
+                                tensorboard=lg.tensorboard, mlflow=lg.mlflow, mlflow_tracking_uri=lg.mlflow_tracking_uri)
 
 
 def _on_controller(fn: Any) -> Any:

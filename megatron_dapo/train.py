@@ -37,6 +37,12 @@ EXIT_ENGINE_FAILED = 4
 EXIT_PREEMPTED = 75
 # A rank whose peer died in a collective: the peer's error is the story, this rank's is an echo.
 EXIT_PEER_GONE = 1
+# The run directory already holds the checkpoint of the last step: nothing to train (one line naming
+# the directory: raise trainer.total_training_steps to continue it, or give a new trainer.output_dir).
+EXIT_NOTHING_TO_TRAIN = 5
+# slurm/dapo.sbatch, never train itself: a preempted run was checkpointed but not requeued again, its
+# MAX_REQUEUES restarts spent (submit the same job again to continue from the checkpoint).
+EXIT_REQUEUES_EXHAUSTED = 6
 # torchrun names the first rank to exit as the root cause and SIGTERMs the rest: the rank that
 # only lost its peer waits this long so the failing rank's exit (and code) comes first.
 PEER_GONE_GRACE_S = 5.0
@@ -83,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_optional_backend_warnings()
     from megatron_dapo.algo import DynamicSamplingError
     from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted
+    from megatron_dapo.run import NothingToTrain
     from megatron_dapo.trainer import Preempted
 
     try:
@@ -108,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr, flush=True)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         return EXIT_PREEMPTED
+    except NothingToTrain as e:
+        line = f"error: {e}" if rank == "0" else None
+        exit_on_sigterm(EXIT_NOTHING_TO_TRAIN, line)
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        return EXIT_NOTHING_TO_TRAIN
     except EngineRestartsExhausted as e:
         record_for_launcher(e)
         print(f"error: {e}", file=sys.stderr)

@@ -30,10 +30,11 @@ import torch.distributed as dist
 from megatron_dapo.algo.distill import distill_advantages
 from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_correction
 from megatron_dapo.collect import Group, collect_batch, score_heldout
+from megatron_dapo.collect.dump import ROLLOUTS_FILENAME, dump_rollouts, should_dump
 from megatron_dapo.collect.producer import RolloutProducer, check_staleness, staleness_metrics
 from megatron_dapo.faults import fault_point
 from megatron_dapo.metrics import Timer
-from megatron_dapo.run import Run, Shard
+from megatron_dapo.run import NothingToTrain, Run, Shard
 
 logger = logging.getLogger(__name__)
 
@@ -86,11 +87,8 @@ def fit(run: Run) -> dict[str, float]:
     preemption = PreemptionFlag()
     timer = Timer()
     last: dict[str, float] = {}
-    if run.start_step >= cfg.trainer.total_training_steps:
-        logger.warning("%s already holds a checkpoint of step %d of %d: nothing to train; raise "
-                       "trainer.total_training_steps, or start afresh with trainer.resume=disable or a new "
-                       "trainer.output_dir", run.output_dir, run.start_step, cfg.trainer.total_training_steps)
-        return last
+    if run.start_step >= cfg.trainer.total_training_steps:  # a resume path not named step_<N> (build_run's check)
+        raise NothingToTrain(run.output_dir, run.start_step, cfg.trainer.total_training_steps)
     producer = start_producer(run) if cfg.rollout.placement == "disaggregated" and dims.is_controller else None
     try:
         last = _train(run, producer, preemption, timer)
@@ -125,6 +123,8 @@ def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFla
             metrics.update(collect_metrics)
         if dims.is_controller:
             metrics.update(run.rollout_throughput())
+            if should_dump(step, cfg.logging.rollout_dump_freq):
+                dump_rollouts(run.output_dir / ROLLOUTS_FILENAME, step, groups, run.tokenizer)
         shards, update_metrics = update_policy(run, groups, timer, version=step)
         metrics.update(update_metrics)
         if producer is not None:

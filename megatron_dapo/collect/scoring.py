@@ -8,6 +8,7 @@ modify the samples in place; `batch_metrics` names the batch's statistics as ver
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -63,12 +64,14 @@ def make_sample(prompt: PromptRecord, r: GenerationResult) -> Sample:
 def score_groups(groups: Sequence[Group], *, rewards: RewardPool, tokenizer: Tokenizer) -> RewardStats:
     """Score every sample of the groups with the verifier (in place)."""
     samples = [s for g in groups for s in g.samples]
-    inputs = [(tokenizer.decode(s.response_ids), g.prompt.ground_truth, g.prompt.extra_info or None)
-              for g in groups for s in g.samples]
+    inputs = [(tokenizer.decode(s.response_ids), g.prompt.ground_truth, g.prompt.extra_info or None,
+               g.prompt.data_source) for g in groups for s in g.samples]
     scored, stats = rewards.score_batch(inputs)
     for s, out in zip(samples, scored):
         s.score = float(out["score"])
         s.acc = bool(out["acc"])
+        s.reward_extra = {k: float(v) for k, v in out.items() if k not in ("score", "acc", "error")
+                          and isinstance(v, int | float) and math.isfinite(v)}
     return stats
 
 
@@ -125,4 +128,15 @@ def batch_metrics(groups: Sequence[Group], max_response_length: int) -> dict[str
         "response_length/min": float(lengths.min()),
         "response_length/clip_ratio": float(sum(s.truncated for s in samples) / len(samples)),
         "prompt_length/mean": float(sum(len(s.prompt_ids) for s in samples) / len(samples)),
+        **reward_extra_metrics(samples),
     }
+
+
+def reward_extra_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """reward_extra/<key>/mean of the numbers a reward function returned beside "score" and "acc"
+    (verl's extra metrics), over the samples that returned the key."""
+    values: dict[str, list[float]] = {}
+    for s in samples:
+        for key, value in s.reward_extra.items():
+            values.setdefault(key, []).append(value)
+    return {f"reward_extra/{key}/mean": sum(v) / len(v) for key, v in sorted(values.items())}

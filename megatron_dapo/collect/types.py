@@ -33,6 +33,8 @@ class Sample:
     """Verifier score (+1 / -1)."""
     acc: bool = False
     """Verifier accuracy."""
+    reward_extra: dict[str, float] = field(default_factory=dict)
+    """The other numbers the reward function returned (verl's extra metrics: reward_extra/*)."""
     overlong_penalty: float = 0.0
     """Soft overlong punishment added to the score (<= 0)."""
     advantage: float = 0.0

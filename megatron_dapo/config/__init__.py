@@ -10,8 +10,9 @@ overlong_buffer.*, max_response_length, ...) so a verl DAPO recipe maps over by 
 One module per group of sections (model.py: model + parallel; rollout.py; algorithm.py;
 data.py; policy_loss.py: algorithm.policy_loss and its modes; reward.py; training.py: optim + trainer + logging), experiment.py for `Config`
 and the rules that span sections, fields.py for the validation primitives, loader.py for
-YAML and overrides, preflight.py for the inputs train reads first. Import every name from
-megatron_dapo.config.
+YAML and overrides, verl_names.py for verl's keys (the unknown-key hint), preflight.py for
+the inputs train reads first (`config validate`, --static on a login node). Import every
+name from megatron_dapo.config.
 """
 
 from megatron_dapo.config.algorithm import (

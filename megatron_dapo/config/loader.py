@@ -24,6 +24,7 @@ import yaml
 
 from megatron_dapo.config.experiment import Config
 from megatron_dapo.config.fields import ConfigError, _FieldError
+from megatron_dapo.config.verl_names import verl_hint
 
 
 class _YamlLoader(yaml.SafeLoader):
@@ -206,14 +207,39 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
-            hint = difflib.get_close_matches(show(key), names, n=1, cutoff=0.5)
-            fix = f"did you mean '{prefix}{hint[0]}'?" if hint else f"valid keys: {', '.join(names)}"
-            raise _FieldError(f"{prefix}{show(key) if not isinstance(key, str) else key[:80]}", f"unknown key; {fix}")
+            raise _FieldError(f"{prefix}{show(key) if not isinstance(key, str) else key[:80]}",
+                              f"unknown key; {_unknown_key_fix(prefix, key, data[key], names)}")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
     try:
         return cls(**kwargs)
     except _FieldError as e:
         raise _FieldError(prefix + e.key, e.message) from None
+
+
+def _unknown_key_fix(prefix: str, key: Any, value: Any, names: list[str]) -> str:
+    """What to write instead of an unknown key: verl's name for one of ours (verl_names.py), a
+    close spelling in the same section, the same key in another section, or the valid keys."""
+    verl = verl_hint(prefix + key, value) if isinstance(key, str) else None
+    if verl is not None:
+        return verl
+    hint = difflib.get_close_matches(show(key), names, n=1, cutoff=0.5)
+    if hint:
+        return f"did you mean '{prefix}{hint[0]}'?"
+    elsewhere = [path for path in _config_keys() if path.rpartition(".")[2] == key]
+    if len(elsewhere) == 1:
+        return f"did you mean '{elsewhere[0]}'?"
+    return f"valid keys: {', '.join(names)}"
+
+
+def _config_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of the config, sections' own keys included."""
+    out = []
+    for f in dataclasses.fields(cls):
+        out.append(prefix + f.name)
+        tp = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out.extend(_config_keys(tp, f"{prefix}{f.name}."))
+    return out
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

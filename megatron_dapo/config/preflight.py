@@ -29,6 +29,13 @@ and a job that does not validate fails on them in its first seconds. In order:
   verifies them itself in parallel (train), every file's checksum.
 
 Each problem is the same one-line UserError the run would stop with.
+
+`static=True` (`config validate --static`, the sbatch scripts' DRY_RUN) is the part that
+does not need the target node: no device, Transformer Engine or engine probe, and a path
+that does not exist here (a cluster filesystem seen from a login node) is a warning, not an
+error; the reward function and custom tools are still imported and probed, and what does
+exist here (a checkpoint, a tokenizer, prompt files) is read as train reads it. A
+placeholder path (`/path/to/...`, the recipes' own) is named as one either way.
 """
 
 from __future__ import annotations
@@ -77,8 +84,39 @@ def check_device(device: str) -> None:
                         "False); use trainer.device=cpu (or auto), or run where a GPU is visible")
 
 
+PLACEHOLDER_MARKERS = ("/path/to/", "path/to/")
+"""What the example recipes write where a user must put their own path."""
+
+
+def is_placeholder(path: str | Path) -> bool:
+    """Whether `path` is an example's placeholder (`/path/to/...`), not a real path."""
+    text = str(path)
+    return text.startswith(PLACEHOLDER_MARKERS[1]) or PLACEHOLDER_MARKERS[0] in text
+
+
+def _missing_path(where: str, path: str | Path, what: str, static: bool, warnings: list[str]) -> bool:
+    """True (and a warning under static) when `path` does not exist here; a placeholder is named as one.
+
+    Raises:
+        UserError: not static and the path is a placeholder (a missing real path is left to the
+            check that reads it, whose message says what it expected).
+    """
+    if is_placeholder(path):
+        line = f"{where}={str(path)!r} is a placeholder: replace it with the path of your {what}"
+        if not static:
+            raise UserError(line)
+        warnings.append(line)
+        return True
+    if Path(path).exists():
+        return False
+    if static:
+        warnings.append(f"{where}={str(path)!r} does not exist on this machine; not checked (--static): "
+                        f"it must exist where the job runs")
+    return static
+
+
 def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_size: int | None = None,
-                 world_source: str = "--world-size") -> None:
+                 world_source: str = "--world-size", static: bool = False) -> list[str]:
     """Check everything train reads before its first step (see the module docstring).
 
     Args:
@@ -87,6 +125,11 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
         world_size: the job's processes, when known (train; `config validate --world-size`):
             the expert layout is checked against it too.
         world_source: where the world size came from, for the message.
+        static: only what does not need the target node (module docstring): no device or
+            engine probe, and paths missing here are warnings.
+
+    Returns:
+        The warnings (static only: paths not checked because they do not exist here), one line each.
 
     Raises:
         UserError: the first unusable input, in one line.
@@ -96,66 +139,112 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     from megatron_dapo.rewards.registry import check_reward_spec, get_reward_fn
     from megatron_dapo.rollout.factory import check_engine_device, check_installed, check_model
 
+    warnings: list[str] = []
     if cfg.trainer.device in ("cpu", "cuda"):  # auto: checked when the engines start, on the device found
         check_engine_device(cfg.rollout, cfg.trainer.device)
-    check_device(cfg.trainer.device)
-    if cfg.model.transformer_impl == "transformer_engine":
-        from megatron_dapo.models.transformer_impl import choose_transformer_impl
+    if not static:
+        check_device(cfg.trainer.device)
+        if cfg.model.transformer_impl == "transformer_engine":
+            from megatron_dapo.models.transformer_impl import choose_transformer_impl
 
-        choose_transformer_impl("transformer_engine")  # where TE cannot run, one line naming why
-    check_installed(cfg.rollout.engine, cfg.rollout)
-    check_output_dir(Path(cfg.trainer.output_dir))
+            choose_transformer_impl("transformer_engine")  # where TE cannot run, one line naming why
+        check_installed(cfg.rollout.engine, cfg.rollout)
+        from megatron_dapo.metrics import check_trackers
+
+        check_trackers(cfg.logging.tensorboard, cfg.logging.mlflow)
+    output_dir = Path(cfg.trainer.output_dir)
+    if static and not output_dir.exists():
+        try:
+            check_output_dir(output_dir)
+        except UserError as e:  # its parent may be a filesystem mounted only on the cluster
+            warnings.append(f"{e} (on this machine; --static: it must be writable where the job runs)")
+    else:
+        check_output_dir(output_dir)
     check_reward_spec(cfg.reward.reward_fn)
     if cfg.reward.num_workers == 0:
         get_reward_fn(cfg.reward.reward_fn)  # it runs in this process anyway; else the probe imports it
     from megatron_dapo.data.tokenizer import load_tokenizer
 
-    if cfg.model.hf_checkpoint is not None:
-        check_hf_checkpoint(cfg.model.hf_checkpoint)
-        check_model(cfg.rollout.engine, cfg.model.hf_checkpoint, cfg.trainer.device)
-    check_model_layout(cfg, world_size, world_source)
-    source = cfg.model.tokenizer or cfg.model.hf_checkpoint
-    tokenizer = load_tokenizer(source) if source is not None else None
+    hf = cfg.model.hf_checkpoint
+    hf_here = hf is not None and not _missing_path("model.hf_checkpoint", hf, "HF checkpoint directory", static,
+                                                   warnings)
+    if hf_here:
+        check_hf_checkpoint(hf)
+        if not static:
+            check_model(cfg.rollout.engine, hf, cfg.trainer.device)
+    shape_known = True
+    if static and hf is not None and not hf_here:
+        from megatron_dapo.plan.dims import resolve_model
+
+        try:
+            resolve_model(cfg)  # a bundled config of the same name (examples/model_configs) stands in
+        except ConfigError as e:
+            shape_known = False
+            warnings.append(f"{e}; the layout is not checked against the model's shape here (--static)")
+    if shape_known:
+        check_model_layout(cfg, world_size, world_source)
+    source = cfg.model.tokenizer or hf
+    if cfg.model.tokenizer is not None:
+        tokenizer_here = not _missing_path("model.tokenizer", cfg.model.tokenizer, "tokenizer", static, warnings)
+    else:
+        tokenizer_here = hf_here or not static
+    tokenizer = load_tokenizer(source) if source is not None and tokenizer_here else None
+    if source is None and (cfg.data.train_files or cfg.data.val_files):
+        # A scratch model reads prompt files with the embedded task's tokenizer, as train does (run.py).
+        from megatron_dapo.embedded import task_for
+
+        check_task(cfg.data.embedded)
+        tokenizer = load_tokenizer(task_for(cfg.data.embedded, cache_root()).tokenizer_path)
     if cfg.algorithm.distill.teacher is not None:
         check_teacher(cfg, tokenizer)
-    if cfg.model.hf_checkpoint is not None and not cfg.data.train_files:
+    if hf is not None and not cfg.data.train_files:
         raise UserError("data.train_files is empty and model.hf_checkpoint is set; give prompt files "
                         "(DAPO-Math-17K parquet/jsonl) in data.train_files (the embedded task is for "
                         "the scratch model only)")
-    files = [*cfg.data.train_files, *cfg.data.val_files]
-    first_answer = "1"
-    if files:
+    files = [(f"data.train_files[{i}]", f, True) for i, f in enumerate(cfg.data.train_files)]
+    files += [(f"data.val_files[{i}]", f, False) for i, f in enumerate(cfg.data.val_files)]
+    files = [(where, f, train) for where, f, train in files
+             if not _missing_path(where, f, "prompt file (parquet or jsonl)", static, warnings)]
+    first_answer, first_source = "1", None
+    if files and (tokenizer is not None or not static):
         from megatron_dapo.data.datasets import load_prompt_dataset
 
-        if tokenizer is None:
-            raise UserError("data.train_files is set but neither model.tokenizer nor model.hf_checkpoint is; "
-                            "the prompt files need the model's tokenizer: set model.hf_checkpoint")
-        num_train = 0
-        for f in files:
+        num_train, all_train = 0, sum(train for _, _, train in files) == len(cfg.data.train_files)
+        for _, f, train in files:
             records = load_prompt_dataset(f, tokenizer, cfg.data.max_prompt_length).records
-            if f in cfg.data.train_files:
+            if train:
                 num_train += len(records)
-                first_answer = records[0].ground_truth
+                first_answer, first_source = records[0].ground_truth, records[0].data_source
         where = f"data.train_files ({len(cfg.data.train_files)} file(s))"
-        if cfg.data.train_files:
+        if cfg.data.train_files and all_train:
             _check_enough_prompts(num_train, cfg.data.train_batch_size, where)
-    if not cfg.data.train_files and cfg.model.hf_checkpoint is None:
+    elif files:
+        warnings.append(f"{len(files)} prompt file(s) exist but are not read: the tokenizer "
+                        f"({source}) is not on this machine (--static)")
+    if not cfg.data.train_files and hf is None:
         cache_root()
         check_task(cfg.data.embedded)
         _check_enough_prompts(cfg.data.embedded.num_train, cfg.data.train_batch_size, "data.embedded.num_train")
     if ":" in cfg.reward.reward_fn and cfg.reward.num_workers > 0:
         from megatron_dapo.rewards.pool import probe_reward_fn
 
-        probe_reward_fn(cfg.reward.reward_fn, cfg.reward.timeout_s, first_answer)
+        probe_reward_fn(cfg.reward.reward_fn, cfg.reward.timeout_s, first_answer, data_source=first_source)
     if cfg.tools.enable and "python" in (spec for _, spec in map(tool_entry, cfg.tools.tools)):
-        check_python_tool(cfg.tools.python.isolation)
+        if static:  # the jail's namespaces are the training node's kernel's to allow, not this one's
+            warnings.append("tools.python's isolation is probed on the training node, not here (--static)")
+        else:
+            check_python_tool(cfg.tools.python.isolation)
     if cfg.tools.enable and cfg.tools.custom_tools():
         from megatron_dapo.tools.custom import check_custom_tools
 
         check_custom_tools(cfg.tools.custom_tools(), cfg.tools.custom_timeout_s)
+    if static and cfg.trainer.resume not in ("auto", "disable") and \
+            _missing_path("trainer.resume", cfg.trainer.resume, "checkpoint to resume from", static, warnings):
+        return warnings
     resume = resume_checkpoint(cfg)
     if resume is not None:
         check_resume(cfg, resume, verify_checksums=verify_resume_checksums)
+    return warnings
 
 
 def check_python_tool(isolation: str) -> None:

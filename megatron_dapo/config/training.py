@@ -136,3 +136,22 @@ class LoggingConfig:
     """Log to wandb as well."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """offline writes under output_dir/wandb; online needs WANDB_API_KEY."""
+    tensorboard: bool = False
+    """Write the same scalars as metrics.jsonl as TensorBoard events under <output_dir>/tensorboard
+    (`tensorboard --logdir <output_dir>/tensorboard`; needs the tensorboard package)."""
+    mlflow: bool = False
+    """Log the same scalars as metrics.jsonl to MLflow: experiment trainer.project_name, run
+    trainer.experiment_name, continued by a resumed run (needs mlflow or mlflow-skinny). Metric
+    names MLflow refuses are mapped ("val/pass@4" -> "val/pass_4")."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow's tracking URI (e.g. http://mlflow.example:5000); null = a local file store under
+    <output_dir>/mlruns (view it with MLFLOW_ALLOW_FILE_STORE=true mlflow ui --backend-store-uri
+    <output_dir>/mlruns)."""
+    rollout_dump_freq: int = 0
+    """Every N steps, append the step's sampled prompts, responses, scores, rewards and advantages
+    (every response of the training batch) to <output_dir>/rollouts.jsonl; 0 = never."""
+
+    def __post_init__(self) -> None:
+        _check(self.rollout_dump_freq >= 0, "rollout_dump_freq", "must be >= 0 (0 = never)")
+        _check(self.mlflow_tracking_uri is None or bool(self.mlflow_tracking_uri.strip()), "mlflow_tracking_uri",
+               "is empty: give a tracking URI, or null for a file store under trainer.output_dir")

@@ -308,7 +308,11 @@ def _stage_rows(plan: Plan) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     defaults = Assumptions()
 
-    parser = CliParser(prog="megatron-dapo plan", description=__doc__.split("\n")[0])
+    parser = CliParser(prog="megatron-dapo plan", description=__doc__.split("\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       epilog="examples:\n  megatron-dapo plan examples/dapo_qwen2.5_32b.yaml --nodes 16 --gpus-per-node 8 "
+                              "--gpu-mem-gib 80\n  megatron-dapo plan examples/dapo_qwen2.5_32b.yaml --nodes 8 "
+                              "--engine-nodes 4")
     parser.add_argument("config", help="experiment YAML, e.g. examples/dapo_qwen2.5_32b.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. parallel.tensor_model_parallel_size=4")
     parser.add_argument("--nodes", type=int, default=None, help="nodes (default: trainer.nnodes)")

@@ -32,7 +32,8 @@ FAILURE_SCORE = -1.0
 # 200k characters is about 50k tokens, over twice DAPO's 20480-token L_max.
 DEFAULT_MAX_RESPONSE_CHARS = 200_000
 
-RewardInput = tuple[str, str, dict | None]
+RewardInput = tuple[str, str, dict | None] | tuple[str, str, dict | None, str | None]
+"""(solution_str, ground_truth, extra_info[, data_source]): data_source reaches verl-style functions."""
 # The circuit breaker judges a batch from this many finished calls on (or all, if fewer).
 BREAKER_MIN_CALLS = 16
 REWARD_LOG = "reward_workers.log"
@@ -167,10 +168,11 @@ class RewardPool:
         self.close()
 
     def score_batch(self, batch: Sequence[RewardInput]) -> tuple[list[dict[str, Any]], RewardStats]:
-        """Score every (solution_str, ground_truth, extra_info) of a batch.
+        """Score every (solution_str, ground_truth, extra_info[, data_source]) of a batch.
 
         Args:
-            batch: the responses with their reference answers and dataset extra_info.
+            batch: the responses with their reference answers, dataset extra_info and
+                (optionally) data_source.
 
         Returns:
             (results, stats): one dict per input, in input order, each with at least
@@ -186,11 +188,11 @@ class RewardPool:
             raise RuntimeError(f"RewardPool({self.fn_spec!r}) is closed; create a new pool to score more")
         calls: list[RewardInput] = []
         num_truncated = 0
-        for solution_str, ground_truth, extra_info in batch:
+        for solution_str, ground_truth, extra_info, *data_source in batch:
             if isinstance(solution_str, str) and len(solution_str) > self.max_response_chars:
                 solution_str = solution_str[-self.max_response_chars :]
                 num_truncated += 1
-            calls.append((solution_str, ground_truth, extra_info))
+            calls.append((solution_str, ground_truth, extra_info, data_source[0] if data_source else None))
 
         done = _Batch(len(calls))
         if self._workers is not None:
@@ -201,9 +203,9 @@ class RewardPool:
                 self.close()
                 raise
         else:
-            for index, (solution_str, ground_truth, extra_info) in enumerate(calls):
+            for index, call in enumerate(calls):
                 try:
-                    done.results[index] = self._fn(solution_str, ground_truth, extra_info)
+                    done.results[index] = self._fn(*call)
                 except Exception as err:
                     done.fail(index, f"{type(err).__name__}: {err}")
                 if done.broken(self.max_failure_fraction):
@@ -271,7 +273,8 @@ class RewardPool:
         )
 
 
-def probe_reward_fn(fn_spec: str, timeout_s: float, ground_truth: str, extra_info: dict[str, Any] | None = None) -> None:
+def probe_reward_fn(fn_spec: str, timeout_s: float, ground_truth: str, extra_info: dict[str, Any] | None = None,
+                    data_source: str | None = None) -> None:
     """Call a reward function once, in a worker with the run's timeout, before any work depends on it.
 
     A function that hangs would otherwise cost reward.timeout_s per call until the circuit
@@ -285,7 +288,7 @@ def probe_reward_fn(fn_spec: str, timeout_s: float, ground_truth: str, extra_inf
     # function prints goes nowhere: the console is for the one line (the run's log is reward_workers.log).
     with RewardPool(fn_spec, 1, timeout_s, start_timeout_s=max(timeout_s, PROBE_IMPORT_TIMEOUT_S),
                     log_path=os.devnull) as pool:
-        _, stats = pool.score_batch([("", ground_truth, extra_info)])
+        _, stats = pool.score_batch([("", ground_truth, extra_info, data_source)])
     if stats.num_timeouts:
         raise UserError(f"reward function {fn_spec!r} did not return within reward.timeout_s={timeout_s:g} s on a "
                         f"probe call (an empty response against the answer {ground_truth[:40]!r}); fix the function "

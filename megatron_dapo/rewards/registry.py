@@ -8,12 +8,18 @@ trainer never care whether the function is ours or a user's:
 
 A user function is called as `f(solution_str, ground_truth, extra_info=extra_info)`,
 where extra_info is the dataset row's extra_info dict (or None), and may return a number
-or a dict with a "score" key. Other keys of a returned dict are kept. User modules are
-imported only when asked for, so a typo fails at start-up with a message, not mid-run.
+or a dict with a "score" key. Other keys of a returned dict are kept (numeric ones are
+logged per step as reward_extra/<key>/mean). A function written for verl,
+`compute_score(data_source, solution_str, ground_truth, extra_info)`, is accepted as it is:
+a function with a `data_source` parameter is called as verl calls it, by keyword with the
+row's data_source, and verl's returns (a number, or a dict with "score" and extra metrics)
+are the same as ours. User modules are imported only when asked for, so a typo fails at
+start-up with a message, not mid-run.
 import_user_fn is that resolution for any kind of user function: custom tools (tools/custom.py)
 use it with their own contract, so both give the same one-line errors.
 """
 
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -25,7 +31,8 @@ from typing import Any
 from megatron_dapo.errors import UserError
 from megatron_dapo.rewards import math_dapo
 
-RewardFn = Callable[[str, str, dict | None], dict[str, Any]]
+RewardFn = Callable[[str, str, dict | None, str | None], dict[str, Any]]
+"""fn(solution_str, ground_truth, extra_info, data_source) -> {"score", "acc", ...}."""
 
 DEFAULT_REWARD_FN = "math_dapo"
 _EXPECTED_FORM = (
@@ -128,11 +135,26 @@ class UserFnContract:
     """Positional arguments of a call bound (never made) to check the signature."""
     probe_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments of that call."""
+    alternative_kwargs: tuple[dict[str, Any], ...] = ()
+    """Other calls (all by keyword) the function may accept instead: verl's compute_score."""
 
+
+VERL_PARAMETER = "data_source"
+"""The parameter that marks verl's signature compute_score(data_source, solution_str, ground_truth, extra_info)."""
 
 REWARD_CONTRACT = UserFnContract(
     what="reward function", expected_form=_EXPECTED_FORM, call_form="f(solution_str, ground_truth, extra_info=...)",
-    signature="f(solution_str, ground_truth, extra_info=None)", probe_args=("", ""), probe_kwargs={"extra_info": None})
+    signature="f(solution_str, ground_truth, extra_info=None) or verl's compute_score(data_source, solution_str, "
+              "ground_truth, extra_info)", probe_args=("", ""), probe_kwargs={"extra_info": None},
+    alternative_kwargs=({VERL_PARAMETER: "", "solution_str": "", "ground_truth": "", "extra_info": None},))
+
+
+def is_verl_style(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` takes verl's `data_source` argument (and is then called as verl calls it)."""
+    try:
+        return VERL_PARAMETER in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def import_user_fn(spec: str, contract: UserFnContract) -> Callable[..., Any]:
@@ -185,6 +207,11 @@ def import_user_fn(spec: str, contract: UserFnContract) -> Callable[..., Any]:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return fn  # builtins and C functions may have no signature; they will fail at call time
+    for kwargs in contract.alternative_kwargs:
+        if all(name in signature.parameters for name in kwargs):
+            with contextlib.suppress(TypeError):
+                signature.bind(**kwargs)
+                return fn
     try:
         signature.bind(*contract.probe_args, **contract.probe_kwargs)
     except TypeError as err:
@@ -201,9 +228,9 @@ def get_reward_fn(name_or_path: str) -> RewardFn:
         name_or_path: "math_dapo" (the DAPO verifier) or "package.module:function".
 
     Returns:
-        fn(solution_str, ground_truth, extra_info) -> dict with at least "score"
-        (float) and "acc" (bool). It is a closure: send the spec, not the function,
-        to other processes.
+        fn(solution_str, ground_truth, extra_info, data_source=None) -> dict with at least
+        "score" (float) and "acc" (bool). A verl-style function (is_verl_style) gets all four
+        by keyword. It is a closure: send the spec, not the function, to other processes.
 
     Raises:
         UserError (a ValueError): the spec names nothing usable; the message says why.
@@ -215,7 +242,16 @@ def get_reward_fn(name_or_path: str) -> RewardFn:
     spec = name_or_path.strip()
     fn = _BUILTINS[spec] if spec in _BUILTINS else import_user_fn(spec, REWARD_CONTRACT)
 
-    def call(solution_str: str, ground_truth: str, extra_info: dict | None) -> dict[str, Any]:
+    if spec not in _BUILTINS and is_verl_style(fn):
+        def call(solution_str: str, ground_truth: str, extra_info: dict | None,
+                 data_source: str | None = None) -> dict[str, Any]:
+            return normalize_reward_output(fn(data_source=data_source, solution_str=solution_str,
+                                              ground_truth=ground_truth, extra_info=extra_info), spec)
+
+        return call
+
+    def call_ours(solution_str: str, ground_truth: str, extra_info: dict | None,
+                  data_source: str | None = None) -> dict[str, Any]:
         return normalize_reward_output(fn(solution_str, ground_truth, extra_info=extra_info), spec)
 
-    return call
+    return call_ours

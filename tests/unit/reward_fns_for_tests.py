@@ -76,3 +76,16 @@ def misbehave(solution_str: str, ground_truth: str, extra_info: dict | None = No
     if solution_str == "die":
         os._exit(3)
     return 1.0
+
+
+def verl_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None) -> dict:
+    """verl's signature and return: a dict with "score" and extra metrics (no "acc")."""
+    if data_source is None:
+        raise ValueError("no data_source")
+    return {"score": 1.0 if solution_str == ground_truth else -1.0, "source": data_source,
+            "source_length": len(data_source), "has_extra_info": extra_info is not None}
+
+
+def verl_float(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None) -> float:
+    """verl's signature, returning a bare number."""
+    return 0.5 if data_source == "gsm8k" else -0.5

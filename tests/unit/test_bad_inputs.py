@@ -284,9 +284,10 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
     ("data-bad-val-file", {"p.jsonl": GOOD_JSONL, "v.jsonl": "not json\n"},
      ["config", "validate", "{d}/c.yaml", *DATA, "data.train_files=[{d}/p.jsonl]", "data.val_files=[{d}/v.jsonl]"],
      "{d}/v.jsonl line 1: invalid JSON"),
-    ("data-without-tokenizer", {"p.jsonl": GOOD_JSONL},
+    # A scratch model reads prompt files with the embedded task's tokenizer, as train does.
+    ("data-scratch-model-too-few", {"p.jsonl": GOOD_JSONL},
      ["config", "validate", "{d}/c.yaml", "data.train_files=[{d}/p.jsonl]"],
-     "data.train_files is set but neither model.tokenizer nor model.hf_checkpoint is"),
+     "data.train_files (1 file(s)) holds 1 usable prompt(s), fewer than data.train_batch_size=512"),
     ("data-tokenizer-missing", {"p.jsonl": GOOD_JSONL},
      ["config", "validate", "{d}/c.yaml", "model.tokenizer={d}/tok", "data.train_files=[{d}/p.jsonl]"],
      "tokenizer path {d}/tok is neither a sentencepiece .model file nor a local directory"),

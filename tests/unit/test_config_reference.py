@@ -86,7 +86,7 @@ def test_markdown_is_escaped_in_docstrings() -> None:
 def test_explain_prints_type_default_and_meaning(capsys) -> None:
     assert cli.run(["config", "explain", "algorithm.clip_ratio_high"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("algorithm.clip_ratio_high: float (default 0.28)\n")
+    assert out.startswith("algorithm.clip_ratio_high: float | null (default null)\n")  # null: the loss mode's
     assert ref.field_docs(type(Config().algorithm))["clip_ratio_high"] in out
 
 

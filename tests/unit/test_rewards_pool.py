@@ -200,3 +200,12 @@ def test_a_few_failures_under_the_share_do_not_stop_the_run() -> None:
                     max_failure_fraction=0.5) as pool:
         results, stats = pool.score_batch(inputs)
     assert stats.num_errors == 8 and [r["score"] for r in results[8:]] == [1.0] * 12
+
+
+def test_data_source_reaches_a_verl_function_in_the_workers() -> None:
+    with RewardPool(f"{HELPERS}:verl_compute_score", num_workers=2, timeout_s=5.0) as pool:
+        results, stats = pool.score_batch([("4", "4", None, "gsm8k"), ("3", "4", {"a": 1}, "aime"), ("4", "4", None)])
+    assert stats.num_errors == 1 and "no data_source" in (stats.first_error or "")  # a 3-tuple has none
+    assert [r.get("source") for r in results[:2]] == ["gsm8k", "aime"]
+    assert [r["score"] for r in results] == [1.0, -1.0, FAILURE_SCORE]
+    assert results[1]["has_extra_info"] is True

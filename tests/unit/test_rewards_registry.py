@@ -111,7 +111,8 @@ def test_not_callable() -> None:
         get_reward_fn(f"{HELPERS}:NOT_CALLABLE")
     assert str(excinfo.value) == (
         f"reward function '{HELPERS}:NOT_CALLABLE': {HELPERS}.NOT_CALLABLE is of type int, not callable; "
-        "point the spec at a function f(solution_str, ground_truth, extra_info=None)"
+        "point the spec at a function f(solution_str, ground_truth, extra_info=None) or verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info)"
     )
 
 
@@ -121,7 +122,8 @@ def test_function_without_extra_info_parameter() -> None:
     assert str(excinfo.value) == (
         f"reward function '{HELPERS}:two_arguments': cannot be called as "
         "f(solution_str, ground_truth, extra_info=...) (got an unexpected keyword argument 'extra_info'); "
-        "give it the signature f(solution_str, ground_truth, extra_info=None)"
+        "give it the signature f(solution_str, ground_truth, extra_info=None) or verl's "
+        "compute_score(data_source, solution_str, ground_truth, extra_info)"
     )
 
 
@@ -148,3 +150,35 @@ def test_module_that_raises_on_import(tmp_path: Path, monkeypatch: pytest.Monkey
         "reward function 'reward_broken:score': importing 'reward_broken' raised RuntimeError: boom; "
         "fix the module so that it imports cleanly"
     )
+
+
+def test_a_verl_compute_score_is_called_as_verl_calls_it() -> None:
+    """verl's compute_score(data_source, solution_str, ground_truth, extra_info) plugs in as it is (issue 60)."""
+    fn = get_reward_fn(f"{HELPERS}:verl_compute_score")
+    assert fn("4", "4", {"k": 1}, "openai/gsm8k") == {
+        "score": 1.0, "acc": True, "source": "openai/gsm8k", "source_length": 12, "has_extra_info": True}
+    assert fn("5", "4", None, "aime")["acc"] is False
+    verl_float = get_reward_fn(f"{HELPERS}:verl_float")
+    assert verl_float("x", "y", None, "gsm8k") == {"score": 0.5, "acc": True}
+    assert verl_float("x", "y", None, "math") == {"score": -0.5, "acc": False}
+    # Ours is still called positionally, without data_source.
+    assert get_reward_fn(f"{HELPERS}:half")("x", "y", None, "gsm8k") == {"score": 0.5, "acc": True}
+
+
+def test_a_verl_function_missing_an_argument_names_both_signatures(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "rw_verl_partial.py").write_text("def compute_score(data_source, solution_str):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UserError, match=r"give it the signature f\(solution_str, ground_truth, extra_info=None\) "
+                                        r"or verl's compute_score\(data_source, solution_str, ground_truth, "
+                                        r"extra_info\)$"):
+        get_reward_fn("rw_verl_partial:compute_score")
+
+
+def test_the_docs_quote_the_signatures_the_registry_accepts() -> None:
+    from megatron_dapo.rewards.registry import REWARD_CONTRACT
+
+    ours, verl = REWARD_CONTRACT.signature.split(" or verl's ")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert verl == "compute_score(data_source, solution_str, ground_truth, extra_info)"
+    assert verl in readme and ours in readme
