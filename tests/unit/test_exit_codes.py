@@ -38,6 +38,6 @@ def test_the_sbatch_scripts_stop_at_max_requeues_with_a_code_of_its_own() -> Non
 def test_design_md_names_every_exit_code() -> None:
     text = (REPO / "docs" / "DESIGN.md").read_text()
     entry = text[text.index("- **Exit codes of `train`**"):]
-    entry = entry[:entry.index("\n- **")]
+    entry = entry[:entry.index("\n- ")]
     for name, value in _codes().items():
         assert re.search(rf"(?<![\d.]){value}(?![\d.])", entry), (name, value)
