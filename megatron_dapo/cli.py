@@ -188,6 +188,8 @@ EXAMPLES: dict[str, list[str]] = {
          "megatron-dapo doctor                 # versions, CPU, GPUs, NCCL: paste into a bug report"],
     "config": ["megatron-dapo config show examples/tiny_cpu.yaml algorithm.clip_ratio_high=0.3"],
     "config show": ["megatron-dapo config show examples/dapo_qwen2.5_32b.yaml algorithm.clip_ratio_high=0.3"],
+    "config explain": ["megatron-dapo config explain algorithm.clip_ratio_high",
+                       "megatron-dapo config explain algorithm.filter_groups"],
     "config validate": ["megatron-dapo config validate examples/tiny_cpu.yaml trainer.total_training_steps=50",
                         "megatron-dapo config validate --static examples/dapo_qwen2.5_32b.yaml --world-size 128"],
     "train": ["megatron-dapo train examples/tiny_cpu.yaml trainer.output_dir=runs/lr2e-4 optim.lr=2e-4",
