@@ -20,7 +20,7 @@ from megatron_dapo.config.tools import ToolsConfig
 from megatron_dapo.data.tokenizer import SentencePieceSettings, load_or_train_sentencepiece
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
-from megatron_dapo.tools.custom import CustomToolPool
+from megatron_dapo.tools.custom import MAX_ANSWER_CHARS, CustomToolPool
 from megatron_dapo.tools.episode import ToolPoolBroken
 from megatron_dapo.tools.registry import episode_runner, tool_set
 
@@ -66,6 +66,13 @@ def test_a_raise_or_a_non_str_answer_fails_with_its_error_and_the_pool_keeps_wor
     result = pool.call("misbehave", argument)
     assert (result.status, result.text) == ("failed", text)
     assert [pool.call("misbehave", "fine").text for _ in range(3)] == ["ok"] * 3
+
+
+def test_a_flood_of_an_answer_is_cut_in_the_worker(pool: CustomToolPool) -> None:
+    result = pool.call("misbehave", "flood")
+    assert result.status == "ok" and len(result.text) <= MAX_ANSWER_CHARS
+    head, cut, tail = result.text.partition(" ... ")
+    assert cut and set(head) == set(tail) == {"7"} and len(head) == len(tail) >= MAX_ANSWER_CHARS // 2 - 5
 
 
 def test_a_call_past_the_deadline_fails_in_time_and_its_worker_is_replaced() -> None:

@@ -14,7 +14,8 @@ def shout(argument: str) -> str:
 
 
 def misbehave(argument: str) -> str:
-    """"ok", except: "raise" raises, "hang" sleeps an hour, "die" ends the process, "int" returns 7."""
+    """"ok", except: "raise" raises, "hang" sleeps an hour, "die" ends the process, "int" returns 7,
+    "flood" returns 30 million characters."""
     if argument == "raise":
         raise ValueError(f"cannot answer {argument!r}")
     if argument == "hang":
@@ -23,6 +24,8 @@ def misbehave(argument: str) -> str:
         os._exit(3)
     if argument == "int":
         return 7  # type: ignore[return-value]
+    if argument == "flood":
+        return "7" * 30_000_000
     return "ok"
 
 
