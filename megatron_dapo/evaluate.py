@@ -260,7 +260,7 @@ def read_done(path: Path, fingerprint: str, n: int) -> list[dict[str, Any]]:
         for line_no, raw in enumerate(f, start=1):
             try:
                 row = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 break
             if not raw.endswith(b"\n"):
                 break

@@ -40,8 +40,8 @@ from megatron_dapo.rollout.engine import EpisodeRecord, GenerationResult, Sampli
 from megatron_dapo.tools.formats import CallFormat, ParsedCall
 from megatron_dapo.tools.sandbox import ToolResult
 
-__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "Tool", "ToolPoolBroken", "episode_metrics", "episode_row",
-           "episode_rows_metrics"]
+__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "Tool", "ToolPoolBroken", "check_call_close", "episode_metrics",
+           "episode_row", "episode_rows_metrics"]
 
 Generate = Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]]
 """An engine's (or the controller's) generate: prompts, params -> prompt-major results."""
@@ -221,6 +221,20 @@ def episode_metrics(episodes: Sequence[EpisodeRecord | None]) -> dict[str, float
                         for e in episodes if e is not None])
 
 
+def check_call_close(fmt: CallFormat, tokenizer: Tokenizer) -> int:
+    """The one token id of the format's call end (generation stops on it).
+
+    Raises:
+        UserError: the marker is several tokens of this tokenizer (or none).
+    """
+    close = tokenizer.encode(fmt.call_close)
+    if len(close) != 1:
+        raise UserError(f"tools.format={fmt.name}: the call's end {fmt.call_close!r} is {len(close)} tokens of this "
+                        "tokenizer, and generation can only stop on one; use a format whose markers are tokens "
+                        "of the model's tokenizer (tags: the embedded task's; hermes: Qwen's)")
+    return close[0]
+
+
 class EpisodeRunner:
     """Runs multi-turn episodes over any generate function (module docstring).
 
@@ -234,13 +248,7 @@ class EpisodeRunner:
         self.settings = settings
         self._closers = list(closers)
         self.tokenizer = tokenizer
-        fmt = settings.fmt
-        close = tokenizer.encode(fmt.call_close)
-        if len(close) != 1:
-            raise UserError(f"tools.format={fmt.name}: the call's end {fmt.call_close!r} is {len(close)} tokens of this "
-                            "tokenizer, and generation can only stop on one; use a format whose markers are tokens "
-                            "of the model's tokenizer (tags: the embedded task's; hermes: Qwen's)")
-        self.close_id = close[0]
+        self.close_id = check_call_close(settings.fmt, tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=settings.calls_in_flight, thread_name_prefix="tool")
 
     def close(self) -> None:

@@ -240,7 +240,7 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
      "tool 'no_such_tool_mod_18:f': module 'no_such_tool_mod_18' not found"),
     ("tool-not-callable", {"tl_notcall.py": "f = 3\n"},
      ["config", "validate", "{d}/c.yaml", "tools.enable=true", "algorithm.filter_groups.mode=rounds",
-      "tools.tools=[tl_notcall:f]"],
+      "tools.tools=[calculator=tl_notcall:f]"],
      "tool 'tl_notcall:f': tl_notcall.f is of type int, not callable; point the spec at a function f(argument: str)"),
     # ------------------------------------------------------------------ prompt data
     ("data-not-utf8", {"p.jsonl": b'{"prompt": "caf\xe9", "answer": "1"}\n'},
