@@ -195,11 +195,10 @@ def stored_config(ckpt: Path | None) -> Config | None:
 
     if ckpt is None or not (ckpt / CONFIG_YAML).is_file():
         return None
-    import yaml
+    from megatron_dapo.config.loader import from_dict, read_config_tree
 
-    from megatron_dapo.config.loader import from_dict
-
-    return from_dict(yaml.safe_load((ckpt / CONFIG_YAML).read_text()), source=str(ckpt / CONFIG_YAML))
+    # The loader's bounds (size, depth, aliases, UTF-8): the stored file is as hostile as any config.
+    return from_dict(read_config_tree(ckpt / CONFIG_YAML), source=str(ckpt / CONFIG_YAML))
 
 
 def export_to_hf(ckpt: Path, out: Path) -> Path:

@@ -98,6 +98,7 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     if cfg.trainer.device in ("cpu", "cuda"):  # auto: checked when the engines start, on the device found
         check_engine_device(cfg.rollout, cfg.trainer.device)
     check_device(cfg.trainer.device)
+    check_rollout_addresses(cfg)
     if cfg.model.transformer_impl == "transformer_engine":
         from megatron_dapo.models.transformer_impl import choose_transformer_impl
 
@@ -120,7 +121,6 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
                              "model.hf_checkpoint")
     if cfg.tools.enable:
         check_tool_format(cfg, tokenizer)
-    check_rollout_addresses(cfg)
     if cfg.model.hf_checkpoint is not None and not cfg.data.train_files:
         raise UserError("data.train_files is empty and model.hf_checkpoint is set; give prompt files "
                         "(DAPO-Math-17K parquet/jsonl) in data.train_files (the embedded task is for "
