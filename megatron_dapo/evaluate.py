@@ -353,6 +353,9 @@ def evaluate_checkpoint(
                     raise UserError(f"{checkpoint} is neither an HF directory (config.json + *.safetensors) "
                                     "nor a torch_dist checkpoint (step_<N>/, checkpoints/ or checkpoints/latest)")
                 hf_dir = export_to_hf(found, Path(tmp) / "hf")
+            from megatron_dapo.config.preflight import check_tokenizer_fits
+
+            check_tokenizer_fits(tokenizer, hf_dir, f"tokenizer {tokenizer_path}")  # else the engine's traceback
             with open(out, "a", encoding="utf-8") as sink:
                 num_generated = _generate(records, todo, done, settings, hf_dir=hf_dir, tokenizer=tokenizer,
                                           engine=engine, engine_tp=engine_tp,
