@@ -30,11 +30,15 @@ def _config_show(args: argparse.Namespace) -> int:
 def _config_validate(args: argparse.Namespace) -> int:
     from megatron_dapo.config.loader import load_config
     from megatron_dapo.config.preflight import check_inputs
+    from megatron_dapo.lifetime import reaping_descendants
 
     cfg = load_config(args.file, args.overrides)
     if args.world_size is not None:
         cfg.check_world_size(args.world_size, "--world-size")
-    check_inputs(cfg, world_size=args.world_size)
+    # The reward function and the custom tools are imported here (or in workers started here):
+    # what their modules start at import, a new session included, ends with the check.
+    with reaping_descendants():
+        check_inputs(cfg, world_size=args.world_size)
     if args.world_size is not None:
         dp = cfg.check_world_size(args.world_size, "--world-size")
         print(f"{args.file}: OK (data-parallel size {dp} at world size {args.world_size})")

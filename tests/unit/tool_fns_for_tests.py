@@ -46,3 +46,18 @@ def two_arguments(argument: str, other: str) -> str:
 
 
 NOT_CALLABLE = 42
+
+
+def daemon(argument: str) -> str:
+    """Starts a process in a session of its own that sleeps an hour (a daemonising library's way:
+    fork, setsid, fork again) and writes its pid to the file named by the argument."""
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(argument, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600.0)
+        os._exit(0)
+    os.waitpid(child, 0)
+    return "started"
