@@ -48,6 +48,7 @@ def _config_explain(args: argparse.Namespace) -> int:
 def _config_validate(args: argparse.Namespace) -> int:
     from megatron_dapo.config.loader import load_config
     from megatron_dapo.config.preflight import check_inputs
+    from megatron_dapo.lifetime import reaping_descendants
 
     cfg = load_config(args.file, args.overrides)
     world_size, source = args.world_size, "--world-size"
@@ -57,7 +58,10 @@ def _config_validate(args: argparse.Namespace) -> int:
         world_size, source = t.nnodes * t.n_gpus_per_node, "trainer.nnodes x trainer.n_gpus_per_node"
     if world_size is not None:
         cfg.check_world_size(world_size, source)
-    warnings = check_inputs(cfg, world_size=world_size, world_source=source, static=args.static)
+    # The reward function and the custom tools are imported here (or in workers started here):
+    # what their modules start at import, a new session included, ends with the check.
+    with reaping_descendants():
+        warnings = check_inputs(cfg, world_size=world_size, world_source=source, static=args.static)
     for line in warnings:
         print(f"warning: {line}", file=sys.stderr)
     mode = f" (--static: {len(warnings)} warning(s))" if args.static else ""

@@ -102,7 +102,10 @@ def _hf_dtype(hf_dir: Path, override: str | None) -> Any:
 
     name = override
     if name is None:
-        raw = json.loads((hf_dir / "config.json").read_text())
+        try:
+            raw = json.loads((hf_dir / "config.json").read_text())
+        except (OSError, ValueError, RecursionError) as e:
+            raise UserError(f"cannot read {hf_dir / 'config.json'} ({e}); re-download or re-save the checkpoint") from None
         name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
     key = str(name).removeprefix("torch.")
     if key not in _DTYPES:

@@ -195,11 +195,10 @@ def stored_config(ckpt: Path | None) -> Config | None:
 
     if ckpt is None or not (ckpt / CONFIG_YAML).is_file():
         return None
-    import yaml
+    from megatron_dapo.config.loader import from_dict, read_config_tree
 
-    from megatron_dapo.config.loader import from_dict
-
-    return from_dict(yaml.safe_load((ckpt / CONFIG_YAML).read_text()), source=str(ckpt / CONFIG_YAML))
+    # The loader's bounds (size, depth, aliases, UTF-8): the stored file is as hostile as any config.
+    return from_dict(read_config_tree(ckpt / CONFIG_YAML), source=str(ckpt / CONFIG_YAML))
 
 
 def export_to_hf(ckpt: Path, out: Path) -> Path:
@@ -260,7 +259,7 @@ def read_done(path: Path, fingerprint: str, n: int) -> list[dict[str, Any]]:
         for line_no, raw in enumerate(f, start=1):
             try:
                 row = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 break
             if not raw.endswith(b"\n"):
                 break
@@ -354,6 +353,9 @@ def evaluate_checkpoint(
                     raise UserError(f"{checkpoint} is neither an HF directory (config.json + *.safetensors) "
                                     "nor a torch_dist checkpoint (step_<N>/, checkpoints/ or checkpoints/latest)")
                 hf_dir = export_to_hf(found, Path(tmp) / "hf")
+            from megatron_dapo.config.preflight import check_tokenizer_fits
+
+            check_tokenizer_fits(tokenizer, hf_dir, f"tokenizer {tokenizer_path}")  # else the engine's traceback
             with open(out, "a", encoding="utf-8") as sink:
                 num_generated = _generate(records, todo, done, settings, hf_dir=hf_dir, tokenizer=tokenizer,
                                           engine=engine, engine_tp=engine_tp,

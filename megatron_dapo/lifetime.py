@@ -18,6 +18,17 @@ dies. It must be set by the child itself (it is cleared in a forked child), so:
   the forkserver, which itself exits when the trainer's end of its pipe closes);
 - the resource tracker exits by itself once every process holding its pipe is gone.
 
+Two more cases, for processes that leave their group on purpose (``setsid()``, as a daemonising
+library does at import):
+
+- a rank under torchrun sets PR_SET_PDEATHSIG itself (:func:`die_with_launcher`), so a kill -9 of
+  the torchrun agent ends it at once (both ranks were alive 15 s later, holding the node);
+- code of a user's module that may start processes (a reward function or a custom tool, imported
+  by `config validate` or by a reward/tool worker) runs in a *subreaper*
+  (PR_SET_CHILD_SUBREAPER): an orphan of its children is re-parented to it, not to PID 1, so
+  :func:`kill_descendants` finds every process it started, a new session or not, and kills them
+  (:func:`reaping_descendants` around `config validate`; WorkerSet before it stops a worker).
+
 Inference servers (SGLang, vLLM) are started with subprocess in a session of their own, so
 that stopping one takes its process group; PDEATHSIG does not fit them (it fires when the
 launching *thread* exits, and their children are not ours to change). Each gets a
@@ -39,8 +50,11 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_CHILD_SUBREAPER = 36
 
 
 def started_by_multiprocessing() -> bool:
@@ -67,6 +81,106 @@ def die_with_parent(sig: int = signal.SIGKILL) -> bool:
         # The parent died between our start and the prctl: no signal will come.
         os.kill(os.getpid(), sig)
     return True
+
+
+def die_with_launcher() -> bool:
+    """Under torchrun, die with its agent (this rank's parent), however the agent dies.
+
+    Returns:
+        True if set; False outside torchrun (a rank of plain `python` or of srun keeps its
+        parent's lifetime: a shell that exits must not end the run).
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    return die_with_parent(signal.SIGKILL)
+
+
+def _prctl(option: int, value: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper(on: bool = True) -> bool:
+    """Make this process the one its descendants' orphans are re-parented to (or stop being it)."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, int(on))
+
+
+def descendants(pid: int | None = None) -> list[int]:
+    """Every live (not zombie) process below ``pid`` (default: this one), from /proc."""
+    root = os.getpid() if pid is None else pid
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != b"Z":
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_descendants(pid: int | None = None, *, spare: frozenset[int] = frozenset()) -> list[int]:
+    """SIGKILL every process below ``pid`` but ``spare``, again until none is left (a process may
+    fork while it is being killed). They are not reaped here: a child's owner (subprocess,
+    multiprocessing) waits for it, and an adopted orphan stays a zombie until this process ends.
+
+    Returns:
+        The processes killed.
+    """
+    killed: list[int] = []
+    for _ in range(50):
+        found = [p for p in descendants(pid) if p not in spare]
+        if not found:
+            break
+        for p in found:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+        killed += found
+        time.sleep(0.01)
+    return killed
+
+
+def _multiprocessing_helpers() -> frozenset[int]:
+    """The forkserver and the resource tracker of this process: started once, reused by every
+    later pool (a killed forkserver would break them), and gone when the process ends."""
+    pids = set()
+    with contextlib.suppress(ImportError, AttributeError):
+        from multiprocessing import forkserver, resource_tracker
+
+        pids.add(forkserver._forkserver._forkserver_pid)  # type: ignore[attr-defined]
+        pids.add(resource_tracker._resource_tracker._pid)  # type: ignore[attr-defined]
+    return frozenset(p for p in pids if p)
+
+
+@contextlib.contextmanager
+def reaping_descendants() -> Iterator[None]:
+    """Inside: this process is a subreaper. On the way out, every process started inside (a
+    child of a module imported there, in a session of its own or not) is killed; those that
+    were running before are spared."""
+    was = frozenset(descendants())
+    became = become_subreaper()
+    try:
+        yield
+    finally:
+        kill_descendants(spare=was | _multiprocessing_helpers())
+        if became:
+            become_subreaper(False)
 
 
 # Run by the reaper (`python -S -c`), argv: the process group, the grace in seconds. Its stdin is

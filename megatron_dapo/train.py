@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print("usage: python -m megatron_dapo.train CONFIG [dotted.key=value ...]\n\n" + (__doc__ or ""))
         return 0 if args else EXIT_USER_ERROR
+    from megatron_dapo.lifetime import die_with_launcher
+
+    die_with_launcher()  # a kill -9 of the torchrun agent ends this rank too (lifetime.py)
     rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
     logging.basicConfig(level=logging.INFO if rank == "0" else logging.WARNING,
                         format=f"[%(asctime)s rank{rank}] %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")

@@ -162,7 +162,7 @@ def copy_hf_files(hf_dir: str | os.PathLike[str], dest: Path) -> str | None:
         return None
     try:
         return json.loads(cfg.read_text()).get("model_type")
-    except ValueError as e:
+    except (ValueError, RecursionError, AttributeError) as e:  # not JSON, nested too deeply, not an object
         raise CheckpointError(
             f"{src / 'config.json'} is not valid JSON ({e}); fix or re-download the HF checkpoint"
         ) from None

@@ -194,7 +194,7 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         )
     try:
         manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply
         raise CheckpointError(
             f"checkpoint {ckpt}: {manifest_path} is corrupted ({e}); use an earlier checkpoint"
         ) from None
@@ -262,7 +262,8 @@ def latest_checkpoint(root: str | os.PathLike[str]) -> Path | None:
     root = Path(root)
     pointer = root / LATEST
     if pointer.is_file():
-        name = pointer.read_text().strip()
+        # Bytes that are not UTF-8 (a torn or foreign write) name no step: the pointer is stale.
+        name = pointer.read_bytes()[:4096].decode("utf-8", "replace").strip()
         target = root / name
         if STEP_RE.match(name) and (target / MANIFEST).is_file():
             newest = complete_checkpoints(root)

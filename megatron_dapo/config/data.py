@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_dapo.config.fields import _check
+from megatron_dapo.config.fields import _check, _check_path
 
 
 @dataclass(kw_only=True, slots=True)
@@ -96,6 +96,8 @@ class DataConfig:
         for key, files in (("train_files", self.train_files), ("val_files", self.val_files)):
             _check(all(f.strip() for f in files), key, "holds an empty file name; list .parquet/.jsonl paths "
                    "(or [] for the embedded task)")
+            for f in files:
+                _check_path(f, key)
         _check(self.max_prompt_length > 0, "max_prompt_length", "must be > 0")
         _check(self.max_response_length > 0, "max_response_length", "must be > 0")
         _check(self.train_batch_size > 0, "train_batch_size", "must be > 0")

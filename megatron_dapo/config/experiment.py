@@ -153,7 +153,7 @@ class Config:
             return 0, 0, 0, str(cfg_path)
         try:
             hf = json.loads(cfg_path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: JSON nested too deeply
             raise _FieldError("model.hf_checkpoint", f"cannot read {cfg_path}: {e}") from None
         heads = int(hf.get("num_attention_heads", 0))
         return heads, int(hf.get("num_key_value_heads", heads)), int(hf.get("num_hidden_layers", 0)), str(cfg_path)
@@ -165,7 +165,7 @@ class Config:
         cfg_path = Path(self.model.hf_checkpoint) / "config.json"
         try:
             hf = json.loads(cfg_path.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, ValueError, RecursionError):
             return None  # _model_shape reports an unreadable file; a missing one is checked at load
         experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
         return f"{experts} experts in {cfg_path}" if isinstance(experts, int) and experts > 1 else None

@@ -13,7 +13,6 @@ import difflib
 import math
 import os
 import re
-import reprlib
 import sys
 import types
 import typing
@@ -23,7 +22,7 @@ from typing import Any, Literal
 import yaml
 
 from megatron_dapo.config.experiment import Config
-from megatron_dapo.config.fields import ConfigError, _FieldError
+from megatron_dapo.config.fields import ConfigError, _FieldError, show
 from megatron_dapo.config.verl_names import verl_hint
 
 
@@ -76,14 +75,10 @@ MAX_VALUES = 100_000
 lines that expand to billions (PyYAML shares the objects, but anything that walks them does not)."""
 MAX_DEPTH = 64
 """Nesting depth; a config is 3-4 deep, and PyYAML's composer recurses once per level."""
-_SHOW = reprlib.Repr()  # keyword arguments only from Python 3.12
-_SHOW.maxlevel, _SHOW.maxdict, _SHOW.maxlist, _SHOW.maxtuple, _SHOW.maxset = 3, 6, 6, 6, 6
-_SHOW.maxstring, _SHOW.maxlong, _SHOW.maxother = 80, 40, 80
-
-
-def show(value: Any) -> str:
-    """repr() bounded in length and depth: what error messages quote of a user's value."""
-    return _SHOW.repr(value)
+MAX_EXPANDED_CHARS = 8 * MAX_CONFIG_BYTES
+"""Characters of the strings in the loaded tree, each alias counted every time it is used: 99,000
+uses of one 600 KB string pass MAX_VALUES and expand to 59 GB in anything that prints them
+(`config show`, an error message); a config without aliases has at most MAX_CONFIG_BYTES."""
 
 
 class _TooLarge(yaml.YAMLError):
@@ -111,8 +106,9 @@ def _yaml_load(text: str) -> Any:
 
 
 def _check_size(data: Any) -> None:
-    """Walk the loaded tree, aliases expanded, and stop at MAX_VALUES values or MAX_DEPTH levels."""
-    count = 0
+    """Walk the loaded tree, aliases expanded, and stop at MAX_VALUES values, MAX_EXPANDED_CHARS
+    characters of strings or MAX_DEPTH levels."""
+    count = chars = 0
     stack: list[tuple[Any, int]] = [(data, 1)]
     while stack:
         node, depth = stack.pop()
@@ -120,6 +116,11 @@ def _check_size(data: Any) -> None:
         if count > MAX_VALUES:
             raise _TooLarge(f"the YAML expands to more than {MAX_VALUES:,} values (an alias used inside "
                             "another alias, again and again?); write the values out")
+        if isinstance(node, str | bytes):
+            chars += len(node)
+            if chars > MAX_EXPANDED_CHARS:
+                raise _TooLarge(f"the YAML expands to more than {MAX_EXPANDED_CHARS >> 20} MiB of strings (a long "
+                                "string used again and again through an alias?); write the values out")
         if depth > MAX_DEPTH:
             raise _TooLarge(f"nested deeper than the {MAX_DEPTH} levels a config may have")
         if isinstance(node, dict):
@@ -293,36 +294,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
     source = str(path) if path is not None else "defaults"
     tree: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"{source}: no such config file; pick one of examples/*.yaml")
-        size = p.stat().st_size
-        if size > MAX_CONFIG_BYTES:
-            raise ConfigError(f"{source}: {size / 2**20:.1f} MiB, more than the {MAX_CONFIG_BYTES >> 20} MiB a config may "
-                              "have (a real one is a few KB); check that this is the config file you meant")
-        raw = p.read_bytes()
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            line = raw[:e.start].count(b"\n") + 1
-            raise ConfigError(f"{source} line {line}: not UTF-8 (byte {raw[e.start]:#04x}); "
-                              "save the file as UTF-8") from None
-        try:
-            loaded = _yaml_load(text)
-        except _DuplicateKey as e:
-            raise ConfigError(f"{source} {e}") from None
-        except _TooLarge as e:
-            raise ConfigError(f"{source}: {e}") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"{source}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
-        if loaded is None:
-            raise ConfigError(f"{source}: the file is empty (or only comments); start from examples/tiny_cpu.yaml "
-                              "or examples/dapo_qwen2.5_32b.yaml")
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{source}: the top level must be a mapping of sections (model, data, ...)")
-        tree = loaded
+        tree = read_config_tree(path)
     overridden: set[str] = set()
     for text in overrides:
         keys, value = parse_override(text)
@@ -341,6 +313,50 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: list[str]
             raise ConfigError(f"command line: {changed[0]}={show(value)} conflicts with {source}: "
                               f"{_describe(tree, e)}") from None
         raise ConfigError(f"{source}: {_describe(tree, e)}") from None
+
+
+def read_config_tree(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A config file's YAML as a mapping of sections, read with the loader's bounds.
+
+    Raises:
+        ConfigError: missing, too large, not UTF-8, not YAML, too deep or too large once expanded,
+            empty or not a mapping; one line naming the file.
+    """
+    source = str(path)
+    p = Path(path)
+    try:
+        if not p.is_file():
+            raise ConfigError(f"{source}: no such config file; pick one of examples/*.yaml")
+        size = p.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{source}: {size / 2**20:.1f} MiB, more than the {MAX_CONFIG_BYTES >> 20} MiB a config may "
+                              "have (a real one is a few KB); check that this is the config file you meant")
+        raw = p.read_bytes()
+    except OSError as e:  # a name too long, a directory not readable
+        raise ConfigError(f"{show(source)}: cannot read the config file ({e.strerror or e}); give a path to a "
+                          "readable YAML file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{source} line {line}: not UTF-8 (byte {raw[e.start]:#04x}); "
+                          "save the file as UTF-8") from None
+    try:
+        loaded = _yaml_load(text)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{source} {e}") from None
+    except _TooLarge as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}{where}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if loaded is None:
+        raise ConfigError(f"{source}: the file is empty (or only comments); start from examples/tiny_cpu.yaml "
+                          "or examples/dapo_qwen2.5_32b.yaml")
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections (model, data, ...)")
+    return loaded
 
 
 def _mentioned(key: str, err: _FieldError) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from megatron_dapo.config.fields import _check
+from megatron_dapo.config.fields import _check, _check_path
 
 
 @dataclass(kw_only=True, slots=True)
@@ -141,6 +141,8 @@ class ModelConfig:
         _check(self.moe_aux_loss_coeff >= 0, "moe_aux_loss_coeff", "must be >= 0")
         if self.hf_checkpoint is not None:
             _check(self.hf_checkpoint != "", "hf_checkpoint", "is empty: give a directory or null")
+        _check_path(self.hf_checkpoint, "hf_checkpoint")
+        _check_path(self.tokenizer, "tokenizer")
 
 
 @dataclass(kw_only=True, slots=True)

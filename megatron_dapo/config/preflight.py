@@ -22,7 +22,11 @@ and a job that does not validate fails on them in its first seconds. In order:
 - a custom reward function answers one probe call within reward.timeout_s;
 - the python tool (tools.enable, "python" listed) runs a probe call with its tools.python.isolation
   (tools/sandbox.isolation_problem: the namespaces, the interpreter readable by the jail's user);
-- custom tools (tools.enable) import in a worker as the run's tool workers will import them;
+- custom tools (tools.enable) import in a worker as the run's tool workers will import them,
+  and the call format's end marker is one token of the tokenizer (generation stops on it);
+- the tokenizer's ids fit the model's vocabulary (config.json's vocab_size);
+- rollout.host names an address of this node (SGLang and vLLM servers bind it), and
+  rollout.nodes is used inside a SLURM job (its servers are srun steps of the job);
 - the checkpoint the run would resume from (explicit, or `latest` of output_dir with
   resume=auto): its manifest, its architecture against the configured model and the
   parallel layout (Megatron's vocabulary padding depends on TP), and, unless the caller
@@ -144,6 +148,7 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
         check_engine_device(cfg.rollout, cfg.trainer.device)
     if not static:
         check_device(cfg.trainer.device)
+        check_rollout_addresses(cfg)  # this node's addresses: the target node's to check
         if cfg.model.transformer_impl == "transformer_engine":
             from megatron_dapo.models.transformer_impl import choose_transformer_impl
 
@@ -195,6 +200,10 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
 
         check_task(cfg.data.embedded)
         tokenizer = load_tokenizer(task_for(cfg.data.embedded, cache_root()).tokenizer_path)
+    if tokenizer is not None and hf_here:
+        check_tokenizer_fits(tokenizer, hf, "model.tokenizer" if cfg.model.tokenizer else "model.hf_checkpoint")
+    if cfg.tools.enable and (tokenizer is not None or hf is None):  # None with hf: not here (--static)
+        check_tool_format(cfg, tokenizer)
     if cfg.algorithm.distill.teacher is not None:
         check_teacher(cfg, tokenizer)
     if hf is not None and not cfg.data.train_files:
@@ -261,6 +270,69 @@ def check_python_tool(isolation: str) -> None:
         "unprivileged user namespaces (sysctl user.max_user_namespaces > 0, kernel.unprivileged_userns_clone=1 "
         "where it exists, no seccomp or AppArmor rule against them), or accept resource limits alone with "
         "tools.python.isolation=limits_only (the policy's code can then signal your processes and read your files)")
+
+
+def check_tokenizer_fits(tokenizer: Any, hf_dir: str | Path, where: str) -> None:
+    """The tokenizer's ids must be rows of the model's embedding: a larger tokenizer fails every
+    rank's first forward (an index out of range) after the warm start."""
+    from megatron_dapo.models import adapter_for
+
+    model_vocab = adapter_for(Path(hf_dir)).hf.vocab_size
+    if tokenizer.vocab_size > model_vocab:
+        raise UserError(f"{where}: the tokenizer has {tokenizer.vocab_size} ids but the model {hf_dir} has "
+                        f"{model_vocab} (config.json vocab_size): its larger ids have no embedding row; use the "
+                        "model's own tokenizer (leave model.tokenizer unset) or a model of this tokenizer")
+
+
+def check_tool_format(cfg: Config, tokenizer: Any) -> None:
+    """tools.format's call end must be one token of the run's tokenizer (tools/episode.py refuses it
+    otherwise, after the warm start). The embedded task's tokenizer is trained in the run: it has
+    the tags markers as pieces exactly when its task calls the calculator (data/arithmetic.py)."""
+    from megatron_dapo.tools.episode import check_call_close
+    from megatron_dapo.tools.formats import FORMATS
+
+    fmt = FORMATS[cfg.tools.format]
+    if tokenizer is not None:
+        check_call_close(fmt, tokenizer)
+        return
+    e = cfg.data.embedded
+    if fmt.name == "tags" and (e.big_mul > 0 or e.sft_tool_share > 0):
+        return
+    why = (f"the embedded task's tokenizer has no {fmt.call_close!r} piece (its pieces are the tags format's)"
+           if fmt.name != "tags" else "the embedded task's tokenizer has the tags markers as pieces only when its "
+           "task calls the calculator (data.embedded.big_mul > 0 or data.embedded.sft_tool_share > 0)")
+    raise UserError(f"tools.format={fmt.name} with the scratch model: {why}, and generation can only stop on one "
+                    "token; use tools.format=tags with data.embedded.big_mul > 0, or a model whose tokenizer has "
+                    "the format's markers (hermes: Qwen's, model.hf_checkpoint)")
+
+
+def check_rollout_addresses(cfg: Config) -> None:
+    """rollout.host must be an address of this node (the servers bind it; a name that does not
+    resolve or an address of another machine failed after the warm start with gaierror or errno
+    99), and rollout.nodes needs the SLURM job its servers are steps of."""
+    import socket
+
+    r = cfg.rollout
+    if r.nodes:
+        from megatron_dapo.rollout.fleet.nodes import check_nodes
+
+        check_nodes(r.nodes)
+    if r.host is None or r.engine == "local" or r.nodes:
+        return
+    from megatron_dapo.config.fields import show
+
+    try:
+        infos = socket.getaddrinfo(r.host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        raise UserError(f"rollout.host={show(r.host)} does not resolve ({e}); give this node's address or name "
+                        "(e.g. 127.0.0.1), or leave it null for this node's address") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address[0], 0))
+        except OSError as e:
+            raise UserError(f"rollout.host={show(r.host)} is {address[0]}, not an address of this node ({e.strerror}), "
+                            "so the servers cannot bind it; give this node's address, or leave it null") from None
 
 
 def check_model_layout(cfg: Config, world_size: int | None = None, world_source: str = "--world-size") -> None:
@@ -395,7 +467,7 @@ def expected_architecture(cfg: Config) -> dict[str, int] | None:
     config_path = Path(cfg.model.hf_checkpoint) / "config.json"
     try:
         hf = json.loads(config_path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None  # check_hf_checkpoint reports it
     heads = int(hf.get("num_attention_heads", 0))
     return {"num_layers": int(hf.get("num_hidden_layers", 0)), "hidden_size": int(hf.get("hidden_size", 0)),

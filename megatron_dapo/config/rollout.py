@@ -8,11 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from megatron_dapo.config.fields import _check
+from megatron_dapo.config.fields import _check, show
 
 EngineName = Literal["local", "sglang", "vllm"]
 """The engine families under rollout/ (rollout/factory.py builds each)."""
 ENGINE_NAMES: tuple[str, ...] = get_args(EngineName)
+MAX_ENGINES = 1024
+"""Servers of one fleet: each is a process (on CPU, beside the trainer) and a rank of every weight
+broadcast; 1,024 is past any cluster's engine count (100,000 would start until the node gives out)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -166,6 +169,8 @@ class RolloutConfig:
         _check(self.request_timeout_s > 0, "request_timeout_s", "must be > 0")
         _check(self.engine_threads >= 1, "engine_threads", "must be >= 1")
         _check(self.num_engines >= 1, "num_engines", "must be >= 1")
+        _check(self.num_engines <= MAX_ENGINES, "num_engines", f"must be <= {MAX_ENGINES} (servers of the fleet, "
+               "each started by the controller and part of every weight broadcast)")
         _check(self.num_engines == 1 or (self.placement == "disaggregated" and self.engine in ("sglang", "vllm")),
                "num_engines", f"is {self.num_engines}: a fleet of servers is built for rollout.placement=disaggregated "
                "with rollout.engine=sglang or vllm (colocated engines follow the GPUs: "
@@ -175,7 +180,7 @@ class RolloutConfig:
                    "names nodes of the fleet's own, which only a fleet has: set rollout.placement=disaggregated "
                    "with rollout.engine=sglang or vllm, or leave rollout.nodes empty")
             _check(len(set(self.nodes)) == len(self.nodes) and all(isinstance(n, str) and n for n in self.nodes),
-                   "nodes", f"is {self.nodes}: name each node once, by its SLURM name")
+                   "nodes", f"is {show(self.nodes)}: name each node once, by its SLURM name")
             _check(self.num_engines >= len(self.nodes), "nodes",
                    f"names {len(self.nodes)} nodes for {self.num_engines} engine(s): the rest would stay idle; "
                    f"set rollout.num_engines={len(self.nodes)} (or a multiple) or name fewer nodes")

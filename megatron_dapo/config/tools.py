@@ -5,11 +5,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from megatron_dapo.config.fields import _check
+from megatron_dapo.config.fields import _check, show
 
 BUILTIN_TOOLS = ("calculator", "python")
 """calculator: exact arithmetic in-process (tools/calculator.py); python: the policy's program in
 the sandbox (tools/sandbox.py)."""
+
+MAX_CUSTOM_WORKERS = 256
+"""Worker processes of the custom tools: each is an interpreter on the trainer's node, so far
+more than its cores is a mistake (100,000 of them would fork until the node gives out)."""
 
 _SPEC = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 _NAME = re.compile(r"[A-Za-z_][\w.-]*")
@@ -104,25 +108,37 @@ class ToolsConfig:
         from megatron_dapo.tools.formats import FORMATS
 
         _check(self.format in FORMATS, "format", f"must be one of {sorted(FORMATS)}")
+        # Messages quote the user's values bounded (show) and are built only on failure: 99,000
+        # aliases of one 600 KB entry are 59 GB as a plain repr.
         unknown = [t for t in self.tools if not isinstance(t, str) or (":" not in t and t not in BUILTIN_TOOLS)]
-        _check(not unknown, "tools", f"has {unknown}; expected built-in tools {list(BUILTIN_TOOLS)} or custom tools "
-               "'package.module:function' (or 'name=package.module:function')")
+        if unknown:
+            _check(False, "tools", f"has {show(unknown)}; expected built-in tools {list(BUILTIN_TOOLS)} or custom "
+                   "tools 'package.module:function' (or 'name=package.module:function')")
         names: dict[str, str] = {}
         for entry in self.tools:
             name, spec = tool_entry(entry)
-            _check(spec in BUILTIN_TOOLS or bool(_SPEC.fullmatch(spec)), "tools", f"has {entry!r}: a custom tool is "
-                   "'package.module:function' (or 'name=package.module:function') with Python names")
-            _check(bool(_NAME.fullmatch(name)), "tools", f"has {entry!r}: the tool name {name!r} must be a letter or _ "
-                   "then letters, digits, _ . or -")
-            _check(name not in names, "tools", f"has two tools named {name!r} ({names.get(name)!r} and {entry!r}); "
-                   "name one of them with 'name=package.module:function'")
+            if not (spec in BUILTIN_TOOLS or _SPEC.fullmatch(spec)):
+                _check(False, "tools", f"has {show(entry)}: a custom tool is 'package.module:function' (or "
+                       "'name=package.module:function') with Python names")
+            if not _NAME.fullmatch(name):
+                _check(False, "tools", f"has {show(entry)}: the tool name {show(name)} must be a letter or _ then "
+                       "letters, digits, _ . or -")
+            if name in names:
+                _check(False, "tools", f"has two tools named {show(name)} ({show(names[name])} and {show(entry)}); "
+                       "name one of them with 'name=package.module:function'")
             names[name] = entry
         _check(not self.enable or bool(self.tools), "tools", "is empty while tools.enable=true")
+        if self.enable and self.format == "tags":
+            _check("calculator" in names, "tools", f"has no tool named 'calculator' ({show(sorted(names))}), and every "
+                   "call of tools.format=tags names it (<calc>...</calc>): add calculator, name a custom tool "
+                   "'calculator=package.module:function', or use tools.format=hermes (its calls name their tool)")
         _check(self.max_turns >= 1, "max_turns", "must be >= 1")
         _check(self.max_tool_output_tokens >= 4, "max_tool_output_tokens", "must be >= 4 (the markers alone take 2)")
         _check(self.calls_in_flight >= 1, "calls_in_flight", "must be >= 1")
         _check(0 < self.max_failure_fraction <= 1, "max_failure_fraction", "must be in (0, 1] (1.0 = never stop)")
         _check(self.custom_workers >= 1, "custom_workers", "must be >= 1")
+        _check(self.custom_workers <= MAX_CUSTOM_WORKERS, "custom_workers", f"must be <= {MAX_CUSTOM_WORKERS} (worker "
+               "processes on the trainer's node; far more than its cores only waits)")
         _check(self.custom_timeout_s > 0, "custom_timeout_s", "must be > 0")
 
     def custom_tools(self) -> dict[str, str]:

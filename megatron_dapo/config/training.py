@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_dapo.config.fields import _check
+from megatron_dapo.config.fields import _check, _check_path
 
 
 @dataclass(kw_only=True, slots=True)
@@ -106,6 +106,8 @@ class TrainerConfig:
     synchronous. verl's staleness_threshold, NeMo-RL's max_trajectory_age_steps."""
 
     def __post_init__(self) -> None:
+        _check_path(self.output_dir, "output_dir")
+        _check_path(self.resume, "resume")
         _check(self.collective_timeout_minutes > 0, "collective_timeout_minutes", "must be > 0 (minutes)")
         _check(self.controller_wait_timeout_minutes > 0, "controller_wait_timeout_minutes", "must be > 0 (minutes)")
         _check(self.total_training_steps > 0, "total_training_steps", "must be > 0")

@@ -96,6 +96,8 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
                     yield where, json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{where}: invalid JSON ({e.msg}); {EXPECTED_SCHEMA}") from None
+                except RecursionError:
+                    raise DataError(f"{where}: JSON nested too deeply to read; {EXPECTED_SCHEMA}") from None
     elif suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq

@@ -352,4 +352,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         )
     from transformers import AutoTokenizer
 
-    return HFTokenizer(AutoTokenizer.from_pretrained(str(path), local_files_only=True), source=str(path))
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except RecursionError:  # json.load of a tokenizer file nested thousands deep (transformers' own read)
+        raise DataError(f"{path}: a tokenizer file ({', '.join(found)}) is JSON nested too deeply to read; "
+                        "re-download the model's tokenizer files") from None
+    return HFTokenizer(loaded, source=str(path))

@@ -44,8 +44,10 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
         )
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise UserError(f"{path} is not valid JSON ({err}); re-download or re-save the checkpoint") from err
+    except (ValueError, RecursionError) as err:  # not JSON, not UTF-8, nested too deeply
+        raise UserError(f"{path} is not valid JSON ({err}); re-download or re-save the checkpoint") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path} ({err.strerror or err}); check the HF checkpoint's path") from None
     if not isinstance(config, dict):
         raise UserError(f"{path} holds a {type(config).__name__}, not a JSON object; re-save the checkpoint")
     return config
@@ -87,10 +89,10 @@ class HFCheckpoint:
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError) as err:
+            except (ValueError, KeyError, TypeError, RecursionError) as err:
                 raise UserError(
                     f"{index} is unreadable or lacks 'weight_map' ({err}); re-download it"
-                ) from err
+                ) from None
             files = sorted({self.directory / name for name in weight_map.values()})
             missing = [f.name for f in files if not f.is_file()]
             if missing:

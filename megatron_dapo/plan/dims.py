@@ -190,7 +190,7 @@ class ModelDims:
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise ConfigError(f"{path}: cannot read the model config: {e}") from None
 
 

@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from megatron_dapo.errors import UserError
-from megatron_dapo.lifetime import die_with_parent
+from megatron_dapo.lifetime import become_subreaper, die_with_parent, kill_descendants
 
 Loader = Callable[[Any], Callable[..., Any]]
 """Runs in each worker: a spec -> the function; a module-level function (sent by reference), raising
@@ -112,6 +112,9 @@ def _worker_main(conn: Connection, load: Loader, spec: Any, log_path: str | None
     # Ctrl-C, sent to the trainer's group, away from the worker: the owner handles it.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
+    # A child that leaves the group (setsid) still ends with the worker: its orphans come back to
+    # the worker, which _stop kills with all it finds below it (lifetime.kill_descendants).
+    become_subreaper()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_path is not None:
         # A function that prints per call (154 MB in one report) would flood the trainer's
@@ -122,6 +125,13 @@ def _worker_main(conn: Connection, load: Loader, spec: Any, log_path: str | None
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    try:
+        _serve(conn, load, spec)
+    finally:  # a worker that leaves by itself takes what its function started, as _stop would
+        kill_descendants()
+
+
+def _serve(conn: Connection, load: Loader, spec: Any) -> None:
     try:
         fn = load(spec)
     except UserError as err:  # the loader's own words: the spec, the module, the fix
@@ -282,6 +292,7 @@ class WorkerSet:
         """Kill a worker and the processes its function started (its group), release its pipe."""
         pid = worker.process.pid
         if pid is not None:
+            kill_descendants(pid)  # in sessions of their own too: the worker is their subreaper
             with contextlib.suppress(OSError):  # the group is the worker's own (_worker_main), or gone
                 if os.getpgid(pid) == pid:
                     os.killpg(pid, signal.SIGKILL)

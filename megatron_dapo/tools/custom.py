@@ -11,6 +11,10 @@ workers run as the trainer's user, with its files, network and processes within 
 they are spared is the engines' key: ENGINE_KEY_ENV is removed from their environment before
 the tools load (a tool has no business with the engines' admin and weight routes).
 
+An answer longer than ``MAX_ANSWER_CHARS`` is cut in the middle in the worker, so a tool that
+returns hundreds of megabytes never sends them to the trainer (the episode runner cuts further,
+to the answer's tokens).
+
 A tool's failure is its answer, never the trainer's exception: a call that raised, timed out,
 lost its worker or returned something other than a str answers ``error: ...`` with status
 "failed", which the episode runner's breaker counts (tools.max_failure_fraction), as the reward
@@ -39,13 +43,16 @@ from megatron_dapo.rewards.registry import UserFnContract, import_user_fn
 from megatron_dapo.rewards.workers import Outcome, WorkerSet, choose_start_method
 from megatron_dapo.tools.sandbox import ToolResult
 
-__all__ = ["ENGINE_KEY_ENV", "TOOL_CONTRACT", "TOOL_LOG", "CustomToolPool", "check_custom_tools", "load_tools"]
+__all__ = ["ENGINE_KEY_ENV", "MAX_ANSWER_CHARS", "TOOL_CONTRACT", "TOOL_LOG", "CustomToolPool", "check_custom_tools",
+           "load_tools"]
 
 TOOL_LOG = "tool_workers.log"
 """What custom tools print in the workers, under trainer.output_dir."""
 ENGINE_KEY_ENV = ("VLLM_API_KEY", "SGLANG_API_KEY")
 """Environment variables that hold an engine's key (rollout/vllm/engine.py sets VLLM_API_KEY for its
 servers; a user may export either for engines of their own): never in a tool worker's environment."""
+MAX_ANSWER_CHARS = 1 << 20
+"""Characters of an answer a worker sends back (head and tail, " ... " between)."""
 START_TIMEOUT_S = 60.0
 """How long a worker may take to import the custom tools (or tools.custom_timeout_s, if longer)."""
 
@@ -67,6 +74,9 @@ def load_tools(specs: tuple[tuple[str, str], ...]) -> Callable[[str, str], str]:
         answer = fns[name](argument)
         if not isinstance(answer, str):
             raise TypeError(f"the tool returned {type(answer).__name__} {answer!r:.40}, not a str")
+        if len(answer) > MAX_ANSWER_CHARS:
+            half = (MAX_ANSWER_CHARS - 5) // 2
+            answer = f"{answer[:half]} ... {answer[-half:]}"
         return answer
 
     return call

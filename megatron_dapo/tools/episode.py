@@ -8,7 +8,9 @@ Each response is an episode:
 2. A turn that stopped on it holds a call: the turn's text (decoded for reading only) is
    parsed (tools/formats.py), the tool runs (tools in flight at once: ``calls_in_flight``), and
    its answer is tokenized, cut in the middle to ``max_tool_output_tokens`` and appended as
-   tool tokens.
+   tool tokens. The answer is a tool's (a user's) text, so it is first cut in characters
+   (``_CHARS_PER_TOKEN`` per token of the cap, head and tail: a 200 MB answer is never tokenized
+   whole) and its lone surrogates replaced with U+FFFD (a tokenizer cannot encode them).
 3. Generation continues from the concatenated ids (prompt + every segment so far, never
    re-tokenized), with the episode's remaining budget, until a turn ends without a call, the
    budget (``max_response_tokens``, policy and tool tokens together: data.max_response_length)
@@ -23,6 +25,7 @@ Routes (R3) are the last turn's, which cover the whole sequence but its last tok
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -37,8 +40,8 @@ from megatron_dapo.rollout.engine import EpisodeRecord, GenerationResult, Sampli
 from megatron_dapo.tools.formats import CallFormat, ParsedCall
 from megatron_dapo.tools.sandbox import ToolResult
 
-__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "Tool", "ToolPoolBroken", "episode_metrics", "episode_row",
-           "episode_rows_metrics"]
+__all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "Tool", "ToolPoolBroken", "check_call_close", "episode_metrics",
+           "episode_row", "episode_rows_metrics"]
 
 Generate = Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]]
 """An engine's (or the controller's) generate: prompts, params -> prompt-major results."""
@@ -46,6 +49,13 @@ Tool = Callable[[str], ToolResult]
 """A tool: its argument -> what it answered."""
 _ABORT_POLL_S = 0.05
 """How often a wait for tool answers looks at the collector's abort."""
+_CHARS_PER_TOKEN = 32
+"""Characters of an answer kept per token of max_tool_output_tokens, at each end, before it is
+tokenized: more than any token of a text tokenizer spans, so the cut in tokens still decides."""
+_CUT = " ... "
+"""What stands for the cut middle of a long answer."""
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A code point no encoding can write (a lone surrogate, e.g. from a tool's os.fsdecode)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -211,6 +221,20 @@ def episode_metrics(episodes: Sequence[EpisodeRecord | None]) -> dict[str, float
                         for e in episodes if e is not None])
 
 
+def check_call_close(fmt: CallFormat, tokenizer: Tokenizer) -> int:
+    """The one token id of the format's call end (generation stops on it).
+
+    Raises:
+        UserError: the marker is several tokens of this tokenizer (or none).
+    """
+    close = tokenizer.encode(fmt.call_close)
+    if len(close) != 1:
+        raise UserError(f"tools.format={fmt.name}: the call's end {fmt.call_close!r} is {len(close)} tokens of this "
+                        "tokenizer, and generation can only stop on one; use a format whose markers are tokens "
+                        "of the model's tokenizer (tags: the embedded task's; hermes: Qwen's)")
+    return close[0]
+
+
 class EpisodeRunner:
     """Runs multi-turn episodes over any generate function (module docstring).
 
@@ -224,13 +248,7 @@ class EpisodeRunner:
         self.settings = settings
         self._closers = list(closers)
         self.tokenizer = tokenizer
-        fmt = settings.fmt
-        close = tokenizer.encode(fmt.call_close)
-        if len(close) != 1:
-            raise UserError(f"tools.format={fmt.name}: the call's end {fmt.call_close!r} is {len(close)} tokens of this "
-                            "tokenizer, and generation can only stop on one; use a format whose markers are tokens "
-                            "of the model's tokenizer (tags: the embedded task's; hermes: Qwen's)")
-        self.close_id = close[0]
+        self.close_id = check_call_close(settings.fmt, tokenizer)
         self._pool = ThreadPoolExecutor(max_workers=settings.calls_in_flight, thread_name_prefix="tool")
 
     def close(self) -> None:
@@ -330,9 +348,10 @@ class EpisodeRunner:
         call = s.fmt.parse(turn_text)
         result = self._run(call)
         status = "malformed" if call.error else result.status
-        record = ToolCallRecord(tool=call.tool, argument=call.argument, status=status, answer=result.text,
+        text = self._bounded(result.text)
+        record = ToolCallRecord(tool=call.tool, argument=call.argument, status=status, answer=text,
                                 seconds=result.seconds, isolation=result.isolation)
-        return record, self._answer_ids(result.text)
+        return record, self._answer_ids(text)
 
     def _run(self, call: ParsedCall) -> ToolResult:
         if call.error:
@@ -348,14 +367,24 @@ class EpisodeRunner:
             return ToolResult(f"error: the tool failed ({type(err).__name__}: {err})", "failed",
                               time.monotonic() - start)
 
+    def _bounded(self, text: str) -> str:
+        """A tool's text made safe to keep and tokenize: at most ``_CHARS_PER_TOKEN`` characters per
+        token of the cap at each end (the middle cut), lone surrogates as U+FFFD."""
+        keep = _CHARS_PER_TOKEN * self.settings.max_tool_output_tokens
+        if not isinstance(text, str):
+            text = repr(text)
+        if len(text) > 2 * keep + len(_CUT):
+            text = text[:keep] + _CUT + text[-keep:]
+        return _SURROGATE.sub("\ufffd", text)
+
     def _answer_ids(self, text: str) -> list[int]:
         """``result_open + text + result_close`` as ids, the text cut in the middle to fit the cap."""
         fmt, cap = self.settings.fmt, self.settings.max_tool_output_tokens
         head, tail = self.tokenizer.encode(fmt.result_open), self.tokenizer.encode(fmt.result_close)
-        body = self.tokenizer.encode(text)
+        body = self.tokenizer.encode(self._bounded(text))
         room = cap - len(head) - len(tail)
         if len(body) > room:
-            marker = self.tokenizer.encode(" ... ")
+            marker = self.tokenizer.encode(_CUT)
             keep = max(0, room - len(marker))
             body = body[: (keep + 1) // 2] + marker + (body[len(body) - keep // 2:] if keep // 2 else [])
             body = body[:room]

@@ -14,8 +14,9 @@ stop token is kept: it is a policy token). The tool's answer is then inserted as
   and its argument (the first string value of ``arguments``).
 
 A call is the text between the last ``call_open`` and the final ``call_close`` of the turn;
-a turn that stopped on ``call_close`` without an opener, or with JSON that does not parse, is a
-malformed call: the answer is an error text, as for a failing tool.
+a turn that stopped on ``call_close`` without an opener, or with JSON that does not parse (too
+deeply nested included: the policy's text is hostile, and a few thousand ``[`` make the decoder
+raise RecursionError), is a malformed call: the answer is an error text, as for a failing tool.
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ class CallFormat:
             if isinstance(arguments, str):
                 arguments = json.loads(arguments)
             argument = next(v for v in arguments.values() if isinstance(v, str))
-        except (ValueError, KeyError, TypeError, AttributeError, StopIteration):
+            if not isinstance(name, str):
+                raise TypeError(name)
+        except (ValueError, KeyError, TypeError, AttributeError, StopIteration, RecursionError):
             return ParsedCall("", "", 'the call is not {"name": ..., "arguments": {...: "..."}}')
-        return ParsedCall(str(name), argument)
+        return ParsedCall(name, argument)
 
     def answer(self, text: str) -> str:
         """The text inserted after a call (the tool's tokens)."""

@@ -36,11 +36,20 @@ BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
 FLOW_BOMB = "[&a [x, x, x, x, x, x, x, x, x], " + ", ".join(
     f"&{n} [{', '.join([f'*{p}'] * 9)}]" for p, n in zip("abcdefg", "bcdefgh")) + "]"
 
+LONG = "x" * 5000
+DEEP_JSON = '{"model_type": ' + "[" * 100_000 + "]" * 100_000 + "}"
+DEEP_ROW = '{"prompt": ' + "[" * 100_000 + "]" * 100_000 + ', "answer": "1"}\n'
+# A 600 KB string used 12 times through an alias: 7 MB of YAML text would be over the file bound,
+# the aliases are not, and the expanded strings pass 8 MiB.
+LONG_ALIASES = f"trainer:\n  experiment_name: &s {'y' * 600_000}\ndata:\n  train_files: [{', '.join(['*s'] * 14)}]\n"
+
 # (id, files {name: text|bytes} written under the case dir, argv after "megatron-dapo",
 #  expected message fragment). In argv, files and expectations, {d} is the case dir, {hf} a
 # valid tiny HF checkpoint and {tok} a tokenizer; c.yaml defaults to a one-line valid config.
 DATA = ["model.hf_checkpoint={hf}", "model.tokenizer={tok}"]
-CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
+# The embedded task whose tokenizer has the tags format's markers (examples/tiny_tools_cpu.yaml's mix).
+TOOL_TASK = ["data.embedded.big_mul=0.4", "data.embedded.mul=0.0", "data.embedded.two_step=0.0"]
+CASES: list[tuple[str, dict[str, str | bytes | None], list[str], str]] = [
     # ------------------------------------------------------------------ configs
     ("yaml-duplicate-section", {"c.yaml": "optim: {lr: 3.0e-4}\ntrainer: {seed: 1}\noptim: {lr: 1.0e-6}\n"},
      ["config", "validate", "{d}/c.yaml"],
@@ -235,12 +244,12 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
      ["config", "validate", "{d}/c.yaml", "reward.reward_fn=rw_dep:f"],
      "importing 'rw_dep' failed: No module named 'not_installed_pkg_18'"),
     # ------------------------------------------------------------------ custom tools
-    ("tool-module-missing", {}, ["config", "validate", "{d}/c.yaml", "tools.enable=true",
+    ("tool-module-missing", {}, ["config", "validate", "{d}/c.yaml", "tools.enable=true", *TOOL_TASK,
                                  "algorithm.filter_groups.mode=rounds", "tools.tools=['calculator=no_such_tool_mod_18:f']"],
      "tool 'no_such_tool_mod_18:f': module 'no_such_tool_mod_18' not found"),
     ("tool-not-callable", {"tl_notcall.py": "f = 3\n"},
-     ["config", "validate", "{d}/c.yaml", "tools.enable=true", "algorithm.filter_groups.mode=rounds",
-      "tools.tools=[tl_notcall:f]"],
+     ["config", "validate", "{d}/c.yaml", "tools.enable=true", *TOOL_TASK, "algorithm.filter_groups.mode=rounds",
+      "tools.tools=[calculator=tl_notcall:f]"],
      "tool 'tl_notcall:f': tl_notcall.f is of type int, not callable; point the spec at a function f(argument: str)"),
     # ------------------------------------------------------------------ prompt data
     ("data-not-utf8", {"p.jsonl": b'{"prompt": "caf\xe9", "answer": "1"}\n'},
@@ -434,6 +443,92 @@ CASES: list[tuple[str, dict[str, str | bytes], list[str], str]] = [
      "checkpoint {d}/ckpt/step_3 was saved at tensor_model_parallel_size=1, where Megatron pads the vocabulary of "
      "320 to 384 rows; at parallel.tensor_model_parallel_size=2 it pads to 512, which the saved embedding cannot "
      "load into; resume at parallel.tensor_model_parallel_size=1"),
+    # ------------------------------------------------------------------ issue 59: fifth round
+    # Paths the file system cannot take (OSError "File name too long" wherever the run touched them).
+    ("path-too-long-hf-checkpoint", {}, ["config", "validate", "{d}/c.yaml", f"model.hf_checkpoint={{d}}/{LONG}"],
+     "longest name is 5000 bytes; the file system takes at most 4096 bytes a path and 255 a name"),
+    ("path-too-long-output-dir", {}, ["config", "validate", "{d}/c.yaml", f"trainer.output_dir={{d}}/{LONG}"],
+     "command line: trainer.output_dir='"),
+    ("path-too-long-tokenizer", {}, ["config", "validate", "{d}/c.yaml", f"model.tokenizer={{d}}/{LONG}"],
+     "command line: model.tokenizer='"),
+    ("path-too-long-train-files", {}, ["config", "validate", "{d}/c.yaml", *DATA, f"data.train_files=[{{d}}/{LONG}]"],
+     "command line: data.train_files=['"),
+    # JSON nested past the decoder's depth (RecursionError).
+    ("data-row-nested-too-deep", {"p.jsonl": DEEP_ROW}, ["config", "validate", "{d}/c.yaml", *DATA,
+                                                          "data.train_files=[{d}/p.jsonl]"],
+     "{d}/p.jsonl line 1: JSON nested too deeply to read"),
+    ("eval-data-row-nested-too-deep", {"p.jsonl": DEEP_ROW},
+     ["eval", "{hf}", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}", "--out", "{d}/r.jsonl"],
+     "{d}/p.jsonl line 1: JSON nested too deeply to read"),
+    ("hf-config-nested-too-deep", {"hf/config.json": DEEP_JSON}, ["config", "validate", "{d}/c.yaml",
+                                                                    "model.hf_checkpoint={d}/hf"],
+     "cannot read {d}/hf/config.json: maximum recursion depth exceeded"),
+    ("eval-hf-config-nested-too-deep", {"hf/config.json": DEEP_JSON, "hf/model.safetensors": "HF_WEIGHTS",
+                                        "p.jsonl": GOOD_JSONL},
+     ["eval", "{d}/hf", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}", "--out", "{d}/r.jsonl"],
+     "{d}/hf/config.json is not valid JSON (maximum recursion depth exceeded"),
+    ("convert-hf-config-nested-too-deep", {"hf/config.json": DEEP_JSON, "hf/model.safetensors": "HF_WEIGHTS"},
+     ["convert", "hf-to-mcore", "--hf", "{d}/hf", "--out", "{d}/out"],
+     "{d}/hf/config.json is not valid JSON (maximum recursion depth exceeded"),
+    ("tokenizer-config-nested-too-deep", {"tk/tokenizer_config.json": DEEP_JSON},
+     ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={hf}", "model.tokenizer={d}/tk"],
+     "{d}/tk: a tokenizer file (tokenizer_config.json) is JSON nested too deeply to read"),
+    ("eval-tokenizer-config-nested-too-deep", {"tk/tokenizer_config.json": DEEP_JSON, "p.jsonl": GOOD_JSONL},
+     ["eval", "{hf}", "--data", "{d}/p.jsonl", "--tokenizer", "{d}/tk", "--out", "{d}/r.jsonl"],
+     "{d}/tk: a tokenizer file (tokenizer_config.json) is JSON nested too deeply to read"),
+    ("resume-manifest-nested-too-deep", {"ckpt/step_3/manifest.json": DEEP_JSON, "ckpt/step_3/dist/x": "x"},
+     ["config", "validate", "{d}/c.yaml", "trainer.resume={d}/ckpt/step_3"],
+     "{d}/ckpt/step_3/manifest.json is corrupted (maximum recursion depth exceeded"),
+    ("eval-manifest-nested-too-deep", {"ckpt/step_3/manifest.json": DEEP_JSON, "ckpt/step_3/dist/x": "x",
+                                       "p.jsonl": GOOD_JSONL},
+     ["eval", "{d}/ckpt/step_3", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}", "--out", "{d}/r.jsonl"],
+     "{d}/ckpt/step_3/manifest.json is corrupted (maximum recursion depth exceeded"),
+    ("convert-manifest-nested-too-deep", {"ckpt/step_3/manifest.json": DEEP_JSON, "ckpt/step_3/dist/x": "x"},
+     ["convert", "mcore-to-hf", "--ckpt", "{d}/ckpt/step_3", "--out", "{d}/out"],
+     "{d}/ckpt/step_3/manifest.json is corrupted (maximum recursion depth exceeded"),
+    # The step's stored config.yaml, read by eval with the loader's bounds (it was plain yaml.safe_load).
+    ("eval-stored-config-alias-bomb", {"ckpt/step_3/MARK": "FAKE_CKPT", "ckpt/step_3/config.yaml": BOMB,
+                                       "p.jsonl": GOOD_JSONL},
+     ["eval", "{d}/ckpt/step_3", "--data", "{d}/p.jsonl", "--out", "{d}/r.jsonl"],
+     "{d}/ckpt/step_3/config.yaml: the YAML expands to more than 100,000 values"),
+    ("eval-stored-config-binary", {"ckpt/step_3/MARK": "FAKE_CKPT", "ckpt/step_3/config.yaml": b"\xff\xfe\x00",
+                                   "p.jsonl": GOOD_JSONL},
+     ["eval", "{d}/ckpt/step_3", "--data", "{d}/p.jsonl", "--out", "{d}/r.jsonl"],
+     "{d}/ckpt/step_3/config.yaml line 1: not UTF-8 (byte 0xff)"),
+    ("eval-stored-config-deep", {"ckpt/step_3/MARK": "FAKE_CKPT", "ckpt/step_3/config.yaml": "a: " + "[" * 5000,
+                                 "p.jsonl": GOOD_JSONL},
+     ["eval", "{d}/ckpt/step_3", "--data", "{d}/p.jsonl", "--out", "{d}/r.jsonl"],
+     "{d}/ckpt/step_3/config.yaml: nested deeper than the 64 levels a config may have"),
+    # One long string through many aliases: under the value bound, 59 GB once printed.
+    ("yaml-alias-of-a-long-string", {"c.yaml": LONG_ALIASES}, ["config", "show", "{d}/c.yaml"],
+     "{d}/c.yaml: the YAML expands to more than 8 MiB of strings"),
+    # Validate refuses what train would (each failed only after the warm start).
+    ("tokenizer-larger-than-the-vocab", {}, ["config", "validate", "{d}/c.yaml", "model.hf_checkpoint={small}",
+                                             "model.tokenizer={tok}"],
+     "model.tokenizer: the tokenizer has 320 ids but the model {small} has 100 (config.json vocab_size)"),
+    ("eval-tokenizer-larger-than-the-vocab", {"p.jsonl": GOOD_JSONL},
+     ["eval", "{small}", "--data", "{d}/p.jsonl", "--tokenizer", "{tok}", "--out", "{d}/r.jsonl"],
+     "tokenizer {tok}: the tokenizer has 320 ids but the model {small} has 100 (config.json vocab_size)"),
+    ("tools-hermes-with-the-scratch-model", {}, ["config", "validate", "{d}/c.yaml", "tools.enable=true",
+                                                 "tools.format=hermes", "tools.tools=[python]", *TOOL_TASK],
+     "tools.format=hermes with the scratch model: the embedded task's tokenizer has no '</tool_call>' piece"),
+    ("tools-tags-without-the-calculator", {}, ["config", "validate", "{d}/c.yaml", "tools.enable=true",
+                                               "tools.tools=[python]"],
+     "command line: tools.tools=['python']: has no tool named 'calculator' (['python']), and every call of "
+     "tools.format=tags names it"),
+    ("fleet-of-100000-engines", {}, ["config", "validate", "{d}/c.yaml", "rollout.num_engines=100000"],
+     "command line: rollout.num_engines=100000: must be <= 1024"),
+    ("tools-100000-custom-workers", {}, ["config", "validate", "{d}/c.yaml", "tools.custom_workers=100000"],
+     "command line: tools.custom_workers=100000: must be <= 256"),
+    ("rollout-host-does-not-resolve", {}, ["config", "validate", "{d}/c.yaml", "rollout.engine=sglang",
+                                           "rollout.host=no-such-host.invalid"],
+     "rollout.host='no-such-host.invalid' does not resolve"),
+    ("rollout-host-of-another-machine", {}, ["config", "validate", "{d}/c.yaml", "rollout.engine=sglang",
+                                             "rollout.host=203.0.113.7"],
+     "rollout.host='203.0.113.7' is 203.0.113.7, not an address of this node"),
+    ("rollout-nodes-outside-slurm", {"$SLURM_JOB_ID": None}, ["config", "validate", "{d}/c.yaml", "rollout.engine=vllm",
+                                                            "rollout.placement=disaggregated", "rollout.nodes=[n1]"],
+     "rollout.nodes=n1 starts the fleet's servers as srun steps of this SLURM job, but this process is not in one"),
 ]
 
 
@@ -447,9 +542,10 @@ def shared(tmp_path_factory) -> dict[str, str]:
     from megatron_dapo.embedded import task_for
 
     root = tmp_path_factory.mktemp("shared")
-    hf = make_tiny_checkpoint(root / "hf", num_layers=1)
+    hf = make_tiny_checkpoint(root / "hf", num_layers=1, shape={"vocab_size": 320})  # the tokenizer's ids fit
+    small = make_tiny_checkpoint(root / "small", num_layers=1)  # 100 ids: fewer than the tokenizer's
     task = task_for(EmbeddedTaskConfig(num_train=50, num_val=8, num_sft=8), root / "cache")
-    return {"hf": str(hf), "tok": str(task.tokenizer_path)}
+    return {"hf": str(hf), "tok": str(task.tokenizer_path), "small": str(small)}
 
 
 # Cases that hold only where a package or device is absent (skipped where it is present).
@@ -512,7 +608,10 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, shared,
     files = {"c.yaml": "trainer: {seed: 1}\n", **files}
     for name, content in files.items():
         if name.startswith("$"):
-            monkeypatch.setenv(name[1:], content.format(d=d))
+            if content is None:
+                monkeypatch.delenv(name[1:], raising=False)
+            else:
+                monkeypatch.setenv(name[1:], content.format(d=d))
             continue
         path = d / name
         if isinstance(content, str) and content.startswith("FAKE_CKPT"):

@@ -53,6 +53,14 @@ def test_latest_follows_pointer_and_falls_back_to_newest_complete(tmp_path: Path
     assert latest_checkpoint(tmp_path) == tmp_path / "step_10"
 
 
+def test_a_latest_pointer_that_is_not_utf8_is_stale_and_the_newest_complete_step_resumes(tmp_path: Path) -> None:
+    _fake_ckpt(tmp_path, "step_2")
+    newest = _fake_ckpt(tmp_path, "step_4")
+    (tmp_path / "latest").write_bytes(b"step_\xff\xfe2\n")
+    assert latest_checkpoint(tmp_path) == newest
+    assert resolve_resume("auto", tmp_path) == newest
+
+
 def test_resolve_resume_modes(tmp_path: Path) -> None:
     assert resolve_resume("disable", tmp_path) is None
     assert resolve_resume("auto", tmp_path) is None

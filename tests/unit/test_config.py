@@ -250,3 +250,21 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
     f.write_text("optim: {lr: 1e-6, adam_eps: 1E-8}\n")
     cfg = load_config(f, ["algorithm.kl_loss_coef=0", "optim.weight_decay=1e-2"])
     assert (cfg.optim.lr, cfg.optim.adam_eps, cfg.optim.weight_decay) == (1e-6, 1e-8, 1e-2)
+
+
+def test_messages_quote_huge_values_bounded_and_build_them_only_on_failure() -> None:
+    # 99,000 uses of one 600 KB string made 59 GB messages (issue 59); 600 bytes here (59 MB
+    # unbounded) keeps the test safe to run where the guard is missing.
+    from megatron_dapo.config.fields import _FieldError
+    from megatron_dapo.config.rollout import RolloutConfig
+    from megatron_dapo.config.tools import ToolsConfig
+
+    big = "x" * 600
+    with pytest.raises(_FieldError, match=r"has \['xxx") as err:
+        ToolsConfig(tools=[big] * 99_000)
+    assert len(str(err.value)) < 1_000
+    with pytest.raises(_FieldError, match="name each node once") as err:
+        RolloutConfig(engine="vllm", placement="disaggregated", num_engines=1_000, nodes=[big] * 99_000)
+    assert len(str(err.value)) < 1_000
+    spec = "calculator=pkg.mod:" + "f" * 600_000
+    ToolsConfig(tools=[spec])  # a valid long entry: its messages are never built

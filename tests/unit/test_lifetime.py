@@ -182,3 +182,90 @@ def test_a_reaper_released_from_many_threads_at_once_closes_its_pipe_once() -> N
         finally:
             sleeper.kill()
             sleeper.wait()
+
+
+# A module that daemonises at import (fork, setsid, fork): its grandchild is in no group of ours.
+DAEMON_AT_IMPORT = """
+import os, time
+child = os.fork()
+if child == 0:
+    os.setsid()
+    if os.fork() == 0:
+        with open(os.environ["DAEMON_PIDS"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        time.sleep(3600)
+    os._exit(0)
+os.waitpid(child, 0)
+
+
+def f(*args, **kwargs):
+    return 1.0 if len(args) > 1 else "1"
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_CHILD_SUBREAPER is Linux-only")
+@pytest.mark.parametrize("overrides", [
+    ["reward.reward_fn=daemon_mod:f", "reward.num_workers=0"],  # imported by validate itself
+    ["reward.reward_fn=daemon_mod:f", "reward.num_workers=1"],  # by the probe's worker
+    ["tools.enable=true", "tools.tools=[calculator=daemon_mod:f]", "algorithm.filter_groups.mode=rounds",
+     "data.embedded.big_mul=0.4", "data.embedded.mul=0.0", "data.embedded.two_step=0.0"],  # a tool worker
+], ids=["reward-in-process", "reward-probe-worker", "custom-tool-worker"])
+def test_what_a_module_starts_at_import_in_a_session_of_its_own_ends_with_config_validate(
+        tmp_path: Path, overrides: list[str]) -> None:
+    (tmp_path / "daemon_mod.py").write_text(DAEMON_AT_IMPORT)
+    (tmp_path / "c.yaml").write_text("trainer: {seed: 1}\n")
+    pids_file = tmp_path / "pids"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "HOME": str(tmp_path),
+           "DAEMON_PIDS": str(pids_file), "OMP_NUM_THREADS": "1"}
+    env.pop("MEGATRON_DAPO_CACHE", None)
+    try:
+        # Without the guard this times out: the survivor holds validate's stdout and stderr open.
+        proc = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "config", "validate", "c.yaml", *overrides],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        pids = [int(p) for p in pids_file.read_text().split()]
+        assert pids, "the module was not imported"
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        for p in (pids_file.read_text().split() if pids_file.exists() else []):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(p), signal.SIGKILL)
+
+
+TORCHRUN_RANK = """
+import os, sys, time
+from megatron_dapo import train
+train.train = lambda *a: time.sleep(3600)  # the rank as main() runs it, without the run
+open(sys.argv[1] + f".{os.environ['RANK']}", "w").write(str(os.getpid()))
+train.main(["c.yaml"])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_ranks_die_within_5s_of_a_kill_9_of_the_torchrun_agent(tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN_RANK)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-port", "0", str(script), str(tmp_path / "pid")], cwd=tmp_path, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.1)
+            pids = [int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text()]
+        assert all(alive(p) for p in pids)
+        agent.send_signal(signal.SIGKILL)  # the agent only: the ranks are in its session, not signalled
+        agent.wait(timeout=30)
+        deadline = time.monotonic() + 5
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [p for p in pids if alive(p)] == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(agent.pid, signal.SIGKILL)

@@ -285,9 +285,16 @@ def test_the_key_reaches_the_server_from_an_owner_only_file_never_the_command_li
     parser = argparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--api-key", type=str)
     assert parser.parse_known_args(tokens)[0].api_key == resolved.api_key
-    path.chmod(0o644)
-    write_secret_config(resolved)  # a file left by an earlier launch is made owner-only again
-    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    # A relaunch's key has a file of its own: the replaced server's cleanup (once it is found
+    # dead, while the fresh one still starts) removes only its own (issue 59). A file an earlier
+    # run left is not reused either.
+    (tmp_path / "e.secret.2.yaml").write_text("left")
+    again, third = write_secret_config(resolved), write_secret_config(resolved)
+    assert (again, third) == (tmp_path / "e.secret.1.yaml", tmp_path / "e.secret.3.yaml")
+    assert stat.S_IMODE(third.stat().st_mode) == 0o600
+    assert build_launch_command(resolved, third)[command.index("--config") + 1] == str(third)
+    path.unlink()
+    assert third.read_text() == f"api-key: {json.dumps(resolved.api_key)}\n"
     with pytest.raises(ValueError, match="not start with '-'"):
         SGLangServerConfig(model_path="/m", python="/p", api_key="-Xk3y")
     generated = {resolve_server_config(SGLangServerConfig(model_path="/m", python="/p"), "e").api_key
@@ -570,3 +577,27 @@ def test_evals_gpu_server_starts_without_the_memory_saver(monkeypatch, tmp_path)
     assert config.device == "cuda" and config.releases_memory is False
     resolved = dataclasses.replace(config, host="127.0.0.1", port=1, nccl_port=2, api_key="k", python="python")
     assert "--enable-memory-saver" not in build_launch_command(resolved)
+
+
+def test_the_replaced_server_found_dead_leaves_its_relaunchs_key_in_place(tmp_path):
+    """Two fleet servers killed at once (issue 59): while the fresh server of a relaunch still
+    starts, the engine's requests (or a shutdown) still meet the replaced process, which then
+    removes its key's file; the fresh server died with "Config file not found: sglang1.secret.yaml".
+    Here the fresh "server" reads its --config a moment after the old process was found dead."""
+    resolved = resolve_server_config(SGLangServerConfig(model_path="/m", python="/p",
+                                                        log_path=str(tmp_path / "sglang1.log")), "sglang1")
+    first = write_secret_config(resolved)
+    old = ServerProcess([sys.executable, "-c", "pass"], name="sglang1", log_path=resolved.log_path,
+                        private_files=(first,))
+    assert old.wait_for_exit(30) == 0  # SIGKILLed, as far as the engine can tell
+    fresh_key = write_secret_config(resolved)
+    reads_late = ("import os, sys, time; time.sleep(1.0); "
+                  "sys.exit(0 if open(sys.argv[1]).read().startswith('api-key:') else 3)")
+    fresh = ServerProcess([sys.executable, "-c", reads_late, str(fresh_key)], name="sglang1",
+                          log_path=resolved.log_path, private_files=(fresh_key,))
+    with pytest.raises(EngineError, match="sglang1"):
+        old.check_alive()  # a request thread of the engine, during the relaunch
+    assert not first.exists()
+    assert fresh.wait_for_exit(30) == 0, fresh.log_tail()
+    fresh.stop()
+    assert not fresh_key.exists()

@@ -134,8 +134,11 @@ def test_every_route_but_health_needs_the_key(monkeypatch):
         assert status(path, "Basic s3cret") == 401, path
         assert status(path, "Bearer s3cret") == 200, path
     assert status("/health", method="GET") == 200
-    assert status("/update_weights", method="OPTIONS") == 200
-    assert "/update_weights" in calls and calls.count("/metrics") == 1
+    for method in ("OPTIONS", "GET", "HEAD", "PUT", "DELETE", "PATCH", "TRACE"):  # every method (issue 59)
+        for path in ("/metrics", "/update_weights", "/v1/completions"):
+            assert status(path, method=method) == 401, (method, path)
+            assert status(path, "Bearer s3cret", method=method) == 200, (method, path)
+    assert "/update_weights" in calls and calls.count("/metrics") == 1 + 7
 
 
 def test_a_cpu_fleet_binds_each_vllm_server_to_its_own_cores(monkeypatch):

@@ -5,6 +5,9 @@ the run through the episode runner's breaker."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -20,7 +23,7 @@ from megatron_dapo.config.tools import ToolsConfig
 from megatron_dapo.data.tokenizer import SentencePieceSettings, load_or_train_sentencepiece
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
-from megatron_dapo.tools.custom import CustomToolPool
+from megatron_dapo.tools.custom import MAX_ANSWER_CHARS, CustomToolPool
 from megatron_dapo.tools.episode import ToolPoolBroken
 from megatron_dapo.tools.registry import episode_runner, tool_set
 
@@ -66,6 +69,33 @@ def test_a_raise_or_a_non_str_answer_fails_with_its_error_and_the_pool_keeps_wor
     result = pool.call("misbehave", argument)
     assert (result.status, result.text) == ("failed", text)
     assert [pool.call("misbehave", "fine").text for _ in range(3)] == ["ok"] * 3
+
+
+def test_a_flood_of_an_answer_is_cut_in_the_worker(pool: CustomToolPool) -> None:
+    result = pool.call("misbehave", "flood")
+    assert result.status == "ok" and len(result.text) <= MAX_ANSWER_CHARS
+    head, cut, tail = result.text.partition(" ... ")
+    assert cut and set(head) == set(tail) == {"7"} and len(head) == len(tail) >= MAX_ANSWER_CHARS // 2 - 5
+
+
+def test_what_a_tool_starts_in_a_session_of_its_own_ends_with_the_pool(tmp_path) -> None:
+    pid_file = tmp_path / "daemon.pid"
+    with CustomToolPool({"daemon": f"{HELPERS}:daemon"}, num_workers=1, timeout_s=10.0) as pool:
+        assert pool.call("daemon", str(pid_file)).text == "started"
+        deadline = time.monotonic() + 10
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        assert alive(pid)
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert not alive(pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_call_past_the_deadline_fails_in_time_and_its_worker_is_replaced() -> None:

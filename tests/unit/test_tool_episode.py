@@ -16,7 +16,7 @@ from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import GenerationResult, SamplingParams
 from megatron_dapo.tools.calculator import run_calculator
 from megatron_dapo.tools.episode import EpisodeRunner, EpisodeSettings
-from megatron_dapo.tools.formats import FORMATS
+from megatron_dapo.tools.formats import FORMATS, CallFormat
 from megatron_dapo.tools.sandbox import ToolResult
 
 MARKERS = ("<calc>", "</calc>", "<result>", "</result>")
@@ -208,3 +208,61 @@ def test_an_abort_after_the_answer_resumes_with_a_new_turn_and_finished_mates_st
     resumed = runner.generate(lambda p, q: sent.append(p) or [_turn(tok, " so 408")], [prompt], params, carried=out)
     assert len(sent) == 1 and sent[0] == [prompt + a.output_ids]
     assert resumed[1] == b and resumed[0].episode.turns == 2 and resumed[0].finish_reason == "stop"
+
+
+def test_a_call_nested_past_the_decoders_depth_is_a_malformed_call_not_a_crash(tok):
+    # Hermes' JSON calls with this tokenizer's markers (the real hermes markers are not its pieces).
+    fmt = CallFormat("json-tags", "<calc>", "</calc>", "<result>", "</result>", json_calls=True, default_tool="calculator")
+    runner = _runner(tok, fmt=fmt, max_turns=2, max_response_tokens=20_000)
+    hostile = "<calc>" + "[" * 5000 + "</calc>"
+    assert FORMATS["hermes"].parse("<tool_call>" + "[" * 5000 + "</tool_call>").error
+    assert fmt.parse('<calc>{"name": ["calculator"], "arguments": {"x": "1"}}</calc>').error  # a name is a str
+    prompt = tok.encode("what is 5*6?")
+    engine = Scripted(tok, {(0, 0): [hostile, "30"]})
+    call_ids = tok.encode(hostile)
+    answer = runner._answer_ids('error: the call is not {"name": ..., "arguments": {...: "..."}}')
+    engine.origin[tuple([*prompt, *call_ids, *answer])] = (0, 0)
+    [r] = runner.generate(engine, [prompt], SamplingParams(n=1, max_new_tokens=20_000))
+    assert [c.status for c in r.episode.calls] == ["malformed"] and r.output_ids == call_ids + answer + tok.encode("30")
+
+
+class _Recording:
+    """A tokenizer that records the length of every text it encodes."""
+
+    def __init__(self, tok):
+        self.tok, self.lengths = tok, []
+
+    def encode(self, text: str) -> list[int]:
+        self.lengths.append(len(text))
+        return self.tok.encode(text)
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(ids)
+
+
+def test_a_huge_answer_is_cut_in_characters_before_it_is_tokenized(tok):
+    huge = "7" * 3_000_000
+
+    recording = _Recording(tok)
+    runner = EpisodeRunner(EpisodeSettings(fmt=FORMATS["tags"], tools={"calculator": lambda _: ToolResult(
+        huge, "ok", 0.0)}, max_tool_output_tokens=16), recording)
+    record, ids = runner._call("<calc>1</calc>")
+    assert max(recording.lengths) <= 2 * 32 * 16 + 5 and len(ids) <= 16
+    assert record.status == "ok" and len(record.answer) <= 2 * 32 * 16 + 5 and " ... " in record.answer
+    assert tok.decode(ids).startswith("<result>7") and tok.decode(ids).endswith("7</result>")
+
+
+def test_an_answer_with_lone_surrogates_is_answered_with_replacement_characters(tok):
+    with pytest.raises(RuntimeError):  # what the tokenizer does with one, hence the guard
+        tok.encode("a\udc80b")
+
+    runner = _runner(tok, tools={"calculator": lambda _: ToolResult("4\udc80\ud8002", "ok", 0.0)}, max_turns=2)
+    prompts = [tok.encode(f"what is {j}*6?") for j in range(16)]
+    engine = Scripted(tok, {(i, 0): ["<calc>5*6</calc>", "30"] for i in range(16)})
+    answer = runner._answer_ids("4\ufffd\ufffd2")
+    for i, prompt in enumerate(prompts):
+        engine.origin[tuple([*prompt, *tok.encode("<calc>5*6</calc>"), *answer])] = (i, 0)
+    out = runner.generate(engine, prompts, SamplingParams(n=1, max_new_tokens=64))
+    # 16 calls, none a failure of the tool (the breaker counts only those), each answered.
+    assert [c.status for r in out for c in r.episode.calls] == ["ok"] * 16
+    assert {c.answer for r in out for c in r.episode.calls} == {"4\ufffd\ufffd2"}

@@ -14,7 +14,8 @@ def shout(argument: str) -> str:
 
 
 def misbehave(argument: str) -> str:
-    """"ok", except: "raise" raises, "hang" sleeps an hour, "die" ends the process, "int" returns 7."""
+    """"ok", except: "raise" raises, "hang" sleeps an hour, "die" ends the process, "int" returns 7,
+    "flood" returns 30 million characters."""
     if argument == "raise":
         raise ValueError(f"cannot answer {argument!r}")
     if argument == "hang":
@@ -23,6 +24,8 @@ def misbehave(argument: str) -> str:
         os._exit(3)
     if argument == "int":
         return 7  # type: ignore[return-value]
+    if argument == "flood":
+        return "7" * 30_000_000
     return "ok"
 
 
@@ -48,3 +51,18 @@ NOT_CALLABLE = 42
 def environment_variable(argument: str) -> str:
     """The worker's value of the environment variable named by the argument, or "<unset>"."""
     return os.environ.get(argument, "<unset>")
+
+
+def daemon(argument: str) -> str:
+    """Starts a process in a session of its own that sleeps an hour (a daemonising library's way:
+    fork, setsid, fork again) and writes its pid to the file named by the argument."""
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open(argument, "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(3600.0)
+        os._exit(0)
+    os.waitpid(child, 0)
+    return "started"

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from megatron_dapo.errors import UserError
 
-__all__ = ["FleetSite", "fleet_sites", "job_cpus_per_node", "visible_gpus", "weight_master_address"]
+__all__ = ["FleetSite", "check_nodes", "fleet_sites", "job_cpus_per_node", "visible_gpus", "weight_master_address"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +94,7 @@ def fleet_sites(num_engines: int, *, nodes: Sequence[str] = (), host: str | None
                 "servers on nodes of their own (rollout.nodes; slurm/dapo.sbatch ENGINE_NODES=K)")
         return [FleetSite(host=host or "127.0.0.1", slot=i, peers=num_engines,
                           base_gpu_id=trainer_gpus + i * gpus_per_server) for i in range(num_engines)]
-    _check_nodes(nodes)
+    check_nodes(nodes)
     cpus = job_cpus_per_node()
     job = os.environ["SLURM_JOB_ID"]
     addresses = {node: node_addr(node) for node in nodes}
@@ -224,8 +224,9 @@ def _hostnames(nodelist: str) -> list[str]:
     return out.split()
 
 
-def _check_nodes(nodes: Sequence[str]) -> None:
-    named = f"rollout.nodes={','.join(nodes)}"
+def check_nodes(nodes: Sequence[str]) -> None:
+    """rollout.nodes inside the SLURM job whose nodes they are (fleet_sites; `config validate`)."""
+    named = f"rollout.nodes={','.join(n[:80] for n in nodes[:8])}{',...' if len(nodes) > 8 else ''}"
     if "SLURM_JOB_ID" not in os.environ:
         raise UserError(f"{named} starts the fleet's servers as srun steps of this SLURM job, but this process is "
                         "not in one (no SLURM_JOB_ID): submit slurm/dapo.sbatch with ENGINE_NODES=K, or leave "

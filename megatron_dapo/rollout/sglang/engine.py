@@ -223,7 +223,7 @@ class SGLangEngine(WeightUpdates):
         # the trainer's agent store and hang in its own init_process_group (server_process.py).
         env = server_environment(server_env(resolved))
         secret = write_secret_config(resolved)
-        process = ServerProcess([*resolved.launcher, *build_launch_command(resolved)], name=name, log_path=resolved.log_path, env=env,
+        process = ServerProcess([*resolved.launcher, *build_launch_command(resolved, secret)], name=name, log_path=resolved.log_path, env=env,
                                 shm_prefixes=("sglang_", "sem.mp-"), private_files=(secret,))
         engine = cls(
             f"http://{resolved.host}:{resolved.port}",

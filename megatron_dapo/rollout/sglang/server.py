@@ -28,10 +28,12 @@ Which Python runs the server, and the check that it can: rollout/sglang/interpre
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
 import secrets
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,11 +128,13 @@ class SGLangServerConfig:
             )
 
 
-def build_launch_command(config: SGLangServerConfig) -> list[str]:
+def build_launch_command(config: SGLangServerConfig, secret_path: Path | None = None) -> list[str]:
     """The ``python -m sglang.launch_server`` command line of one engine.
 
     Args:
         config: a config resolved by :func:`resolve_server_config` (host, ports, key, python).
+        secret_path: the key's file of this launch (write_secret_config's); None = the first
+            launch's name, secret_config_path.
 
     Returns:
         argv list (no shell).
@@ -164,7 +168,7 @@ def build_launch_command(config: SGLangServerConfig) -> list[str]:
         "--random-seed", str(config.random_seed),
         # The key, from a file only its owner can read (secret_config_path): a command line is
         # every local user's to read in `ps`. SGLang (>= 0.5.3) merges --config's YAML into its argv.
-        "--config", str(secret_config_path(config)),
+        "--config", str(secret_path or secret_config_path(config)),
         # Token ids in and out: the trainer owns tokenization, responses are never re-tokenized.
         "--skip-tokenizer-init",
         *device_args,
@@ -174,23 +178,43 @@ def build_launch_command(config: SGLangServerConfig) -> list[str]:
     ]  # fmt: skip
 
 
-def secret_config_path(config: SGLangServerConfig) -> Path:
-    """The YAML file of the server's key, beside its log: ``<log>.secret.yaml`` (SGLang wants .yaml)."""
+_LAUNCHES: collections.Counter[str] = collections.Counter()
+"""Launches of each log's server in this process (write_secret_config)."""
+_LAUNCHES_LOCK = threading.Lock()
+
+
+def secret_config_path(config: SGLangServerConfig, launch: int = 0) -> Path:
+    """The YAML file of the server's key, beside its log (SGLang wants .yaml): ``<log>.secret.yaml``
+    for the first launch, ``<log>.secret.<N>.yaml`` for the N-th relaunch."""
     log = Path(config.log_path)
-    return log.with_name(f"{log.stem}.secret.yaml")
+    return log.with_name(f"{log.stem}.secret{f'.{launch}' if launch else ''}.yaml")
 
 
 def write_secret_config(config: SGLangServerConfig) -> Path:
     """Write the key where only this user can read it (mode 0600), for the server's ``--config``.
 
+    Each launch of a server gets a file of its own, never a name used before in this process nor
+    one that exists (secret_config_path's N counts this process' launches of the log's server):
+    the process a relaunch replaces removes its own file when it is found dead, and that happens
+    while the fresh server still starts (a stream's request, a shutdown); with one name for
+    both, the fresh server died with "Config file not found" (two fleet servers killed at once).
+
     SGLang's config merger turns each entry into ``--key value`` tokens, so a key that starts with
     "-" would read as an option: keys are hex (resolve_server_config) or checked in __post_init__.
     """
-    path = secret_config_path(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    secret_config_path(config).parent.mkdir(parents=True, exist_ok=True)
+    with _LAUNCHES_LOCK:
+        while True:
+            launch = _LAUNCHES[str(config.log_path)]
+            _LAUNCHES[str(config.log_path)] += 1
+            path = secret_config_path(config, launch)
+            try:  # O_EXCL: a file an earlier run left (killed) is another launch's
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:
+                continue
     try:
-        os.fchmod(fd, 0o600)  # an existing file keeps its mode through O_CREAT
+        os.fchmod(fd, 0o600)  # the mode whatever the umask
         os.write(fd, f"api-key: {json.dumps(config.api_key)}\n".encode())
     finally:
         os.close(fd)

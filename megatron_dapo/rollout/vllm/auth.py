@@ -37,7 +37,8 @@ def authorized(headers: list[tuple[bytes, bytes]], key_digest: bytes) -> bool:
 
 
 class RequireKey:
-    """Pure ASGI middleware: 401 for any HTTP or WebSocket request without the key, except OPEN_PATHS."""
+    """Pure ASGI middleware: 401 for any HTTP or WebSocket request without the key, of any method, except
+    OPEN_PATHS."""
 
     def __init__(self, app: Any) -> None:
         key = os.environ.get("VLLM_API_KEY", "")
@@ -47,7 +48,10 @@ class RequireKey:
         self._digest = hashlib.sha256(key.encode()).digest()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+        # Every method, OPTIONS included: vLLM's own middleware lets OPTIONS through for browsers'
+        # CORS preflight, which no client of ours sends, and the app answers it on any route
+        # (OPTIONS /metrics answered 200 without the key).
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         path = scope["path"].removeprefix(scope.get("root_path", ""))
