@@ -13,22 +13,32 @@ so per-sequence sums over a row are whole-sequence sums.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
+
+from megatron_dapo.config.policy_loss import PolicyLossConfig
+
+_DEFAULTS = {f.name: f.default for f in fields(PolicyLossConfig)}
+"""The papers' defaults, written once: in the config (torch-free, so the config cannot import this)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModeParams:
-    """The modes' own parameters (verl's algorithm.policy_loss names and the papers' defaults)."""
+    """The modes' own parameters (verl's algorithm.policy_loss names; defaults: PolicyLossConfig's)."""
 
-    clip_cov_ratio: float = 0.0002
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 1.0
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
+    clip_cov_ratio: float = _DEFAULTS["clip_cov_ratio"]
+    clip_cov_lb: float = _DEFAULTS["clip_cov_lb"]
+    clip_cov_ub: float = _DEFAULTS["clip_cov_ub"]
+    kl_cov_ratio: float = _DEFAULTS["kl_cov_ratio"]
+    ppo_kl_coef: float = _DEFAULTS["ppo_kl_coef"]
+    tau_pos: float = _DEFAULTS["tau_pos"]
+    tau_neg: float = _DEFAULTS["tau_neg"]
+
+    @classmethod
+    def from_config(cls, config: PolicyLossConfig) -> ModeParams:
+        """The same-named fields of algorithm.policy_loss."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -104,9 +104,7 @@ class LossSettings:
         scale = algorithm.loss_scale_factor if algorithm.loss_scale_factor is not None else float(max_response_length)
         pl = algorithm.policy_loss
         low, high = algorithm.clip_ratios
-        params = ModeParams(clip_cov_ratio=pl.clip_cov_ratio, clip_cov_lb=pl.clip_cov_lb, clip_cov_ub=pl.clip_cov_ub,
-                            kl_cov_ratio=pl.kl_cov_ratio, ppo_kl_coef=pl.ppo_kl_coef, tau_pos=pl.tau_pos,
-                            tau_neg=pl.tau_neg)
+        params = ModeParams.from_config(pl)
         # The dual clip belongs to the modes with a token-level PPO clip (config/policy_loss.py).
         clip_c = algorithm.clip_ratio_c if pl.spec.dual_clip else None
         return cls(
