@@ -378,10 +378,11 @@ class EpisodeRunner:
         return _SURROGATE.sub("\ufffd", text)
 
     def _answer_ids(self, text: str) -> list[int]:
-        """``result_open + text + result_close`` as ids, the text cut in the middle to fit the cap."""
+        """``result_open + text + result_close`` as ids, the text (already ``_bounded``) cut in the
+        middle to fit the cap."""
         fmt, cap = self.settings.fmt, self.settings.max_tool_output_tokens
         head, tail = self.tokenizer.encode(fmt.result_open), self.tokenizer.encode(fmt.result_close)
-        body = self.tokenizer.encode(self._bounded(text))
+        body = self.tokenizer.encode(text)
         room = cap - len(head) - len(tail)
         if len(body) > room:
             marker = self.tokenizer.encode(_CUT)
