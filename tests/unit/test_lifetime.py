@@ -187,15 +187,20 @@ def test_a_reaper_released_from_many_threads_at_once_closes_its_pipe_once() -> N
 # A module that daemonises at import (fork, setsid, fork): its grandchild is in no group of ours.
 DAEMON_AT_IMPORT = """
 import os, time
+ready_r, ready_w = os.pipe()
 child = os.fork()
 if child == 0:
     os.setsid()
     if os.fork() == 0:
         with open(os.environ["DAEMON_PIDS"], "a") as f:
             f.write(f"{os.getpid()}\\n")
+        os.write(ready_w, b"1")
         time.sleep(3600)
     os._exit(0)
 os.waitpid(child, 0)
+os.read(ready_r, 1)  # the import ends once the daemon runs and has written its pid (else validate could end it first)
+os.close(ready_r)
+os.close(ready_w)
 
 
 def f(*args, **kwargs):
