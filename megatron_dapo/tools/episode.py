@@ -104,8 +104,10 @@ class _Episode:
     turn asked for a call; None: finished (``finish`` says how)."""
 
     @classmethod
-    def resume(cls, prompt: list[int], r: GenerationResult, close_id: int) -> _Episode:
-        """The episode an earlier call returned; one with reason abort goes on where it stopped."""
+    def resume(cls, prompt: list[int], r: GenerationResult, close_id: int, budget: int) -> _Episode:
+        """The episode an earlier call returned; one with reason abort goes on where it stopped,
+        unless the abort came after its last token of ``budget`` (it is done: reason length, as
+        streaming.settled does for a plain response; going on would ask for 0 tokens)."""
         record = r.episode
         mask = list(record.policy_mask) if record is not None else [1] * len(r.output_ids)
         e = cls(prompt, r.prompt_index, r.sample_index, close_id, out=list(r.output_ids), logprobs=list(r.logprobs),
@@ -113,7 +115,9 @@ class _Episode:
                 turns=record.turns if record is not None else int(bool(r.output_ids)),
                 finish=r.finish_reason, versions=r.weight_versions, routes=r.routed_experts,
                 capped=record.turn_capped if record is not None else False, next=None)
-        if r.finish_reason == "abort":
+        if r.finish_reason == "abort" and len(e.out) >= budget:
+            e.finish = "length"
+        elif r.finish_reason == "abort":
             if not e.out:
                 e.next = "turn"
             elif not e.mask[-1]:
@@ -288,7 +292,7 @@ class EpisodeRunner:
                 e.add_turn(r, budget, budget)
         else:
             assert len(prompts) == 1, "a carried group is one prompt's"
-            episodes = [_Episode.resume(list(prompts[0]), r, self.close_id) for r in carried]
+            episodes = [_Episode.resume(list(prompts[0]), r, self.close_id, budget) for r in carried]
         turn = 1
         while True:
             for e in episodes:

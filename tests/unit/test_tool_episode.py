@@ -163,6 +163,22 @@ def test_an_episode_cut_mid_turn_resumes_the_same_turn_from_its_ids(tok):
         + tok.encode(" so 408")
 
 
+def test_an_episode_the_abort_cut_after_its_last_budgeted_token_resumes_as_done(tok):
+    """The abort can land after a turn's last token of the budget (SGLang on CI, 2026-12-02): the
+    carried episode is done (reason length) and no turn of 0 tokens is asked for."""
+    prompt = tok.encode("what is 12*34?")
+    runner = _runner(tok, max_response_tokens=6)
+    params = SamplingParams(n=1, max_new_tokens=64)
+    ids = tok.encode("12+34=46 so 408 so 408")[:6]
+    assert len(ids) == 6
+    cut = GenerationResult(prompt_index=0, sample_index=0, output_ids=ids, logprobs=[-0.1] * 6, finish_reason="abort")
+    (r,) = runner.generate(lambda p, q: [cut], [prompt], params, aborted=lambda: True)
+    assert r.finish_reason == "abort" and r.output_ids == ids
+    asked = []
+    (done,) = runner.generate(lambda p, q: asked.append(q) or [], [prompt], params, carried=[r])
+    assert asked == [] and done.finish_reason == "length" and done.output_ids == ids and done.episode.turns == 1
+
+
 def test_an_abort_during_a_tool_call_stops_the_wait_and_the_resumed_episode_runs_the_call_again(tok):
     """The collector's abort does not wait for a slow tool: the episode ends (abort) with its call
     unanswered, and the partial rollout runs that call again before the next turn."""
