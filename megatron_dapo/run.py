@@ -28,7 +28,7 @@ from megatron_dapo import parallel
 from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.actor.optimizer_state import materialize_optimizer_state
-from megatron_dapo.actor.reference import ReferencePolicy
+from megatron_dapo.actor.reference import BaseOfAdapters, ReferencePolicy
 from megatron_dapo.actor.route_layout import pad_routes
 from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume, step_of
@@ -343,7 +343,9 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
 
     loss = LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature, cfg.data.max_response_length)
     # The reference is the policy RL starts from (after SFT warm start), also after a resume.
-    reference = ReferencePolicy(actor, hf_dir) if cfg.algorithm.use_kl_loss else None
+    # A LoRA actor's reference is its own base with the adapters off: no second copy of the weights.
+    reference = (BaseOfAdapters(actor) if actor.lora is not None else ReferencePolicy(actor, hf_dir)) \
+        if cfg.algorithm.use_kl_loss else None
     teacher_dir = cfg.algorithm.distill.teacher
     teacher = ReferencePolicy(actor, teacher_dir, adapter=adapter_for(teacher_dir)) if teacher_dir else None
     run = Run(cfg=cfg, dims=dims, adapter=adapter, actor=actor, loss=loss, reference=reference, teacher=teacher,
@@ -412,10 +414,12 @@ def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
 
 
 def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parallel.ParallelDims,
-                optim: OptimConfig | None = None, *, shared_prompts: bool | None = None) -> MegatronActor:
+                optim: OptimConfig | None = None, *, shared_prompts: bool | None = None,
+                lora: bool = True) -> MegatronActor:
     """The Megatron actor of this rank, loaded from an HF checkpoint, with the run's optimizer.
 
-    shared_prompts: None = trainer.shared_prompts.
+    shared_prompts: None = trainer.shared_prompts. lora: model.lora's adapters (the SFT warm
+    start trains the whole model).
     """
     dtype = model_dtype(cfg, dims.device)
     optim = optim or cfg.optim
@@ -431,7 +435,8 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
         logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,
         cp_comm_type=cfg.parallel.cp_comm_type, routing_replay=_routing_replay(cfg, adapter),
         use_te=choose_transformer_impl(cfg.model.transformer_impl),
-        shared_prompts=cfg.trainer.shared_prompts if shared_prompts is None else shared_prompts)
+        shared_prompts=cfg.trainer.shared_prompts if shared_prompts is None else shared_prompts,
+        lora=cfg.model.lora if lora else None, seed=cfg.trainer.seed)
 
 
 def _routing_replay(cfg: Config, adapter: DecoderAdapter) -> str:
@@ -453,7 +458,7 @@ def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: d
     sft_optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=cfg.optim.clip_grad,
                             lr_warmup_steps=min(10, s.num_steps))
     # SFT rows are distinct prompts, nothing to share; padded rows keep cached warm starts valid.
-    actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim, shared_prompts=False)
+    actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim, shared_prompts=False, lora=False)
     warm_start(cfg, actor, control, adapter, init_dir, sources, out)
     return out
 

@@ -33,7 +33,7 @@ from megatron_dapo.actor.microbatch import RolloutBatch
 if TYPE_CHECKING:
     from megatron_dapo.models import DecoderAdapter
 
-__all__ = ["ReferencePolicy"]
+__all__ = ["BaseOfAdapters", "ReferencePolicy"]
 
 
 class ReferencePolicy:
@@ -93,4 +93,23 @@ class ReferencePolicy:
                 # Drop the device copies: the host copies are unchanged (frozen), so only rebind.
                 for name, param in self.model.named_parameters():
                     param.data = self._host[name]
+        return log_probs
+
+
+class BaseOfAdapters:
+    """The reference of a LoRA actor: its own frozen base, the adapters switched off for the pass.
+
+    The policy RL starts from is the base (every B is 0 at the start), so no second copy of the
+    weights is built, loaded or offloaded; ReferencePolicy's interface.
+    """
+
+    def __init__(self, actor: MegatronActor) -> None:
+        if actor.lora is None:
+            raise ValueError("BaseOfAdapters needs a LoRA actor (model.lora.rank > 0)")
+        self.actor = actor
+
+    def compute_log_probs(self, batch: RolloutBatch, temperature: float) -> torch.Tensor:
+        """log pi_base of this rank's sequences, as ReferencePolicy.compute_log_probs (collective)."""
+        with self.actor.lora.disabled():  # type: ignore[union-attr]
+            log_probs, _ = self.actor.compute_log_probs(batch, temperature, model=self.actor.model)
         return log_probs

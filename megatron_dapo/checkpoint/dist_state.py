@@ -44,6 +44,7 @@ from megatron_dapo.checkpoint.files import (
 from megatron_dapo.checkpoint.format import (
     _MetadataUnpickler,
     current_layout,
+    lora_manifest,
     model_architecture,
     model_sharded_state_dict,
     unwrap,
@@ -220,6 +221,7 @@ def build_manifest(
         "optimizer_sharding": OPTIMIZER_SHARDINGS[0] if has_optimizer else None,
         "has_scheduler": False,
         "has_rng": False,
+        "lora": lora_manifest(model_chunks[0]),
         "megatron_core": _mcore_version(),
         "created_unix": int(time.time()),
     }

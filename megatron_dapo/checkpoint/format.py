@@ -28,6 +28,8 @@ from megatron_dapo.checkpoint.files import (
     TMP_PREFIX,
     CheckpointError,
 )
+from megatron_dapo.lora import lora_of
+from megatron_dapo.lora import sharded_state_dict as lora_sharded_state_dict
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -72,8 +74,43 @@ def model_sharded_state_dict(model_chunks: Sequence[torch.nn.Module]) -> dict[st
     limit which layout can load them.
     """
     if len(model_chunks) == 1:
-        return {"model": unwrap(model_chunks[0]).sharded_state_dict()}
-    return {f"model{i}": unwrap(c).sharded_state_dict() for i, c in enumerate(model_chunks)}
+        return {"model": _chunk_sharded_state_dict(model_chunks[0])}
+    return {f"model{i}": _chunk_sharded_state_dict(c) for i, c in enumerate(model_chunks)}
+
+
+def _chunk_sharded_state_dict(chunk: torch.nn.Module) -> dict[str, Any]:
+    """A chunk's sharded state: a LoRA model's is its adapters alone (the base is its HF directory)."""
+    lora = lora_of(chunk)
+    return unwrap(chunk).sharded_state_dict() if lora is None else lora_sharded_state_dict(lora)
+
+
+def lora_manifest(chunk: torch.nn.Module) -> dict[str, Any] | None:
+    """The manifest's ``lora`` entry of a chunk: rank, alpha, targets and the base's identity; None without LoRA."""
+    lora = lora_of(chunk)
+    if lora is None:
+        return None
+    return {"rank": lora.rank, "alpha": lora.alpha, "targets": list(lora.targets), "base": lora.base}
+
+
+def check_lora_compatible(manifest: dict[str, Any], chunk: torch.nn.Module, where: str) -> None:
+    """Refuse in one line a checkpoint whose adapters (or their absence) or base differ from the model's."""
+    saved, have = manifest.get("lora"), lora_manifest(chunk)
+    if saved is None and have is None:
+        return
+    if saved is None or have is None:
+        held = "adapters only (a LoRA run)" if saved is not None else "a full model (no LoRA)"
+        fix = "set model.lora.rank=0" if saved is None else f"set model.lora.rank={saved['rank']}"
+        raise CheckpointError(f"checkpoint {where} holds {held}, and this run builds "
+                              f"{'a LoRA' if have is not None else 'a full-parameter'} actor: {fix}, or use another checkpoint")
+    diffs = [f"{k}={saved.get(k)!r} (run: {have[k]!r})" for k in ("rank", "alpha", "targets") if saved.get(k) != have[k]]
+    if diffs:
+        raise CheckpointError(f"checkpoint {where} holds LoRA adapters of {', '.join(diffs)}: set model.lora to the "
+                              "checkpoint's, or start a new run")
+    base, now = saved.get("base") or {}, have["base"] or {}
+    if base.get("fingerprint") != now.get("fingerprint"):
+        raise CheckpointError(f"checkpoint {where} holds LoRA adapters of the base {base.get('path')}, and this run's "
+                              f"base {now.get('path')} has other weights: resume on the checkpoint's base "
+                              "(model.hf_checkpoint), or start a new run")
 
 
 def current_layout(model_chunks: Sequence[torch.nn.Module]) -> dict[str, int]:

@@ -46,6 +46,7 @@ from megatron_dapo.checkpoint.files import (
 )
 from megatron_dapo.checkpoint.format import (
     check_compatible,
+    check_lora_compatible,
     complete_checkpoints,
     current_layout,
     latest_checkpoint,
@@ -58,6 +59,8 @@ from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.checkpoint.rng import restore_rng_state
 from megatron_dapo.checkpoint.spec_keys import layer_spec_of
 from megatron_dapo.faults import fault_point
+from megatron_dapo.lora import load_state as load_lora_state
+from megatron_dapo.lora import lora_of
 
 __all__ = ["CheckpointManager", "build_manifest", "os_error_in", "save_model_checkpoint"]
 
@@ -229,6 +232,7 @@ class CheckpointManager:
         ckpt = Path(path)
         manifest = read_manifest(ckpt)
         check_compatible(manifest, model_chunks, str(ckpt), model_family)
+        check_lora_compatible(manifest, model_chunks[0], str(ckpt))
         if not verified:
             verify_checksums(ckpt, manifest)
         load_optimizer = optimizer is not None and manifest.get("has_optimizer", False)
@@ -261,7 +265,11 @@ class CheckpointManager:
         loaded = dist_load(state, ckpt)
         model_keys = ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
         for key, chunk in zip(model_keys, model_chunks):
-            unwrap(chunk).load_state_dict(loaded[key], strict=True)
+            lora = lora_of(chunk)
+            if lora is None:
+                unwrap(chunk).load_state_dict(loaded[key], strict=True)
+            else:  # adapters only: the base came from its HF directory (lora/state.py)
+                load_lora_state(lora, loaded[key])
         if load_optimizer:
             # no_grad: megatron's dp_reshardable path copies into views of leaf parameters
             # without it (its fully_reshardable path has it).

@@ -112,6 +112,45 @@ class SFTWarmStartConfig:
         return (self.target_acc_min, self.target_acc_max)
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "experts")
+"""model.lora.target_modules' names (megatron's): attention's fused QKV and output projection, the
+dense MLP's fused gate/up and down, and the routed experts' fc1/fc2; ``all-linear`` is all of them."""
+
+
+@dataclass(kw_only=True, slots=True)
+class LoraConfig:
+    """Low-rank adapters on the actor's linears (megatron_dapo/lora): only they are trained."""
+
+    rank: int = 0
+    """Rank r of each adapter; 0 = off (full-parameter training)."""
+    alpha: float = 16.0
+    """Scale numerator: the adapter adds (alpha / rank) x B A x to the layer's output."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input in training (tensor_model_parallel_size 1 only)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Which linears get adapters: names of LORA_TARGETS, or ["all-linear"]."""
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "rank", "must be >= 0 (0 = off)")
+        _check(self.alpha > 0, "alpha", "must be > 0")
+        _check(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+        names = ("all-linear", *LORA_TARGETS)
+        bad = [t for t in self.target_modules if t not in names]
+        _check(not bad, "target_modules", f"has {bad}; choose among {list(names)}")
+        _check(bool(self.target_modules), "target_modules", f"is empty; choose among {list(names)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The target names, all-linear expanded."""
+        if "all-linear" in self.target_modules:
+            return LORA_TARGETS
+        return tuple(t for t in LORA_TARGETS if t in self.target_modules)
+
+
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
     """The actor (and rollout) model."""
@@ -135,6 +174,8 @@ class ModelConfig:
     """Architecture used when hf_checkpoint is null."""
     sft_warm_start: SFTWarmStartConfig = field(default_factory=SFTWarmStartConfig)
     """SFT before RL for the scratch model."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (rank 0 = off): the base weights stay frozen, only adapters train."""
 
     def __post_init__(self) -> None:
         _check(self.make_vocab_size_divisible_by > 0, "make_vocab_size_divisible_by", "must be > 0")

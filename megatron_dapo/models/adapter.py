@@ -22,6 +22,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_dapo.lora import export_params, is_lora_param
 from megatron_dapo.models import mapping
 from megatron_dapo.models.config import HFModelConfig
 from megatron_dapo.models.export import RECEIVERS, Receivers, export_to_all, export_to_controller
@@ -449,7 +450,9 @@ class DecoderAdapter:
     def _maps(self, gpt: GPTModel, dims: ParallelDims | None = None) -> list[mapping.TensorMap]:
         layer_numbers = {i: layer.layer_number - 1 for i, layer in enumerate(gpt.decoder.layers)}
         expert_offset = dims.ep_rank * (self.hf.num_experts // dims.ep) if dims is not None and self.hf.is_moe else 0
-        return mapping.tensor_maps(list(gpt.named_parameters()), layer_numbers, self.hf.tie_word_embeddings,
+        # A LoRA model's adapters are no HF tensors of the base (lora/state.py exports them merged).
+        named = [(n, p) for n, p in gpt.named_parameters() if not is_lora_param(n)]
+        return mapping.tensor_maps(named, layer_numbers, self.hf.tie_word_embeddings,
                                    expert_offset=expert_offset)
 
     def load_hf(self, model: Any, checkpoint: HFCheckpoint | str | Path, dims: ParallelDims) -> None:
@@ -519,7 +522,7 @@ class DecoderAdapter:
         if receivers not in RECEIVERS:
             raise ValueError(f"receivers={receivers!r}; choose one of {RECEIVERS}")
         gpt = unwrap_model(model)
-        params = dict(gpt.named_parameters())
+        params = export_params(gpt)  # a LoRA model's adapted weights merged, shard by shard
         local = [tm for tm in self._maps(gpt, dims) if not tm.mirror]
         if receivers == "all":
             return export_to_all(self.hf, local, params, dims)

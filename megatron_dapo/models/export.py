@@ -36,7 +36,7 @@ one all-gather of the layout, so no plan is broadcast.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,7 +54,7 @@ RECEIVERS: tuple[str, ...] = ("all", "controller", "stages")
 
 
 def export_to_all(
-    hf: HFModelConfig, local: list[mapping.TensorMap], params: dict[str, torch.Tensor], dims: ParallelDims,
+    hf: HFModelConfig, local: list[mapping.TensorMap], params: Mapping[str, torch.Tensor], dims: ParallelDims,
     *, own_stage: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every rank of the replica receives every tensor (see the module docstring).
@@ -150,7 +150,7 @@ class _Shard:
 
 
 def export_to_controller(
-    hf: HFModelConfig, local: list[mapping.TensorMap], params: dict[str, torch.Tensor], dims: ParallelDims,
+    hf: HFModelConfig, local: list[mapping.TensorMap], params: Mapping[str, torch.Tensor], dims: ParallelDims,
     *, per_stage: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Only global rank 0 receives; the other ranks send their shards to it (see the module docstring).
@@ -212,7 +212,7 @@ def _describe(tm: mapping.TensorMap, param: torch.Tensor, dims: ParallelDims) ->
     return _Shard(tm=tm, index=rank, count=size, shape=tuple(param.shape), dtype=param.dtype)
 
 
-def _receive(hf: HFModelConfig, sources: list[tuple[int, _Shard]], params: dict[str, torch.Tensor],
+def _receive(hf: HFModelConfig, sources: list[tuple[int, _Shard]], params: Mapping[str, torch.Tensor],
              dims: ParallelDims) -> list[torch.Tensor]:
     """The receiver: one parameter's shards, its own as they are and the others received, as full HF tensors."""
     tm, shape, dtype = sources[0][1].tm, sources[0][1].shape, sources[0][1].dtype
