@@ -26,7 +26,13 @@ from megatron_dapo.config.data import DataConfig, EmbeddedTaskConfig
 from megatron_dapo.config.experiment import Config
 from megatron_dapo.config.fields import ConfigError, _FieldError
 from megatron_dapo.config.loader import from_dict, load_config, parse_override, to_dict, to_yaml
-from megatron_dapo.config.model import LoraConfig, ModelConfig, ParallelConfig, ScratchModelConfig, SFTWarmStartConfig
+from megatron_dapo.config.model import (
+    LoraConfig,
+    ModelConfig,
+    ParallelConfig,
+    ScratchModelConfig,
+    SFTWarmStartConfig,
+)
 from megatron_dapo.config.policy_loss import (
     LOSS_MODE_SPECS,
     LOSS_MODES,

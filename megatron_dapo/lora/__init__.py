@@ -2,7 +2,13 @@
 their checkpoints, merged exports and base identity (state.py), PEFT's adapter format (peft.py)."""
 
 from megatron_dapo.lora.layers import LoraModel, LoraSite, apply_lora, is_lora_param, lora_of
-from megatron_dapo.lora.state import MergedParams, base_identity, export_params, load_state, sharded_state_dict
+from megatron_dapo.lora.state import (
+    MergedParams,
+    base_identity,
+    export_params,
+    load_state,
+    sharded_state_dict,
+)
 
 __all__ = [
     "LoraModel",
