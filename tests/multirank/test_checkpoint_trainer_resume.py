@@ -32,12 +32,19 @@ def _deterministic(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(TIMING_PREFIXES) and not k.endswith("_per_s")}
 
 
-def test_kill_9_mid_run_then_resume_matches_uninterrupted_run(tmp_path: Path) -> None:
+# A LoRA run (issue 62): its checkpoints hold adapters and their optimizer state only, and the
+# KL loss's reference is its own base with adapters off; the same resume must hold.
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "algorithm.use_kl_loss=true")
+
+
+@pytest.mark.parametrize("actor", ["full", "lora"])
+def test_kill_9_mid_run_then_resume_matches_uninterrupted_run(tmp_path: Path, actor: str) -> None:
     cache = tmp_path / "cache"
     overrides = (
         f"trainer.total_training_steps={STEPS}",
         "trainer.test_freq=0",
         "trainer.val_before_train=false",
+        *(LORA if actor == "lora" else ()),
     )
 
     straight_dir = tmp_path / "straight"
@@ -80,3 +87,26 @@ def test_kill_9_mid_run_then_resume_matches_uninterrupted_run(tmp_path: Path) ->
     assert [r["step"] for r in resumed] == [r["step"] for r in straight] == list(range(1, STEPS + 1))
     assert [_deterministic(r) for r in resumed] == [_deterministic(r) for r in straight]
     assert (ckpts / "latest").read_text() == f"step_{STEPS}\n"
+    if actor == "lora":
+        _lora_checkpoint_holds_adapters_only_and_refuses_another_base(config, killed_dir, overrides, cache)
+
+
+def _lora_checkpoint_holds_adapters_only_and_refuses_another_base(config: Path, out: Path, overrides: tuple[str, ...],
+                                                                   cache: Path) -> None:
+    import json
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    step = out / "checkpoints" / f"step_{STEPS}"
+    keys = set(FileSystemReader(str(step / "dist")).read_metadata().state_dict_metadata)
+    model_keys = {k for k in keys if k.startswith("decoder.") or k.startswith("embedding.") or k.startswith("output")}
+    assert model_keys and all(k.endswith((".lora_A", ".lora_B")) for k in model_keys), sorted(model_keys)[:6]
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["lora"]["rank"] == 4 and len(manifest["lora"]["base"]["fingerprint"]) == 64
+    # Another seed initialises another scratch base: its adapters do not belong to it.
+    proc = run_trainer(config, f"trainer.output_dir={out}", *overrides, f"trainer.total_training_steps={STEPS + 1}",
+                       "trainer.seed=7", "trainer.resume=auto", cache_dir=cache)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "holds LoRA adapters of the base" in last and "has other weights" in last, last
+    assert (out / "checkpoints" / "latest").read_text() == f"step_{STEPS}\n"  # nothing lost
