@@ -43,8 +43,9 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.8", "sglang[srt]>=0.5.3,<0.6"],
         # rollout.engine=vllm on GPUs (CUDA build). CPU machines: scripts/install_vllm_cpu.sh.
         "vllm": ["vllm>=0.32,<0.33"],
+        # peft: the suite loads a LoRA run's exported adapter with it (the trainer never imports it).
         "test": ["pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100", "ruff>=0.6", "tensorboard>=2.14",
-                 "mlflow-skinny>=3.0,<4"],
+                 "mlflow-skinny>=3.0,<4", "peft>=0.17,<1"],
         # The user guide (mkdocs.yml): `mkdocs build --strict`, which the test suite runs.
         "docs": ["mkdocs==1.6.1", "mkdocs-material==9.8.2"],
         # logging.tensorboard / logging.mlflow (mlflow-skinny is MLflow's client; a file store under

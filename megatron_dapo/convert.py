@@ -323,6 +323,8 @@ def mcore_to_hf(
     pp: int = 1,
     ep: int = 1,
     device: str = "cpu",
+    peft: bool = False,
+    base: str | None = None,
 ) -> Path:
     """Export a torch_dist checkpoint (training or converted) as an HF directory; collective under torchrun.
 
@@ -336,14 +338,12 @@ def mcore_to_hf(
         pp: pipeline-parallel size to load with under torchrun.
         ep: expert-parallel size to load with under torchrun (MoE models).
         device: "cpu", "cuda" or "auto".
+        peft: a LoRA checkpoint as PEFT's adapter directory instead of merged weights.
+        base: a LoRA checkpoint's base directory; default the one its manifest names.
 
     Returns:
         The output directory.
     """
-    import torch.distributed as dist
-
-    from megatron_dapo.models.hf_writer import StreamingShardWriter, hf_specs
-
     max_bytes = parse_size(max_shard_size)
     path = resolve_checkpoint(ckpt)
     manifest = read_manifest(path)
@@ -360,8 +360,12 @@ def mcore_to_hf(
             f"checkpoint {path} holds a {saved_family!r} model but {hf_src / 'config.json'} describes a "
             f"{adapter.hf.family!r} model; pass --hf-config-from of the same family"
         )
+    if peft and not manifest.get("lora"):
+        raise CheckpointError(f"checkpoint {path} is a full model, not a LoRA run's adapters: drop --peft")
     out_dir = check_out_dir(out)
     dtype = _hf_dtype(hf_src, manifest.get("params_dtype"))
+    if manifest.get("lora"):
+        return _lora_to_hf(path, manifest, out_dir, hf_src, dtype, max_bytes, peft=peft, base=base)
     if _processes() == 1:
         _check_layout(tp, pp, ep, adapter, world=tp * pp * ep)
         return _mcore_to_hf_streaming(path, manifest, out_dir, hf_src, adapter, dtype, max_bytes)
@@ -369,6 +373,33 @@ def mcore_to_hf(
     dims = _init_layout(tp, pp, ep, adapter, device)
     model = adapter.build_model(dims, dtype=dtype, init_weights=False)
     CheckpointManager(path.parent).load(path, [model], model_family=adapter.hf.family, load_rng=False)
+    return _write_export(adapter, model, dims, out_dir, hf_src, dtype, max_bytes)
+
+
+def _lora_to_hf(path: Path, manifest: dict[str, Any], out_dir: Path, hf_src: Path, dtype: Any, max_bytes: int, *,
+                peft: bool, base: str | None) -> Path:
+    """A LoRA run's checkpoint (adapters only) on its base, in this one process (lora/export.py)."""
+    from megatron_dapo import parallel
+    from megatron_dapo.lora.export import load_lora_checkpoint, resolve_base, write_peft
+
+    if _processes() > 1:
+        raise CheckpointError(f"checkpoint {path} holds LoRA adapters, which export in one process: run "
+                              "`megatron-dapo convert mcore-to-hf` without torchrun")
+    base_dir = resolve_base(manifest, str(path), base)
+    parallel.init_distributed("cpu")
+    dims = parallel.initialize_model_parallel(1, 1)
+    adapter, model, lora = load_lora_checkpoint(path, manifest, base_dir, dims, dtype)
+    if peft:
+        return write_peft(lora, adapter.hf, out_dir, base_dir, dtype)
+    return _write_export(adapter, model, dims, out_dir, hf_src, dtype, max_bytes)
+
+
+def _write_export(adapter: Any, model: Any, dims: Any, out_dir: Path, hf_src: Path, dtype: Any, max_bytes: int
+                  ) -> Path:
+    """The loaded model's HF tensors into out_dir (rank 0 writes), with hf_src's config and tokenizer."""
+    import torch.distributed as dist
+
+    from megatron_dapo.models.hf_writer import StreamingShardWriter, hf_specs
 
     writer = None
     if dims.rank == 0:
@@ -471,6 +502,10 @@ def _add_mcore_to_hf_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size to load with (torchrun)")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size to load with (torchrun, MoE)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="cpu", help="where to run")
+    parser.add_argument("--peft", action="store_true",
+                        help="a LoRA run's checkpoint as a PEFT adapter directory (default: merged HF weights)")
+    parser.add_argument("--base", default=None,
+                        help="a LoRA run's base HF directory (default: the one its manifest names)")
 
 
 def _run_hf_to_mcore(args: argparse.Namespace) -> int:
@@ -513,6 +548,8 @@ def _run_mcore_to_hf(args: argparse.Namespace) -> int:
             pp=args.pp,
             ep=args.ep,
             device=args.device,
+            peft=args.peft,
+            base=args.base,
         )
     finally:
         parallel.destroy()

@@ -1,0 +1,119 @@
+"""A LoRA training checkpoint out as HF weights: merged (the default) or PEFT's adapter directory.
+
+The checkpoint holds adapters only (lora/state.py); the base they adapt is the directory its
+manifest names (or ``--base``), refused in one line when its fingerprint differs. Both forms
+load the base at TP 1 in this process, apply the adapters with the run's rank, alpha and
+targets, and load the saved adapters (any saved layout):
+
+- merged: every adapted weight as ``W + (alpha/r) B A`` in float32, cast to the checkpoint's
+  dtype, through the same export and shard writer as a full checkpoint's (convert.py);
+- PEFT (``--peft``): ``adapter_config.json`` and ``adapter_model.safetensors`` in PEFT's names
+  (``base_model.model.<module>.lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]). Megatron's
+  fused linears become HF's separate ones: q/k/v share linear_qkv's A and take their rows of
+  its B (de-interleaved by query group, as the weights are); gate/up share linear_fc1's A and
+  take B's two halves. ``target_modules`` lists the exact modules adapted, so PEFT adds no
+  adapter where the run had none (experts left out, pipeline-split models).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatron_dapo.checkpoint.files import CheckpointError
+from megatron_dapo.lora.layers import LoraModel, apply_lora
+from megatron_dapo.lora.state import base_identity
+
+__all__ = ["PEFT_CONFIG", "PEFT_WEIGHTS", "load_lora_checkpoint", "peft_tensors", "write_peft"]
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+_HF_MODULES = {  # megatron site suffix -> HF modules it becomes
+    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attention.linear_proj": ("self_attn.o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+
+
+def resolve_base(manifest: dict[str, Any], where: str, base: str | None) -> Path:
+    """The base directory of a LoRA checkpoint: ``base`` or the manifest's, with a matching fingerprint."""
+    saved = manifest["lora"].get("base") or {}
+    path = Path(base) if base else Path(saved.get("path", ""))
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"checkpoint {where} holds LoRA adapters of the base {saved.get('path')}, which is not an "
+                              "HF directory here: pass --base DIR with that base model")
+    if base_identity(path)["fingerprint"] != saved.get("fingerprint"):
+        raise CheckpointError(f"checkpoint {where} holds LoRA adapters of the base {saved.get('path')}, and {path} has "
+                              "other weights: pass --base DIR with the base the run trained on")
+    return path
+
+
+def load_lora_checkpoint(path: Path, manifest: dict[str, Any], base: Path, dims: Any, dtype: torch.dtype
+                         ) -> tuple[Any, Any, LoraModel]:
+    """(adapter, model, adapters) at this layout: the base loaded, the saved adapters applied."""
+    from megatron_dapo.checkpoint.manager import CheckpointManager
+    from megatron_dapo.models import adapter_for
+
+    adapter = adapter_for(base)
+    model = adapter.build_model(dims, dtype=dtype, init_weights=False)
+    adapter.load_hf(model, base, dims)
+    saved = manifest["lora"]
+    hf = adapter.hf
+    lora = apply_lora(model, rank=int(saved["rank"]), alpha=float(saved["alpha"]), dropout=0.0,
+                      targets=tuple(saved["targets"]), seed=0,
+                      expert_offset=dims.ep_rank * (hf.num_experts // dims.ep) if hf.is_moe else 0)
+    lora.base = base_identity(base)
+    CheckpointManager(path.parent).load(path, [model], model_family=hf.family, load_rng=False)
+    return adapter, model, lora
+
+
+def peft_tensors(lora: LoraModel, hf: Any) -> dict[str, torch.Tensor]:
+    """PEFT's adapter tensors of a TP 1 model's adapters (module docstring), float32 copies."""
+    from megatron_dapo.models import mapping
+
+    out: dict[str, torch.Tensor] = {}
+    for site in lora.sites:
+        if site.tp != 1:
+            raise ValueError("PEFT tensors are written from a TP 1 model")
+        prefix, sub = site.global_path.split(".", 3)[2], site.global_path.split(".", 3)[3]
+        layer = f"model.layers.{prefix}"
+        a = site.module.lora_A.detach().float()
+        b = site.module.lora_B.detach().float()
+        kind, tail = next((k, v) for k, v in _HF_MODULES.items() if sub.endswith(k))
+        owner = sub[: -len(kind)].rstrip(".")  # "", "mlp" or "mlp.experts.<E>"
+        owner = {"": "", "mlp": "mlp."}.get(owner, owner + ".")
+        if kind == "self_attention.linear_qkv":
+            tm = mapping.TensorMap(mcore_name="", hf_names=("q", "k", "v"), kind="qkv", sort_key=(0,))
+            parts = mapping.hf_from_shards(tm, [b], hf)
+        elif kind == "linear_fc1":
+            parts = [b[0], b[1]]
+        else:
+            parts = [b]
+        for module, part in zip(tail, parts, strict=True):
+            name = f"base_model.model.{layer}.{owner}{module}"
+            out[f"{name}.lora_A.weight"] = a.clone()
+            out[f"{name}.lora_B.weight"] = part.contiguous().clone()
+    return out
+
+
+def write_peft(lora: LoraModel, hf: Any, out_dir: Path, base: Path, dtype: torch.dtype) -> Path:
+    """PEFT's adapter directory of a TP 1 model's adapters, in ``dtype``."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.to(dtype) for k, v in peft_tensors(lora, hf).items()}
+    modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": lora.rank,
+        "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
+        "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+        "inference_mode": True, "modules_to_save": None,
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / PEFT_WEIGHTS), metadata={"format": "pt"})
+    (out_dir / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return out_dir
