@@ -434,7 +434,8 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
         max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
         logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,
         cp_comm_type=cfg.parallel.cp_comm_type, routing_replay=_routing_replay(cfg, adapter),
-        use_te=choose_transformer_impl(cfg.model.transformer_impl),
+        # Adapters are wired on the local spec only: auto picks it for a LoRA actor (config refuses TE's).
+        use_te=choose_transformer_impl(cfg.model.transformer_impl) and not (lora and cfg.model.lora.enabled),
         shared_prompts=cfg.trainer.shared_prompts if shared_prompts is None else shared_prompts,
         lora=cfg.model.lora if lora else None, seed=cfg.trainer.seed)
 

@@ -100,11 +100,31 @@ class Config:
             _check(r.engine != "vllm" or t.device != "cpu" or head_dim >= 32, "model.scratch.hidden_size",
                    f"head_dim {s.hidden_size}/{s.num_attention_heads}={head_dim} is below 32, which vLLM's CPU "
                    "attention does not support; raise hidden_size or lower num_attention_heads")
+        if self.model.lora.enabled:
+            self._check_lora(moe)
         p = self.parallel
         if p.context_parallel_size > 1:
             _check(t.device != "cpu", "parallel.context_parallel_size",
                    "needs Transformer Engine attention on CUDA; set it to 1 with trainer.device=cpu")
         self._check_model_shape(*self._model_shape())
+
+    def _check_lora(self, moe: str | None) -> None:
+        """model.lora pairs the actor cannot build (lora/layers.py), refused before anything starts."""
+        lora, p = self.model.lora, self.parallel
+        _check(self.model.transformer_impl != "transformer_engine", "model.lora.rank",
+               "needs megatron's local layer spec (Transformer Engine's fused linears are not wired for adapters "
+               "yet); set model.transformer_impl=local (or auto, which picks local with LoRA)")
+        _check(lora.dropout == 0 or p.tensor_model_parallel_size == 1, "model.lora.dropout",
+               "needs parallel.tensor_model_parallel_size=1 (TP ranks would draw different masks on "
+               "replicated inputs); set model.lora.dropout=0")
+        explicit = "all-linear" not in lora.target_modules
+        _check(not (explicit and "experts" in lora.targets and moe is None), "model.lora.target_modules",
+               "has experts, and the model is dense; leave experts out")
+        etp = p.expert_tensor_parallel_size or p.tensor_model_parallel_size
+        _check(moe is None or "experts" not in lora.targets or etp == 1, "model.lora.target_modules",
+               f"has experts (all-linear includes them), whose weights are split over expert_tensor_parallel_size={etp}"
+               "; adapters on split experts are not supported: set parallel.expert_tensor_parallel_size=1 or list "
+               "the targets without experts")
 
     @property
     def old_log_probs_source(self) -> Literal["recompute", "current", "rollout"]:
