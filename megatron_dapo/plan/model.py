@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from megatron_dapo.config import Config, ConfigError, ParallelConfig
 from megatron_dapo.plan.dims import ModelDims, teacher_dims
+from megatron_dapo.plan.lora import base_bytes_per_param, lora_params_per_gpu, lora_sync_bytes
 from megatron_dapo.plan.stages import stage_layers
 
 GIB = 1024**3
@@ -164,6 +165,14 @@ class Plan:
     """One MoE layer's alltoall send and receive buffers (transient, on top of the activations)."""
     teacher: ModelDims | None = None
     """The distillation teacher's dims (algorithm.distill.teacher), None without one."""
+    lora_rank: int = 0
+    """model.lora.rank (0 = full-parameter training)."""
+    lora_params_per_gpu: int = 0
+    """Adapter parameters on one GPU of the fullest stage (plan/lora.py); the base is then frozen."""
+    lora_sync_bytes: int = 0
+    """The whole model's adapters in bf16: what an adapter-only sync sends each engine."""
+    lora_base_bytes_per_param: int = 0
+    """A frozen base weight's bytes (its dtype's) with LoRA on."""
     timing: list[Line] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
 
@@ -369,6 +378,12 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
     ebpp, ebpp_formula = model_state_bytes_per_param(bf16, p.use_distributed_optimizer, edp, "EDP")
     fullest = max(stage_params(dims, tp, pp, vpad, ep, etp), key=lambda s: s.dense * bpp + s.experts * ebpp)
     states = fullest.dense * bpp + fullest.experts * ebpp
+    lora = cfg.model.lora
+    lora_params = lora_sync = 0
+    if lora.enabled:  # the base frozen (its value only), the adapters with full model states (plan/lora.py)
+        lora_params = lora_params_per_gpu(dims, rank=lora.rank, targets=lora.targets, tp=tp, pp=pp, ep=ep)
+        lora_sync = lora_sync_bytes(dims, rank=lora.rank, targets=lora.targets)
+        states = (fullest.dense + fullest.experts) * base_bytes_per_param(bf16) + lora_params * bpp
 
     # Activations of one micro-batch on the first stage (1F1B keeps PP micro-batches of
     # L/PP layers in flight there: L layers' worth in total).
@@ -428,6 +443,8 @@ def make_plan(cfg: Config, dims: ModelDims, *, nodes: int, gpus_per_node: int, h
         expert_bytes_per_param=ebpp if dims.is_moe else 0.0,
         expert_bytes_per_param_formula=ebpp_formula if dims.is_moe else "",
         moe_act_bytes_per_token_layer=moe_per_tok_layer, dispatch_bytes=dispatch, warnings=warnings,
+        lora_rank=lora.rank, lora_params_per_gpu=lora_params, lora_sync_bytes=lora_sync,
+        lora_base_bytes_per_param=base_bytes_per_param(bf16),
     )
     plan.timing = _timing(cfg, plan)
     return plan

@@ -161,6 +161,11 @@ def _actor_rows(plan: Plan) -> list[str]:
                      + (f" + {plan.act_bytes_per_token_layer:,.0f} x {dense} dense" if dense else "")
                      + f") x {mb} tokens / CP; MoE layer: k {m.num_experts_per_tok} routed copies x "
                      "(2h(ETP+1) + 6F_moe)/TP + router 7E/TP, balanced routing")
+    if plan.lora_rank:
+        base = plan.params_per_gpu + plan.expert_params_per_gpu
+        states = (f"frozen base {base:,} params x {plan.lora_base_bytes_per_param} B (no grad, no optimizer) + LoRA "
+                  f"r={plan.lora_rank} {plan.lora_params_per_gpu:,} params x {plan.bytes_per_param:.3f} B "
+                  f"({plan.bytes_per_param_formula}); adapter-only sync {_gib(plan.lora_sync_bytes)} per engine")
     rows = [
         f"  model states      {_gib(plan.model_state_bytes)}  {states}",
         f"  activations       {_gib(plan.activation_bytes)}  no recompute: {per_token}"

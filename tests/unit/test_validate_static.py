@@ -19,7 +19,7 @@ from megatron_dapo import cli
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
 # The world sizes the recipes document (their trainer.nnodes x n_gpus_per_node, the sbatch scripts').
-WORLD_SIZES = {"dapo_qwen2.5_32b.yaml": 128, "dapo_qwen3_30b_a3b.yaml": 32, "dapo_qwen2.5_7b.yaml": 8}
+WORLD_SIZES = {"dapo_qwen2.5_32b.yaml": 128, "dapo_qwen2.5_32b_lora.yaml": 8, "dapo_qwen3_30b_a3b.yaml": 32, "dapo_qwen2.5_7b.yaml": 8}
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.name for e in EXAMPLES])
