@@ -44,6 +44,7 @@ from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tok
 from megatron_dapo.device import param_dtype, release_cached_memory
 from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
 from megatron_dapo.errors import SharedUserError, UserError
+from megatron_dapo.lora.sync import AdapterSync
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
 from megatron_dapo.models.transformer_impl import choose_transformer_impl
@@ -117,6 +118,8 @@ class Run:
     """The controller's claim on output_dir (output_dir.RunLock), released by close()."""
     preempted_at: int | None = None
     """The step after which a signal stopped the run early (mark_preempted); None = not stopped."""
+    _adapter_sync: AdapterSync | None = None
+    """rollout.lora_sync=adapter: the adapter directories the engines serve (lora/sync.py)."""
 
     # ---------------------------------------------------------------- step plumbing
 
@@ -149,6 +152,11 @@ class Run:
             version: the step whose update made these weights (the start or resume step at first).
         """
         bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
+        if self.cfg.rollout.lora_sync == "adapter":  # the adapters alone, as a PEFT directory (lora/sync.py)
+            if self._adapter_sync is None:
+                self._adapter_sync = AdapterSync(self.output_dir, self.hf_dir, self.adapter.hf,
+                                                 model_dtype(self.cfg, self.dims.device))
+            return self._adapter_sync.sync(self.actor.lora, self.rollout, version)  # type: ignore[arg-type]
         if self.colocated is not None and not self._controller_feeds_colocated:
             # Each engine's own ranks feed it through shared memory (CUDA IPC on GPUs;
             # rollout/sglang/colocated.py), so every rank receives every tensor; the gathered

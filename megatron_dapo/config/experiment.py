@@ -17,7 +17,7 @@ from megatron_dapo.config.data import DataConfig
 from megatron_dapo.config.fields import ConfigError, _check, _FieldError
 from megatron_dapo.config.model import ModelConfig, ParallelConfig
 from megatron_dapo.config.reward import RewardConfig
-from megatron_dapo.config.rollout import RolloutConfig
+from megatron_dapo.config.rollout import VLLM_MAX_LORA_RANKS, RolloutConfig
 from megatron_dapo.config.tools import ToolsConfig
 from megatron_dapo.config.training import LoggingConfig, OptimConfig, TrainerConfig
 
@@ -102,6 +102,8 @@ class Config:
                    "attention does not support; raise hidden_size or lower num_attention_heads")
         if self.model.lora.enabled:
             self._check_lora(moe)
+        if r.lora_sync == "adapter":
+            self._check_adapter_sync(moe)
         p = self.parallel
         if p.context_parallel_size > 1:
             _check(t.device != "cpu", "parallel.context_parallel_size",
@@ -125,6 +127,23 @@ class Config:
                f"has experts (all-linear includes them), whose weights are split over expert_tensor_parallel_size={etp}"
                "; adapters on split experts are not supported: set parallel.expert_tensor_parallel_size=1 or list "
                "the targets without experts")
+
+    def _check_adapter_sync(self, moe: str | None) -> None:
+        """rollout.lora_sync=adapter where an engine serves LoRA adapters (vLLM 0.32 here, DESIGN.md "LoRA")."""
+        r, lora = self.rollout, self.model.lora
+        _check(lora.enabled, "rollout.lora_sync", "=adapter sends LoRA adapters, and model.lora.rank is 0; set "
+               "model.lora.rank > 0 or rollout.lora_sync=merged")
+        _check(r.engine == "vllm" and r.placement == "colocated", "rollout.lora_sync",
+               f"=adapter needs rollout.engine=vllm with rollout.placement=colocated (the server on the trainer's "
+               f"node, which loads each step's adapter directory), not engine={r.engine} placement={r.placement}; "
+               "use rollout.lora_sync=merged (every engine and placement)")
+        _check(self.trainer.max_staleness == 0, "rollout.lora_sync",
+               "=adapter swaps the served adapter between steps: set trainer.max_staleness=0, or use merged")
+        _check(lora.rank <= VLLM_MAX_LORA_RANKS[-1], "model.lora.rank",
+               f"={lora.rank} is above vLLM's largest --max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}; lower it or use "
+               "rollout.lora_sync=merged")
+        _check(moe is None, "rollout.lora_sync", f"=adapter: vLLM serves no LoRA on experts on CPU and this model is a "
+               f"mixture of experts ({moe}); use rollout.lora_sync=merged")
 
     @property
     def old_log_probs_source(self) -> Literal["recompute", "current", "rollout"]:

@@ -18,6 +18,11 @@ MAX_ENGINES = 1024
 broadcast; 1,024 is past any cluster's engine count (100,000 would start until the node gives out)."""
 
 
+VLLM_MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""vLLM 0.32's --max-lora-rank choices (config/lora.py MaxLoRARanks): the server takes the
+smallest one >= model.lora.rank."""
+
+
 @dataclass(kw_only=True, slots=True)
 class ValKwargsConfig:
     """Sampling for evaluation (the paper: avg@32 at temperature 1.0, top_p 0.7)."""
@@ -97,6 +102,10 @@ class RolloutConfig:
     """Local engine, colocated, MoE only: Gaussian noise of this std on the engine's router logits
     when it CHOOSES experts (the gates stay the clean softmax's): an engine/actor routing
     mismatch made real on a CPU, for the routing-replay experiment (docs/benchmarks.md). 0 = off."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """With model.lora: merged = the engines receive W + (alpha/r) B A (any engine, any layout);
+    adapter = only the adapters, as a PEFT directory each step that the engine serves as a LoRA
+    adapter on its base (rollout.engine=vllm with placement colocated; docs/DESIGN.md, "LoRA")."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """colocated = engines share the actor's devices and take turns with it; disaggregated = engines
     on devices of their own (on CPU: the local engine in its own process, or rollout.num_engines SGLang

@@ -27,7 +27,7 @@ from megatron_dapo.checkpoint.files import CheckpointError
 from megatron_dapo.lora.layers import LoraModel, apply_lora
 from megatron_dapo.lora.state import base_identity
 
-__all__ = ["PEFT_CONFIG", "PEFT_WEIGHTS", "load_lora_checkpoint", "peft_tensors", "write_peft"]
+__all__ = ["PEFT_CONFIG", "PEFT_WEIGHTS", "load_lora_checkpoint", "peft_from_factors", "peft_tensors", "write_peft"]
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -72,18 +72,32 @@ def load_lora_checkpoint(path: Path, manifest: dict[str, Any], base: Path, dims:
     return adapter, model, lora
 
 
-def peft_tensors(lora: LoraModel, hf: Any) -> dict[str, torch.Tensor]:
-    """PEFT's adapter tensors of a TP 1 model's adapters (module docstring), float32 copies."""
+def peft_tensors(lora: LoraModel, hf: Any, factors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """PEFT's adapter tensors (module docstring), float32 copies.
+
+    Args:
+        lora: the adapters (their sites name the modules).
+        hf: the model's parsed HF config.
+        factors: {site global path: (whole A, whole B)} of every site (sync.gather_factors); None =
+            this TP 1 model's own.
+    """
+    if factors is None:
+        if any(site.tp != 1 for site in lora.sites):
+            raise ValueError("PEFT tensors of a TP > 1 model need its gathered factors (lora/sync.py)")
+        factors = {s.global_path: (s.module.lora_A.detach(), s.module.lora_B.detach()) for s in lora.sites}
+    return peft_from_factors(factors, hf)
+
+
+def peft_from_factors(factors: dict[str, tuple[torch.Tensor, torch.Tensor]], hf: Any) -> dict[str, torch.Tensor]:
+    """PEFT's adapter tensors of whole factors by site global path (any stage's, any order)."""
     from megatron_dapo.models import mapping
 
     out: dict[str, torch.Tensor] = {}
-    for site in lora.sites:
-        if site.tp != 1:
-            raise ValueError("PEFT tensors are written from a TP 1 model")
-        prefix, sub = site.global_path.split(".", 3)[2], site.global_path.split(".", 3)[3]
+    for path in sorted(factors, key=_site_order):
+        prefix, sub = path.split(".", 3)[2], path.split(".", 3)[3]
         layer = f"model.layers.{prefix}"
-        a = site.module.lora_A.detach().float()
-        b = site.module.lora_B.detach().float()
+        a, b = (t.float() for t in factors[path])
         kind, tail = next((k, v) for k, v in _HF_MODULES.items() if sub.endswith(k))
         owner = sub[: -len(kind)].rstrip(".")  # "", "mlp" or "mlp.experts.<E>"
         owner = {"": "", "mlp": "mlp."}.get(owner, owner + ".")
@@ -101,14 +115,20 @@ def peft_tensors(lora: LoraModel, hf: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def write_peft(lora: LoraModel, hf: Any, out_dir: Path, base: Path, dtype: torch.dtype) -> Path:
-    """PEFT's adapter directory of a TP 1 model's adapters, in ``dtype``."""
+def _site_order(path: str) -> tuple[int, str]:
+    parts = path.split(".")
+    return int(parts[2]), path
+
+
+def write_peft(lora: LoraModel, hf: Any, out_dir: Path, base: Path, dtype: torch.dtype,
+               tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """PEFT's adapter directory of the adapters (``tensors``: peft_tensors' already made), in ``dtype``."""
     from safetensors.torch import save_file
 
-    tensors = {k: v.to(dtype) for k, v in peft_tensors(lora, hf).items()}
+    tensors = {k: v.to(dtype).contiguous() for k, v in (tensors if tensors is not None else peft_tensors(lora, hf)).items()}
     modules = sorted({k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0] for k in tensors})
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base), "r": lora.rank,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(Path(base).resolve()), "r": lora.rank,
         "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": modules, "bias": "none",
         "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
         "inference_mode": True, "modules_to_save": None,

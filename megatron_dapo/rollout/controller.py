@@ -201,6 +201,15 @@ class RolloutController:
                 self._each_engine(lambda engine: engine.finish_weight_update(version=version))
             self._kept.finish(version)
 
+    def load_adapter(self, directory: str, version: int) -> None:
+        """An adapter-only sync (rollout.lora_sync=adapter): every engine serves the PEFT adapter in
+        ``directory`` from now on; kept for an engine restarted later (on the base it starts from)."""
+        with self._kept.lock:
+            self._kept.begin()
+            self._each_engine(lambda engine: engine.load_adapter(directory, version))  # type: ignore[attr-defined]
+            self._kept.adapter = (directory, version)
+            self._kept.finish(version)
+
     def _each_engine(self, call: Callable[[RolloutEngine], None]) -> None:
         """Run `call` on every engine concurrently. An engine that fails it and can be restarted is
         marked and replaced before its next generation (with the kept weights, this sync's
@@ -278,6 +287,8 @@ class RolloutController:
                 for bucket in self._kept.buckets:
                     engine.update_weights(bucket)
                 engine.finish_weight_update(version=self._kept.version)
+            if self._kept.adapter is not None:  # its base is the checkpoint it starts from
+                engine.load_adapter(*self._kept.adapter)  # type: ignore[attr-defined]
             self._failed.discard(index)
 
     def _refuse_when_closing(self, engine: RolloutEngine, err: BaseException) -> None:

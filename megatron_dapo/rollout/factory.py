@@ -317,7 +317,8 @@ def _vllm_training(cfg: Config, hf_dir: Path, shared: ColocatedEngines | None, d
     return [VLLMEngine.launch(hf_dir, name="vllm0", log_path=output_dir / "engine_logs" / "vllm0.log",
                               host=r.host, device=device.type, gpu_memory_utilization=r.gpu_memory_utilization,
                               request_timeout_s=r.request_timeout_s, tensor_parallel_size=r.tensor_model_parallel_size,
-                              dtype=dtype if on_gpu else None)]
+                              dtype=dtype if on_gpu else None,
+                              lora_rank=cfg.model.lora.rank if r.lora_sync == "adapter" else 0)]
 
 
 def _vllm_eval(args: EvalEngineArgs) -> RolloutEngine:

@@ -41,6 +41,9 @@ class KeptWeights:
         """The last finished sync's buckets: what a restarted engine loads."""
         self.version: int | None = None
         """Their version."""
+        self.adapter: tuple[str, int] | None = None
+        """An adapter-only sync's last adapter (directory, version): what a restarted engine loads
+        on the base it starts from (rollout.lora_sync=adapter)."""
         self._incoming: list[Bucket] = []
         self._syncing = False
         self._sync_done = threading.Condition(self.lock)

@@ -28,6 +28,16 @@ BAD = [
      "split over expert_tensor_parallel_size=2; adapters on split experts are not supported: set "
      "parallel.expert_tensor_parallel_size=1 or list the targets without experts"),
     ("model: {lora: {rank: -1}}", "{f}: model.lora.rank=-1: must be >= 0 (0 = off)"),
+    ("rollout: {lora_sync: adapter, engine: vllm}",
+     "{f}: rollout.lora_sync=adapter sends LoRA adapters, and model.lora.rank is 0; set "
+     "model.lora.rank > 0 or rollout.lora_sync=merged"),
+    ("model: {lora: {rank: 8}}\nrollout: {lora_sync: adapter, engine: sglang}",
+     "{f}: rollout.lora_sync=adapter needs rollout.engine=vllm with rollout.placement=colocated (the "
+     "server on the trainer's node, which loads each step's adapter directory), not engine=sglang "
+     "placement=colocated; use rollout.lora_sync=merged (every engine and placement)"),
+    ("model: {lora: {rank: 600}}\nrollout: {lora_sync: adapter, engine: vllm}",
+     "{f}: model.lora.rank=600 is above vLLM's largest --max-lora-rank 512; lower it or use "
+     "rollout.lora_sync=merged"),
     ("model: {lora: {rank: 4, target_modules: [q_proj]}}",
      "{f}: model.lora.target_modules=['q_proj']: has ['q_proj']; choose among ['all-linear', 'linear_qkv', "
      "'linear_proj', 'linear_fc1', 'linear_fc2', 'experts']"),

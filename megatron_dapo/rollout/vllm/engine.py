@@ -132,6 +132,7 @@ class VLLMEngine(WeightTransfer):
         # Set by shutdown(): a relaunch in progress (restart) stops waiting for its server.
         self._stopping = threading.Event()
         self._bucket_dir = Path(tempfile.mkdtemp(prefix=f"megatron_dapo_{name}_", dir=_shared_memory_dir()))
+        self._adapter: str | None = None  # the LoRA adapter requests name (load_adapter)
 
     @classmethod
     def launch(
@@ -140,7 +141,7 @@ class VLLMEngine(WeightTransfer):
         gpu_memory_utilization: float = 0.7, vocab_size: int | None = None, request_timeout_s: float = 3600.0,
         startup_timeout_s: float = 900.0, broadcast: bool = False, env: dict[str, str] | None = None,
         launcher: Sequence[str] = (), stop: threading.Event | None = None, tensor_parallel_size: int = 1,
-        dtype: str | None = None,
+        dtype: str | None = None, lora_rank: int = 0,
     ) -> VLLMEngine:
         """Start a server on this node, wait until it answers, and open its weight-transfer API.
 
@@ -166,6 +167,7 @@ class VLLMEngine(WeightTransfer):
             tensor_parallel_size: a GPU server's GPUs (the first ones CUDA_VISIBLE_DEVICES shows it:
                 `env` sets them beside the trainer, its srun step on a node of its own).
             dtype: a GPU server's weight dtype ("bfloat16"); None = the checkpoint's.
+            lora_rank: > 0 serves LoRA adapters up to this rank (load_adapter; rollout.lora_sync=adapter).
 
         Returns:
             A healthy engine that owns its server process.
@@ -184,10 +186,13 @@ class VLLMEngine(WeightTransfer):
         api_key = secrets.token_hex(16)
         command = build_launch_command(model_path, host=host, port=port, device=device,
                                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                                       broadcast=broadcast, tensor_parallel_size=tensor_parallel_size, dtype=dtype)
+                                       broadcast=broadcast, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                       lora_rank=lora_rank)
         # The RL endpoints (weights, abort) are vLLM's development routes; the key is in the
         # environment (owner-readable), not on the command line (every user's `ps`).
         extra = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_API_KEY": api_key}
+        if lora_rank > 0:  # /v1/load_lora_adapter and /v1/unload_lora_adapter exist only with it
+            extra["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
         if device == "cpu":
             extra["VLLM_CPU_KVCACHE_SPACE"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
         if broadcast:
@@ -214,7 +219,8 @@ class VLLMEngine(WeightTransfer):
                                 max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
                                 vocab_size=vocab_size, request_timeout_s=request_timeout_s,
                                 startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env,
-                                launcher=tuple(launcher), tensor_parallel_size=tensor_parallel_size, dtype=dtype)
+                                launcher=tuple(launcher), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                lora_rank=lora_rank)
         return engine
 
     @property
@@ -267,7 +273,12 @@ class VLLMEngine(WeightTransfer):
             self._raise_if_dead(grace_s=exit_grace_s)
             raise EngineError(f"vLLM engine {self.name}: {method} {url} failed: {err}; "
                               f"server log: {self.process.log_path}") from err
-        return json.loads(body) if body.strip() else None
+        if not body.strip():
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:  # vLLM's LoRA routes answer plain text ("Success: ...")
+            return body.decode(errors="replace")
 
     def _post(self, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         return self._call("POST", path, payload if payload is not None else {}, timeout_s=timeout_s)
@@ -329,9 +340,26 @@ class VLLMEngine(WeightTransfer):
             sampling["seed"] = response_seed(params.seed, prompt_index * params.n + sample_index)
         payload = {"request_id": f"{self.name}-{call_id}-{prompt_index}-{sample_index}",
                    "token_ids": list(prompt), "sampling_params": sampling}
+        if self._adapter is not None:  # the policy is the base plus this adapter (load_adapter)
+            payload["model"] = self._adapter
         # Not retried: a resent request would generate twice; a dead server is reported instead.
         answer = self._post("/inference/v1/generate", payload, timeout_s=self._request_timeout_s)
         return parse_choice(answer, prompt_index=prompt_index, sample_index=sample_index, engine=self.name)
+
+    def load_adapter(self, directory: str | Path, version: int) -> None:
+        """Serve the PEFT adapter in ``directory`` from now on (rollout.lora_sync=adapter).
+
+        It is loaded under a new name (``policy-v<version>``: vLLM refuses a loaded name, and its
+        prefix cache keys on the adapter), then the previous one is unloaded; requests name the
+        new one. A restarted server starts with the base only: the controller loads it again.
+        """
+        name = f"policy-v{version}"
+        if name == self._adapter:
+            return
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)})
+        previous, self._adapter = self._adapter, name
+        if previous is not None:
+            self._post("/v1/unload_lora_adapter", {"lora_name": previous})
 
     def release_memory(self) -> None:
         """GPU: put the server to sleep (weights and KV cache freed). CPU: nothing to free."""

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_dapo.config.rollout import VLLM_MAX_LORA_RANKS
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.fleet.cores import server_cores
 from megatron_dapo.rollout.vllm.weights import BROADCAST_BACKEND, SHM_BACKEND
@@ -31,7 +32,7 @@ AUTH_MIDDLEWARE = "megatron_dapo.rollout.vllm.auth.RequireKey"
 def build_launch_command(
     model_path: str | Path, *, host: str, port: int, device: str, max_model_len: int | None = None,
     gpu_memory_utilization: float = 0.7, python: str | None = None, broadcast: bool = False,
-    tensor_parallel_size: int = 1, dtype: str | None = None,
+    tensor_parallel_size: int = 1, dtype: str | None = None, lora_rank: int = 0,
 ) -> list[str]:
     """The argv of a vLLM server for rollouts (its key goes in the environment: server_env_for_key).
 
@@ -48,6 +49,8 @@ def build_launch_command(
         tensor_parallel_size: the server's GPUs (GPU only; they are the ones CUDA_VISIBLE_DEVICES
             shows it, in order).
         dtype: GPU only: the weights' dtype ("bfloat16"); None = the checkpoint's (vLLM's "auto").
+        lora_rank: > 0 serves LoRA adapters of up to this rank, loaded at run time
+            (rollout.lora_sync=adapter; the routes need VLLM_ALLOW_RUNTIME_LORA_UPDATING=1).
 
     Returns:
         The command list.
@@ -65,6 +68,10 @@ def build_launch_command(
     ]  # fmt: skip
     if max_model_len is not None:
         command += ["--max-model-len", str(max_model_len)]
+    if lora_rank > 0:
+        # Two adapters at once: the next version is loaded before the previous one is dropped.
+        rank = next(r for r in VLLM_MAX_LORA_RANKS if r >= lora_rank)
+        command += ["--enable-lora", "--max-lora-rank", str(rank), "--max-loras", "2", "--max-cpu-loras", "2"]
     if device == "cpu":
         # fp32 like the CPU actor (log-prob parity); eager: no compile time for a tiny model.
         # No chunked prefill: for a seeded request whose prefill is split over steps, vLLM 0.32
