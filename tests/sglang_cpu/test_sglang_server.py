@@ -11,6 +11,7 @@ was fixed (the abort test: requests sent after an abort ran to full length). Mul
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -194,29 +195,38 @@ def test_a_bad_payload_is_refused_before_it_is_sent(engine, checkpoints, weights
     assert engine.health()
 
 
+def decode_lines(engine: SGLangEngine) -> int:
+    """How many "Decode batch" lines the server has logged (one per 40 decode steps of its scheduler)."""
+    return Path(engine.log_path).read_text(errors="replace").count("Decode batch")
+
+
+def wait_decoding(engine: SGLangEngine, since: int, thread: threading.Thread) -> None:
+    """Until the server logs a decode batch after its `since`-th: the request `thread` sent decodes there."""
+    deadline = time.monotonic() + 120
+    while decode_lines(engine) <= since:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server logged no decode batch"
+        time.sleep(0.05)
+
+
 def _long_generate(engine: SGLangEngine, out: dict, max_new_tokens: int = 3000) -> threading.Thread:
+    """engine.generate of two long rows in a thread; returns once the server decodes them."""
+    since = decode_lines(engine)
+
     def run() -> None:
         try:
             out["results"] = engine.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=max_new_tokens, seed=3))
         except BaseException as err:
             out["error"] = err
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    wait_decoding(engine, since, thread)
     return thread
-
-
-def _wait_in_flight(engine: SGLangEngine) -> None:
-    deadline = time.monotonic() + 30
-    while not engine.num_in_flight and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)  # registered and decoding on the server
 
 
 def test_the_state_guard_refuses_what_a_released_server_dies_of(engine, weights_a):
     out: dict = {}
     thread = _long_generate(engine, out)
-    _wait_in_flight(engine)
     with pytest.raises(EngineError, match=r"release_memory while 1 generate call\(s\) run"):
         engine.release_memory()
     engine.abort()
@@ -239,7 +249,6 @@ def test_abort_stops_what_runs_and_what_is_sent_after_it_until_cleared(engine, w
     """SGLang's abort reaches only what is queued or running: the next request ran to full length."""
     out: dict = {}
     thread = _long_generate(engine, out)
-    _wait_in_flight(engine)
     engine.abort()
     thread.join(timeout=60)
     assert {r.finish_reason for r in out["results"]} == {"abort"}
@@ -293,6 +302,40 @@ def test_episodes_on_sglang_are_token_exact(engine, checkpoints, weights_a):
     streamed = check_streamed_episodes(RolloutController([engine]), checkpoints[0], vocab_size=SHAPE["vocab_size"])
     assert out["policy_gap"] < 1e-4 and out["tool_tokens"] > 0 and out["turns_max"] >= 2, out
     assert streamed["policy_gap"] < 1e-4 and streamed["cut"] > 0, streamed
+
+
+def test_a_server_that_stops_answering_mid_generate_is_abandoned_after_its_health_checks(engine, weights_a,
+                                                                                          monkeypatch):
+    """Issue 59: the real server's processes (HTTP front end, scheduler, detokenizer) SIGSTOPped
+    while it decodes a /generate, as a wedged server or a lost node looks (connections are
+    accepted, nothing answers). The call gives up after its health checks with one line naming
+    the engine, the probe and the log, instead of holding the controller, and every rank, until
+    request_timeout_s (an hour by default, 600 s here). SIGCONT then: the server serves the
+    module's later tests. (vLLM's: tests/vllm_cpu/test_vllm_engine.py; on a fake server:
+    tests/unit/test_rollout_sglang_death.py.)"""
+    monkeypatch.setattr(engine, "_health_check_interval_s", 2.0)
+    monkeypatch.setattr(engine, "_health_check_failures", 3)
+    monkeypatch.setattr(engine, "_request_timeout_s", 600.0)
+    pgid = engine.process.pid
+    out: dict = {}
+    thread = _long_generate(engine, out)
+    try:
+        os.killpg(pgid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        thread.join(timeout=120)
+        elapsed = time.monotonic() - stopped
+        assert not thread.is_alive(), "generate still waits 120 s after the server stopped answering"
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    message = str(out.get("error"))
+    assert isinstance(out.get("error"), EngineError), out
+    assert message.startswith("SGLang engine sglang0: /generate abandoned after "), message
+    assert f"{engine.base_url}/health_generate failed 3 times in a row meanwhile" in message, message
+    assert message.endswith(f"; server log: {engine.log_path}") and "\n" not in message, message
+    # 3 checks of 2 s each, 2 s apart, and the server's first answers under load: far below 600 s.
+    assert elapsed < 40, elapsed
+    engine.abort()  # the abandoned rows decode on after SIGCONT (weights_a clears the abort)
+    assert engine.health()
 
 
 def test_the_eval_commands_sglang_engine_starts_on_cpu(checkpoints, tmp_path, caplog):

