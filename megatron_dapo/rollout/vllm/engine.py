@@ -383,21 +383,6 @@ class VLLMEngine(WeightTransfer):
         answer = self._post("/inference/v1/generate", payload, timeout_s=self._request_timeout_s)
         return parse_choice(answer, prompt_index=prompt_index, sample_index=sample_index, engine=self.name)
 
-    def load_adapter(self, directory: str | Path, version: int) -> None:
-        """Serve the PEFT adapter in ``directory`` from now on (rollout.lora_sync=adapter).
-
-        It is loaded under a new name (``policy-v<version>``: vLLM refuses a loaded name, and its
-        prefix cache keys on the adapter), then the previous one is unloaded; requests name the
-        new one. A restarted server starts with the base only: the controller loads it again.
-        """
-        name = f"policy-v{version}"
-        if name == self._adapter:
-            return
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)})
-        previous, self._adapter = self._adapter, name
-        if previous is not None:
-            self._post("/v1/unload_lora_adapter", {"lora_name": previous})
-
     def release_memory(self) -> None:
         """GPU: put the server to sleep (weights and KV cache freed). CPU: nothing to free."""
         if self._sleep_mode:

@@ -52,6 +52,8 @@ class WeightTransfer:
     _updating: bool
     _paused: bool
     _bucket_dir: Path
+    _adapter: str | None
+    """The LoRA adapter requests name (load_adapter), None = the base."""
 
     def _post(self, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         raise NotImplementedError  # VLLMEngine
@@ -114,6 +116,23 @@ class WeightTransfer:
             self._paused = True
         self._post("/start_weight_update")
         self._updating = True
+
+    # ------------------------------------------------------------------ LoRA adapters (rollout.lora_sync=adapter)
+
+    def load_adapter(self, directory: str | Path, version: int) -> None:
+        """Serve the PEFT adapter in ``directory`` from now on (rollout.lora_sync=adapter).
+
+        It is loaded under a new name (``policy-v<version>``: vLLM refuses a loaded name, and its
+        prefix cache keys on the adapter), then the previous one is unloaded; requests name the
+        new one. A restarted server starts with the base only: the controller loads it again.
+        """
+        name = f"policy-v{version}"
+        if name == self._adapter:
+            return
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)})
+        previous, self._adapter = self._adapter, name
+        if previous is not None:
+            self._post("/v1/unload_lora_adapter", {"lora_name": previous})
 
     # ------------------------------------------------------------------ a fleet member (FleetMember)
 
