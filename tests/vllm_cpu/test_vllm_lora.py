@@ -18,8 +18,8 @@ import pytest
 from tiers import requires, vllm_missing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from test_vllm_train import ANSWERED, SHORT
-from trainer_utils import REPO, kill_engine_when, read_rows, step_logged, train_command, trainer_env
+from test_vllm_train import SHORT, kill_while_step_2_generates
+from trainer_utils import REPO, read_rows, train_command
 
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e, *requires(vllm_missing())]
 
@@ -32,18 +32,7 @@ def test_adapter_only_sync_serves_the_actors_policy_through_a_restart(tmp_path):
                             "trainer.total_training_steps=3")
     log = tmp_path / "trainer.log"
     engine_log = out / "engine_logs" / "vllm0.log"
-    after_step_1 = step_logged(out, 1)
-    answered: list[int] = []
-
-    def generating_step_2() -> bool:
-        if not answered:
-            if not after_step_1():
-                return False
-            answered.append(engine_log.read_text(errors="replace").count(ANSWERED))
-        return engine_log.read_text(errors="replace").count(ANSWERED) > answered[0]
-
-    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, generating_step_2,
-                            marker="vllm.entrypoints.openai.api_server", timeout_s=900)
+    code = kill_while_step_2_generates(command, tmp_path, out)
     assert code == 0, log.read_text()[-4000:]
     rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]

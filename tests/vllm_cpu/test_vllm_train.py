@@ -40,11 +40,9 @@ ANSWERED = '/inference/v1/generate HTTP/1.1" 200'
 """vLLM's access log line of one answered request."""
 
 
-def test_a_vllm_server_killed_mid_generation_costs_a_restart_and_the_gap_stays_at_float32_level(tmp_path):
-    out = tmp_path / "run"
-    command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, f"trainer.output_dir={out}",
-                            "trainer.total_training_steps=3")
-    log = tmp_path / "trainer.log"
+def kill_while_step_2_generates(command: list[str], tmp_path: Path, out: Path) -> int:
+    """Run the trainer and SIGKILL its vLLM server once step 1 is logged and one of step 2's
+    requests was answered (the rest in flight); the trainer's exit code."""
     engine_log = out / "engine_logs" / "vllm0.log"
     after_step_1 = step_logged(out, 1)
     answered: list[int] = []
@@ -56,8 +54,17 @@ def test_a_vllm_server_killed_mid_generation_costs_a_restart_and_the_gap_stays_a
             answered.append(engine_log.read_text(errors="replace").count(ANSWERED))
         return engine_log.read_text(errors="replace").count(ANSWERED) > answered[0]
 
-    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, generating_step_2,
+    return kill_engine_when(command, trainer_env(tmp_path / "cache"), tmp_path / "trainer.log", generating_step_2,
                             marker="vllm.entrypoints.openai.api_server", timeout_s=900)
+
+
+def test_a_vllm_server_killed_mid_generation_costs_a_restart_and_the_gap_stays_at_float32_level(tmp_path):
+    out = tmp_path / "run"
+    command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, f"trainer.output_dir={out}",
+                            "trainer.total_training_steps=3")
+    log = tmp_path / "trainer.log"
+    engine_log = out / "engine_logs" / "vllm0.log"
+    code = kill_while_step_2_generates(command, tmp_path, out)
     assert code == 0, log.read_text()[-4000:]
     rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]  # no step repeated, none lost
