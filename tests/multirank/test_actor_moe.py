@@ -42,7 +42,7 @@ AUX_ROWS, AUX_LEN = 3, 10
 
 
 def _worker(layouts: list[tuple[int, int, int]], directory: str, old: torch.Tensor, ref: torch.Tensor,
-            save_to: str | None = None, resume_from: str | None = None) -> dict:
+            save_to: str | None = None, resume_from: str | None = None, lora_rank: int = 0) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_dapo import parallel
@@ -50,7 +50,7 @@ def _worker(layouts: list[tuple[int, int, int]], directory: str, old: torch.Tens
     from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
     from megatron_dapo.algo import LossSettings
     from megatron_dapo.checkpoint.manager import CheckpointManager
-    from megatron_dapo.config import OptimConfig
+    from megatron_dapo.config import LoraConfig, OptimConfig
     from megatron_dapo.models import adapter_for
 
     parallel.init_distributed(os.environ["MEGATRON_DAPO_TEST_DEVICE"])
@@ -67,7 +67,8 @@ def _worker(layouts: list[tuple[int, int, int]], directory: str, old: torch.Tens
         def actor(config: OptimizerConfig, dims=dims) -> MegatronActor:
             return MegatronActor(adapter=adapter, dims=dims, optimizer_config=config, hf_checkpoint=directory,
                                  max_tokens_per_microbatch=BUDGET, logprob_chunk_size=7,
-                                 sequence_parallel=dims.tp > 1)
+                                 sequence_parallel=dims.tp > 1,
+                                 lora=LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None, seed=5)
 
         def export(a: MegatronActor, dims=dims) -> dict[str, torch.Tensor] | None:
             # Copies: without a TP/PP gather export_hf yields views of the parameters, which the
@@ -178,6 +179,26 @@ def test_ep2_and_checkpoint_resumes_at_ep1(setup: dict) -> None:
     assert all(torch.equal(r["resumed_weights"][n], ep2["adam_weights"][n]) for n in ep2["adam_weights"]
                if ".experts." in n)
     # The optimizer state came along: the next step is the uninterrupted run's.
+    err = max(_rel(r["second_step_weights"][n], ep2["second_step_weights"][n]) for n in ep2["adam_weights"])
+    assert err < 1e-5, err
+
+
+def test_lora_on_experts_at_ep2_equals_ep1_and_its_checkpoint_resumes_at_ep1(setup: dict) -> None:
+    """Adapters on every expert (issue 62): an EP owner's experts' adapters, their expert-parallel
+    gradients and checkpoint keys (global expert numbers, expert-data-parallel replicas)."""
+    args = (setup["dir"], setup["hf"]["old"], setup["hf"]["ref"])
+    ckpt = str(Path(setup["ckpt"]).parent / "lora_ckpt")
+    (one,) = run_distributed(_worker, 1, [(1, 1, 1)], *args, None, None, 4)
+    out = run_distributed(_worker, 2, [(1, 1, 2)], *args, ckpt, None, 4, timeout_s=300)
+    (resumed,) = run_distributed(_worker, 1, [(1, 1, 1)], *args, None, ckpt, 4)
+    one, ep2, r = one[(1, 1, 1)], out[0][(1, 1, 2)], resumed[(1, 1, 1)]
+    moved = [n for n in one["adam_weights"] if ".experts." in n and
+             not torch.equal(one["adam_weights"][n], one["second_step_weights"][n])]
+    assert moved, "the experts' adapters did not move"
+    for key in ("adam_weights", "second_step_weights", "sgd_weights"):
+        err = max(_rel(ep2[key][n], one[key][n]) for n in one[key])
+        assert err < 1e-5, (key, err)
+    assert max(_rel(r["resumed_weights"][n], ep2["adam_weights"][n]) for n in ep2["adam_weights"]) < 1e-7
     err = max(_rel(r["second_step_weights"][n], ep2["second_step_weights"][n]) for n in ep2["adam_weights"])
     assert err < 1e-5, err
 
