@@ -364,8 +364,14 @@ def mcore_to_hf(
         raise CheckpointError(f"checkpoint {path} is a full model, not a LoRA run's adapters: drop --peft")
     out_dir = check_out_dir(out)
     dtype = _hf_dtype(hf_src, manifest.get("params_dtype"))
-    if manifest.get("lora"):
-        return _lora_to_hf(path, manifest, out_dir, hf_src, dtype, max_bytes, peft=peft, base=base)
+    if manifest.get("lora"):  # adapters only, on their base (lora/export.py)
+        from megatron_dapo.lora.export import export_lora_checkpoint
+
+        if _processes() > 1:
+            raise CheckpointError(f"checkpoint {path} holds LoRA adapters, which export in one process: run "
+                                  "`megatron-dapo convert mcore-to-hf` without torchrun")
+        adapter, model, dims = export_lora_checkpoint(path, manifest, out_dir, dtype, peft=peft, base=base)
+        return out_dir if peft else _write_export(adapter, model, dims, out_dir, hf_src, dtype, max_bytes)
     if _processes() == 1:
         _check_layout(tp, pp, ep, adapter, world=tp * pp * ep)
         return _mcore_to_hf_streaming(path, manifest, out_dir, hf_src, adapter, dtype, max_bytes)
@@ -373,24 +379,6 @@ def mcore_to_hf(
     dims = _init_layout(tp, pp, ep, adapter, device)
     model = adapter.build_model(dims, dtype=dtype, init_weights=False)
     CheckpointManager(path.parent).load(path, [model], model_family=adapter.hf.family, load_rng=False)
-    return _write_export(adapter, model, dims, out_dir, hf_src, dtype, max_bytes)
-
-
-def _lora_to_hf(path: Path, manifest: dict[str, Any], out_dir: Path, hf_src: Path, dtype: Any, max_bytes: int, *,
-                peft: bool, base: str | None) -> Path:
-    """A LoRA run's checkpoint (adapters only) on its base, in this one process (lora/export.py)."""
-    from megatron_dapo import parallel
-    from megatron_dapo.lora.export import load_lora_checkpoint, resolve_base, write_peft
-
-    if _processes() > 1:
-        raise CheckpointError(f"checkpoint {path} holds LoRA adapters, which export in one process: run "
-                              "`megatron-dapo convert mcore-to-hf` without torchrun")
-    base_dir = resolve_base(manifest, str(path), base)
-    parallel.init_distributed("cpu")
-    dims = parallel.initialize_model_parallel(1, 1)
-    adapter, model, lora = load_lora_checkpoint(path, manifest, base_dir, dims, dtype)
-    if peft:
-        return write_peft(lora, adapter.hf, out_dir, base_dir, dtype)
     return _write_export(adapter, model, dims, out_dir, hf_src, dtype, max_bytes)
 
 

@@ -63,7 +63,7 @@ from megatron_dapo.actor.settings import LRSchedule, make_optimizer_config
 from megatron_dapo.actor.shared_layout import build_shared_microbatch, prompt_groups, uses_shared_prompts
 from megatron_dapo.algo.objective import LossSettings, objective_metrics, policy_objective
 from megatron_dapo.config.model import LoraConfig
-from megatron_dapo.lora import LoraModel, apply_lora, base_identity
+from megatron_dapo.lora import add_adapters
 from megatron_dapo.models import ModelAdapter, unwrap_model
 from megatron_dapo.models.shared_prompts import token_positions
 from megatron_dapo.models.transformer_impl import te_available
@@ -177,7 +177,7 @@ class MegatronActor:
         if hf_checkpoint is not None:
             adapter.load_hf(model, hf_checkpoint, dims)  # before the optimizer copies fp32 masters
         # Adapters after the base is loaded and before DDP and the optimizer, which then hold them alone.
-        self.lora = _add_adapters(model, lora, adapter, dims, use_te=use_te, seed=seed, base=hf_checkpoint) \
+        self.lora = add_adapters(model, lora, adapter.hf, dims, use_te=use_te, seed=seed, base=hf_checkpoint) \
             if lora is not None and lora.enabled else None
         config = model.config
         if config.calculate_per_token_loss:
@@ -500,30 +500,6 @@ class MegatronActor:
         if self.router_stats is not None:
             metrics.update(self.router_stats.metrics())  # moe/*: actor/moe_metrics.py
         return metrics
-
-
-def _add_adapters(model: Any, lora: LoraConfig, adapter: ModelAdapter, dims: ParallelDims, *, use_te: bool,
-                  seed: int, base: str | Path | None) -> LoraModel:
-    """model.lora's adapters on this stage, after refusing what they cannot do (one line each)."""
-    hf = adapter.hf
-    targets = lora.targets
-    if use_te:
-        raise ValueError("model.lora: adapters are built on megatron's local layer spec only (Transformer Engine's "
-                         "fused linears are not wired yet); set model.transformer_impl=local")
-    if lora.dropout and dims.tp > 1:
-        raise ValueError(f"model.lora.dropout={lora.dropout} with tensor_model_parallel_size={dims.tp}: the TP ranks' "
-                         "dropout masks would differ on replicated inputs; set model.lora.dropout=0")
-    explicit = "all-linear" not in lora.target_modules
-    if explicit and "experts" in targets and not hf.is_moe:
-        raise ValueError("model.lora.target_modules has experts, and this model is dense; leave it out")
-    if explicit and hf.is_moe and len(hf.moe_layers) == hf.num_layers and {"linear_fc1", "linear_fc2"} & set(targets):
-        raise ValueError("model.lora.target_modules has linear_fc1/linear_fc2, and every layer of this model is an MoE "
-                         "layer (no dense MLP): use experts")
-    expert_offset = dims.ep_rank * (hf.num_experts // dims.ep) if hf.is_moe else 0
-    adapters = apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=targets, seed=seed,
-                          expert_offset=expert_offset)
-    adapters.base = base_identity(base) if base is not None else None
-    return adapters
 
 
 def _scatter_rows(out: torch.Tensor, mb: MicroBatch, values: torch.Tensor) -> None:

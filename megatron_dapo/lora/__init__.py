@@ -1,6 +1,7 @@
 """LoRA on the Megatron actor (model.lora): adapters on tensor-parallel linears (layers.py),
 their checkpoints, merged exports and base identity (state.py), PEFT's adapter format (peft.py)."""
 
+from megatron_dapo.lora.build import add_adapters
 from megatron_dapo.lora.layers import LoraModel, LoraSite, apply_lora, is_lora_param, lora_of
 from megatron_dapo.lora.state import (
     MergedParams,
@@ -14,6 +15,7 @@ __all__ = [
     "LoraModel",
     "LoraSite",
     "MergedParams",
+    "add_adapters",
     "apply_lora",
     "base_identity",
     "export_params",

@@ -27,7 +27,7 @@ from megatron_dapo.checkpoint.files import CheckpointError
 from megatron_dapo.lora.layers import LoraModel, apply_lora
 from megatron_dapo.lora.state import base_identity
 
-__all__ = ["PEFT_CONFIG", "PEFT_WEIGHTS", "load_lora_checkpoint", "peft_from_factors", "peft_tensors", "write_peft"]
+__all__ = ["PEFT_CONFIG", "PEFT_WEIGHTS", "export_lora_checkpoint", "load_lora_checkpoint", "peft_from_factors", "peft_tensors", "write_peft"]
 
 PEFT_CONFIG = "adapter_config.json"
 PEFT_WEIGHTS = "adapter_model.safetensors"
@@ -70,6 +70,21 @@ def load_lora_checkpoint(path: Path, manifest: dict[str, Any], base: Path, dims:
     lora.base = base_identity(base)
     CheckpointManager(path.parent).load(path, [model], model_family=hf.family, load_rng=False)
     return adapter, model, lora
+
+
+def export_lora_checkpoint(path: Path, manifest: dict[str, Any], out_dir: Path, dtype: torch.dtype, *, peft: bool,
+                           base: str | None) -> tuple[Any, Any, Any]:
+    """A LoRA checkpoint loaded onto its base at TP 1 in this process; with ``peft`` its PEFT
+    directory written to ``out_dir``. Returns (adapter, model, dims) for the merged export."""
+    from megatron_dapo import parallel
+
+    base_dir = resolve_base(manifest, str(path), base)
+    parallel.init_distributed("cpu")
+    dims = parallel.initialize_model_parallel(1, 1)
+    adapter, model, lora = load_lora_checkpoint(path, manifest, base_dir, dims, dtype)
+    if peft:
+        write_peft(lora, adapter.hf, out_dir, base_dir, dtype)
+    return adapter, model, dims
 
 
 def peft_tensors(lora: LoraModel, hf: Any, factors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
