@@ -128,7 +128,9 @@ class LoraConfig:
     dropout: float = 0.0
     """Dropout on the adapter's input in training (tensor_model_parallel_size 1 only)."""
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    """Which linears get adapters: names of LORA_TARGETS, or ["all-linear"]."""
+    """Which linears get adapters (megatron's names): linear_qkv (attention's fused q/k/v),
+    linear_proj (attention's output), linear_fc1 (the dense MLP's fused gate/up), linear_fc2 (its
+    down), experts (every routed expert's fc1 and fc2); or ["all-linear"], all of them."""
 
     def __post_init__(self) -> None:
         _check(self.rank >= 0, "rank", "must be >= 0 (0 = off)")
