@@ -47,7 +47,7 @@ from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.lora.sync import AdapterSync
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
-from megatron_dapo.models.transformer_impl import choose_transformer_impl
+from megatron_dapo.models.transformer_impl import choose_transformer_impl, te_available
 from megatron_dapo.output_dir import RunLock, check_output_dir, prepare_output_dir
 from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
 from megatron_dapo.rollout.controller import RolloutController
@@ -431,6 +431,9 @@ def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parall
     """
     dtype = model_dtype(cfg, dims.device)
     optim = optim or cfg.optim
+    if lora and cfg.model.lora.enabled and cfg.model.transformer_impl == "auto" and te_available():
+        logger.warning("model.lora: the actor is built on megatron's local layer spec, not Transformer Engine's "
+                       "(adapters are wired on the local spec; packed micro-batches and TE's fused kernels are off)")
     decay_steps = optim.lr_decay_steps if optim.lr_decay_steps is not None else cfg.optimizer_steps
     return MegatronActor(
         adapter=adapter, dims=dims,

@@ -116,6 +116,9 @@ class Config:
         _check(self.model.transformer_impl != "transformer_engine", "model.lora.rank",
                "needs megatron's local layer spec (Transformer Engine's fused linears are not wired for adapters "
                "yet); set model.transformer_impl=local (or auto, which picks local with LoRA)")
+        _check(p.context_parallel_size == 1, "model.lora.rank",
+               f"needs parallel.context_parallel_size=1, not {p.context_parallel_size}: context parallelism runs on "
+               "Transformer Engine's attention, and adapters on megatron's local layer spec")
         _check(lora.dropout == 0 or p.tensor_model_parallel_size == 1, "model.lora.dropout",
                "needs parallel.tensor_model_parallel_size=1 (TP ranks would draw different masks on "
                "replicated inputs); set model.lora.dropout=0")

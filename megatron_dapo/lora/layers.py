@@ -232,7 +232,12 @@ def apply_lora(gpt: Any, *, rank: int, alpha: float, dropout: float, targets: tu
         b_shape = (2, out_local // 2, rank) if gated else (out_local, rank)
         module.lora_A = torch.nn.Parameter(a.contiguous().to(weight.dtype).to(weight.device))
         module.lora_B = torch.nn.Parameter(torch.zeros(b_shape, dtype=weight.dtype, device=weight.device))
-        if tp > 1:
+        if expert:
+            # As megatron marks the base experts' weights (tensor_parallel/layers.py): the grad norm
+            # counts them on every rank, each rank holding its own experts (or their own shards).
+            set_tensor_model_parallel_attributes(module.lora_A, True, 1, 1)
+            set_tensor_model_parallel_attributes(module.lora_B, True, 1 if gated else 0, 1)
+        elif tp > 1:
             if kind == "column":
                 set_tensor_model_parallel_attributes(module.lora_B, True, 1 if gated else 0, 1)
             else:
@@ -247,8 +252,20 @@ def apply_lora(gpt: Any, *, rank: int, alpha: float, dropout: float, targets: tu
     lora = LoraModel(sites, rank=rank, alpha=alpha, dropout=dropout, targets=targets)
     for site in sites:
         site.module.register_forward_hook(_hook(site, lora))
+    if getattr(gpt, "pre_process", False):
+        # The frozen embedding's output needs no gradient, so under activation recompute
+        # megatron's CheckpointFunction (tensor_parallel/random.py) would return outputs that
+        # need none either, and no adapter would train: the first stage's layer input asks for
+        # one (PEFT's enable_input_require_grads). Later stages receive theirs from the schedule.
+        gpt.embedding.register_forward_hook(_input_requires_grad)
     setattr(gpt, _ATTR, lora)
     return lora
+
+
+def _input_requires_grad(module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    if torch.is_grad_enabled() and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
 
 
 def _hook(site: LoraSite, lora: LoraModel) -> Any:

@@ -73,6 +73,8 @@ class MergedParams(Mapping[str, torch.Tensor]):
     def __init__(self, gpt: Any, lora: LoraModel) -> None:
         self._params = {n: p for n, p in gpt.named_parameters() if not is_lora_param(n)}
         self._lora = lora
+        self.base: Mapping[str, torch.Tensor] = self._params
+        """The base parameters as they are: shapes and dtypes (the merged ones have W's) without merging."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         param = self._params[name]

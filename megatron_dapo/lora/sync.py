@@ -82,6 +82,8 @@ class AdapterSync:
         self.root = root / ADAPTERS_DIR
         self.base, self.hf, self.dtype = base, hf, dtype
         self.current: Path | None = None
+        # A run killed earlier left its directories; the engines start from the base, nothing serves them.
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def write(self, lora: LoraModel, factors: dict[str, tuple[torch.Tensor, torch.Tensor]], version: int) -> Path:
         """This version's PEFT directory (written to a temporary name, then renamed: complete or absent)."""

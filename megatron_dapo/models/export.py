@@ -179,7 +179,9 @@ def export_to_controller(
             if dims.rank == receiver:
                 yield item
         return
-    mine = (dims.pp_rank, [_describe(tm, params[tm.mcore_name], dims) for tm in local])
+    # Shapes and dtypes only: a LoRA model's merged view (lora/state.py) would merge each weight to describe it.
+    plain = getattr(params, "base", params)
+    mine = (dims.pp_rank, [_describe(tm, plain[tm.mcore_name], dims) for tm in local])
     layout: list[tuple[int, list[_Shard]]] = [(0, [])] * dims.world_size
     dist.all_gather_object(layout, mine)
     # Every rank derives the same plan: for each parameter, the lowest rank holding each shard

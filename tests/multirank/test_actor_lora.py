@@ -39,7 +39,7 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "seq_lens": lens, "response_mask": response, "advantages": adv}
 
 
-def _worker(tp: int, pp: int, sps: tuple[bool, ...], directory: str) -> dict:
+def _worker(tp: int, pp: int, sps: tuple[bool | str, ...], directory: str) -> dict:
     from megatron.core.optimizer import OptimizerConfig
 
     from megatron_dapo import parallel
@@ -63,9 +63,11 @@ def _worker(tp: int, pp: int, sps: tuple[bool, ...], directory: str) -> dict:
     out: dict = {}
     for sp in sps:
         for name, config, steps in (("sgd", sgd, 2), ("adam", adam, 1)):
+            # sp "recompute": TP 1 under full activation recompute (the frozen embedding's output
+            # must ask for a gradient, or no adapter would train: lora/layers.py).
             actor = MegatronActor(adapter=adapter, dims=dims, optimizer_config=config, hf_checkpoint=directory,
-                                  max_tokens_per_microbatch=29, logprob_chunk_size=7, sequence_parallel=sp,
-                                  lora=lora, seed=3)
+                                  max_tokens_per_microbatch=29, logprob_chunk_size=7, sequence_parallel=sp is True,
+                                  recompute="full" if sp == "recompute" else "none", lora=lora, seed=3)
             gpt = unwrap_model(actor.model)
             base = {n: p.detach().clone() for n, p in gpt.named_parameters() if not n.endswith(("lora_A", "lora_B"))}
             trainable = sorted(n for n, p in gpt.named_parameters() if p.requires_grad)
@@ -90,7 +92,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     directory = str(make_tiny_checkpoint(tmp_path_factory.mktemp("lora") / "qwen2", "qwen2", num_layers=2, seed=9,
                                          tie_word_embeddings=True))
     return {
-        "tp1": run_distributed(_worker, 1, 1, 1, (False,), directory, timeout_s=300)[0],
+        "tp1": run_distributed(_worker, 1, 1, 1, (False, "recompute"), directory, timeout_s=300)[0],
         "tp2": run_distributed(_worker, 2, 2, 1, (False, True), directory, timeout_s=400),
         "pp2": run_distributed(_worker, 2, 1, 2, (False,), directory, timeout_s=300),
     }
@@ -116,11 +118,11 @@ def test_a_lora_actor_trains_adapters_only_and_its_reference_is_the_base(runs: d
     assert moved and all(n.endswith(("proj.weight",)) for n in moved), sorted(moved)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2-sp", "pp2", "recompute"])
 def test_a_lora_actor_equals_the_tp1_run_at_every_layout(runs: dict, layout: str) -> None:
     base = runs["tp1"]
-    sp = layout == "tp2-sp"
-    for r in runs[layout.removesuffix("-sp")]:
+    sp = {"tp2-sp": True, "recompute": "recompute"}.get(layout, False)
+    for r in ([runs["tp1"]] if layout == "recompute" else runs[layout.removesuffix("-sp")]):
         for name in ("sgd", "adam"):
             want, got = base[(False, name)], r[(sp, name)]
             assert got["base_kept"]

@@ -28,6 +28,9 @@ BAD = [
      "split over expert_tensor_parallel_size=2; adapters on split experts are not supported: set "
      "parallel.expert_tensor_parallel_size=1 or list the targets without experts"),
     ("model: {lora: {rank: -1}}", "{f}: model.lora.rank=-1: must be >= 0 (0 = off)"),
+    ("model: {lora: {rank: 4}}\nparallel: {context_parallel_size: 2}\ntrainer: {device: cuda}",
+     "{f}: model.lora.rank=4: needs parallel.context_parallel_size=1, not 2: context parallelism runs on Transformer "
+     "Engine's attention, and adapters on megatron's local layer spec"),
     ("rollout: {lora_sync: adapter, engine: vllm}",
      "{f}: rollout.lora_sync=adapter sends LoRA adapters, and model.lora.rank is 0; set "
      "model.lora.rank > 0 or rollout.lora_sync=merged"),
@@ -104,12 +107,16 @@ def _moe_worker(directory: str) -> dict:
         with lora.disabled():
             off = model(ids, pos, None).clone()
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    # As megatron marks its expert weights: the grad norm counts an expert's adapters on every
+    # rank (each holds its own experts), not only on dense TP rank 0.
+    marks = {n: bool(getattr(p, "tensor_model_parallel", False)) for n, p in model.named_parameters()
+             if p.requires_grad}
     merged = dict(adapter.export_hf(model, dims))
     factors = {s.global_path: (s.module.lora_A.detach().clone(), s.b_matrix().detach().clone()) for s in lora.sites}
     base = {}
     with lora.disabled():
         base = dict(adapter.export_hf(model, dims))
-    return {"before": before, "same": same, "adapted": adapted, "off": off, "trainable": trainable,
+    return {"before": before, "same": same, "adapted": adapted, "off": off, "trainable": trainable, "marks": marks,
             "merged": merged, "base": base, "factors": factors}
 
 
@@ -123,6 +130,7 @@ def test_an_moe_models_experts_take_adapters_and_merge_like_the_dense_linears(tm
     assert torch.equal(r["same"], r["before"]) and torch.equal(r["off"], r["before"])
     assert (r["adapted"] - r["before"]).abs().max() > 1e-3
     assert all(n.endswith(("lora_A", "lora_B")) for n in r["trainable"])
+    assert all(marked == (".experts." in n) for n, marked in r["marks"].items()), r["marks"]
     # Layer 0 is sparse (4 experts x fc1/fc2 x A/B), layer 1 dense (its fc1's A/B), qkv in both.
     assert sum(".experts." in n for n in r["trainable"]) == 4 * 2 * 2 and len(r["trainable"]) == 16 + 2 + 4
     scale = 4.0 / 2

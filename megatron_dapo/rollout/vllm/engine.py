@@ -264,7 +264,7 @@ class VLLMEngine(WeightTransfer):
     # ------------------------------------------------------------------ HTTP
 
     def _call(self, method: str, path: str, payload: dict[str, Any] | None = None, *,
-              timeout_s: float | None = None, exit_grace_s: float = 5.0) -> Any:
+              timeout_s: float | None = None, exit_grace_s: float = 5.0, text: bool = False) -> Any:
         """One HTTP call; a dead server raises EngineError naming its log, not a socket error.
 
         After a connection error the server gets ``exit_grace_s`` to exit (0 while it starts:
@@ -290,13 +290,13 @@ class VLLMEngine(WeightTransfer):
                               f"server log: {self.process.log_path}") from err
         if not body.strip():
             return None
-        try:
-            return json.loads(body)
-        except ValueError:  # vLLM's LoRA routes answer plain text ("Success: ...")
+        if text:  # vLLM's LoRA routes answer plain text ("Success: ...")
             return body.decode(errors="replace")
+        return json.loads(body)
 
-    def _post(self, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
-        return self._call("POST", path, payload if payload is not None else {}, timeout_s=timeout_s)
+    def _post(self, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+              text: bool = False) -> Any:
+        return self._call("POST", path, payload if payload is not None else {}, timeout_s=timeout_s, text=text)
 
     def _raise_if_dead(self, *, grace_s: float) -> None:
         """A dropped connection usually means the server is dying: give it grace_s to exit."""

@@ -55,7 +55,8 @@ class WeightTransfer:
     _adapter: str | None
     """The LoRA adapter requests name (load_adapter), None = the base."""
 
-    def _post(self, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
+    def _post(self, path: str, payload: dict[str, Any] | None = None, *, timeout_s: float | None = None,
+              text: bool = False) -> Any:
         raise NotImplementedError  # VLLMEngine
 
     _tp_size: int
@@ -129,10 +130,10 @@ class WeightTransfer:
         name = f"policy-v{version}"
         if name == self._adapter:
             return
-        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)})
+        self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(directory)}, text=True)
         previous, self._adapter = self._adapter, name
         if previous is not None:
-            self._post("/v1/unload_lora_adapter", {"lora_name": previous})
+            self._post("/v1/unload_lora_adapter", {"lora_name": previous}, text=True)
 
     # ------------------------------------------------------------------ a fleet member (FleetMember)
 
