@@ -55,7 +55,8 @@ def test_a_server_another_rank_owns_is_restarted_by_its_owner_mid_generation(tmp
     from the step it interrupted."""
     out = tmp_path / "run"
     command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, "parallel.tensor_model_parallel_size=2",
-                            f"trainer.output_dir={out}", "trainer.total_training_steps=3", "trainer.test_freq=100",
+                            # test_freq 0: 100 still evaluated before step 1 and after step 3 (unchecked).
+                            f"trainer.output_dir={out}", "trainer.total_training_steps=3", "trainer.test_freq=0",
                             nproc=2)
     log = tmp_path / "trainer.log"
     engine_log = out / "engine_logs" / "sglang1.log"

@@ -32,10 +32,12 @@ pytestmark = [
 ]
 
 # Streaming dynamic sampling stays on (a kill mid-stream once ended a step with none of its groups,
-# DESIGN.md); char_parity gives the scratch model's groups spread without the warm start.
+# DESIGN.md); char_parity gives the scratch model's groups spread without the warm start. test_freq 0:
+# any test_freq > 0 still evaluates before step 1 and after the last (512 responses each), which no
+# run here checks (held-out evaluation on a server: test_sglang_server.py's eval command, tests/e2e).
 SHORT = ("rollout.engine=vllm", "model.sft_warm_start.enable=false", "reward.reward_fn=e2e_reward_fns:char_parity",
          "trainer.save_interval=100", "data.train_batch_size=8", "data.gen_batch_size=8",
-         "trainer.ppo_mini_batch_size=8", "trainer.test_freq=100")
+         "trainer.ppo_mini_batch_size=8", "trainer.test_freq=0")
 ANSWERED = '/inference/v1/generate HTTP/1.1" 200'
 """vLLM's access log line of one answered request."""
 
@@ -98,7 +100,7 @@ def test_a_fleet_of_two_vllm_servers_runs_the_asynchronous_loop_within_the_bound
         # The scratch model as is (no warm start): char_parity gives its groups spread. (Carrying groups
         # across steps is held by the SGLang fleet's run and the e2e async run, which warm-start for it.)
         "model.sft_warm_start.enable=false", "reward.reward_fn=e2e_reward_fns:char_parity", "rollout.partial_rollout=true", "data.train_batch_size=4",
-        "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4", "trainer.save_interval=100", "trainer.test_freq=100",
+        "data.gen_batch_size=8", "trainer.ppo_mini_batch_size=4", "trainer.save_interval=100", "trainer.test_freq=0",
         "trainer.total_training_steps=3", "parallel.pipeline_model_parallel_size=2", f"trainer.output_dir={out}",
         nproc=2)  # fmt: skip
     log = tmp_path / "trainer.log"
