@@ -68,6 +68,12 @@ def first_reaching(vals: list[Validation], target: float) -> Validation | None:
     return next((v for v in vals if v.acc >= target), None)
 
 
+def at_tokens(vals: list[Validation], num_tokens: float) -> Validation | None:
+    """The last validation whose cumulative tokens are within `num_tokens` (equal-budget comparison)."""
+    within = [v for v in vals if v.num_tokens <= num_tokens]
+    return within[-1] if within else None
+
+
 def is_complete(run_dir: Path, steps: int) -> bool:
     path = run_dir / "metrics.jsonl"
     return path.exists() and any(json.loads(line)["step"] == steps for line in path.open())
@@ -139,15 +145,17 @@ def main() -> None:
         rl = rl_seconds(root / name)
         print(f"| {name} | " + " | ".join(by_step.get(s, "") for s in steps) + f" | {rl:.0f} | {wall} |")
     print("\n| seed | distill: to target | final | dapo: to target | final | steps distill/dapo | "
-          "tokens distill/dapo |")
-    print("|---|---|---|---|---|---|---|")
+          "tokens distill/dapo | dapo within distill's tokens |")
+    print("|---|---|---|---|---|---|---|---|")
     for seed in seeds:
         d, b = runs.get(f"{seed}/distill"), runs.get(f"{seed}/dapo")
         if not d or not b:
             continue
         rd, rb = first_reaching(d, target), first_reaching(b, target)
+        eq = at_tokens(b, d[-1].num_tokens)
+        equal = "-" if eq is None else f"{eq.acc:.3f} (step {eq.step}, {eq.num_tokens:,.0f} tokens)"
         print(f"| {seed} | {fmt_reach(rd)} | {d[-1].acc:.3f} | {fmt_reach(rb)} | {b[-1].acc:.3f} | "
-              f"{ratio(rd, rb, 'step')} | {ratio(rd, rb, 'num_tokens')} |")
+              f"{ratio(rd, rb, 'step')} | {ratio(rd, rb, 'num_tokens')} | {equal} |")
 
 
 if __name__ == "__main__":
