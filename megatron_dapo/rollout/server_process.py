@@ -155,6 +155,18 @@ def free_ports(host: str, count: int) -> list[int]:
             sock.close()
 
 
+def lost_port_race(log_path: str | Path, offset: int = 0) -> bool:
+    """Whether a server that just died says, in its log after ``offset``, that its port was taken
+    (free when free_port picked it, bound by another process before the server bound it)."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(offset)
+            text = f.read(4 << 20).decode(errors="replace")
+    except OSError:
+        return False
+    return "Address already in use" in text or "EADDRINUSE" in text
+
+
 _SIGNAL_CAUSES = {
     signal.SIGILL: "its native code uses an instruction this CPU lacks; "
                    "`grep -o 'avx[0-9a-z_]*' /proc/cpuinfo | sort -u` lists what this CPU has",

@@ -52,9 +52,13 @@ def test_a_server_another_rank_owns_is_restarted_by_its_owner_mid_generation(tmp
     requests are sent again (the engine checks every answer's version), and the run ends
     normally. The kill lands in step 2's generation, or in step 3's when step 2's was over
     before the poll saw step 1 logged (seen once on a loaded CI machine): the restart is counted
-    from the step it interrupted."""
+    from the step it interrupted. The actor is a LoRA one with the merged sync: SGLang serves the
+    merged weights at the float32 gap (the full-parameter colocated path runs in test_sglang_routes.py)."""
     out = tmp_path / "run"
+    # A LoRA actor (issue 62): each rank's server takes W + (alpha/r) B A merged from its own TP shard
+    # (lora/state.py); the sync and the gap hold as a full model's (the same export, other tensors).
     command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, "parallel.tensor_model_parallel_size=2",
+                            "model.lora.rank=4", "model.lora.alpha=8", "optim.lr=2e-3",
                             # test_freq 0: 100 still evaluated before step 1 and after step 3 (unchecked).
                             f"trainer.output_dir={out}", "trainer.total_training_steps=3", "trainer.test_freq=0",
                             nproc=2)

@@ -204,3 +204,34 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
     assert len(failure) == 1 and isinstance(failure[0], EngineError), failure
     assert "shut down while it started" in str(failure[0])
     assert left == 0, "the fresh server outlived the shutdown"
+
+
+def test_a_server_whose_port_was_taken_before_it_bound_is_started_again_on_another(tmp_path, monkeypatch):
+    """free_port's port can be bound by another process before vLLM binds it (CI 2026-12-02: a fleet
+    restart died with 'OSError: [Errno 98] Address already in use'): launch picks another port, at
+    most _PORT_ATTEMPTS times; any other failure of a start is raised at once."""
+    import megatron_dapo.rollout.vllm.engine as mod
+
+    log = tmp_path / "vllm0.log"
+    ports: list[int] = []
+    sentinel = object.__new__(VLLMEngine)
+
+    def start(cls, model_path, *, port, log_path, **kw):
+        ports.append(port)
+        if len(ports) < 3:
+            with open(log_path, "a") as f:
+                f.write("OSError: [Errno 98] Address already in use\n" if failure == "bind" else "CUDA out of memory\n")
+            raise EngineError("vLLM engine vllm0 exited with code 1")
+        return sentinel
+
+    monkeypatch.setattr(mod, "package_installed", lambda name: True)
+    monkeypatch.setattr(VLLMEngine, "_start", classmethod(start))
+    monkeypatch.setattr(mod, "model_eos_ids", lambda path: ())
+    failure = "bind"
+    engine = VLLMEngine.launch(tmp_path, name="vllm0", log_path=log, device="cuda", host="127.0.0.1")
+    assert engine is sentinel and len(ports) == 3 and engine._relaunch["log_path"] == log
+    ports.clear()
+    failure = "other"
+    with pytest.raises(EngineError, match="exited with code 1"):
+        VLLMEngine.launch(tmp_path, name="vllm0", log_path=log, device="cuda", host="127.0.0.1")
+    assert len(ports) == 1  # the bind line of the earlier lives in the log is not this start's

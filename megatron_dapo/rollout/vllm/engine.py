@@ -66,6 +66,7 @@ from megatron_dapo.rollout.engine import (
 from megatron_dapo.rollout.server_process import (
     ServerProcess,
     free_port,
+    lost_port_race,
     node_address,
     package_installed,
     poll_until_healthy,
@@ -79,6 +80,9 @@ __all__ = ["VLLM_VERSION_READ", "VLLMEngine", "parse_choice"]
 VLLM_VERSION_READ = "0.32.0"
 """The vLLM version whose HTTP API this module was written against."""
 
+
+_PORT_ATTEMPTS = 3
+"""Starts of a server whose port another process took between its pick and the server's bind."""
 
 _MAX_CONCURRENT_REQUESTS = 256
 """Requests in flight per generate call; vLLM schedules them as one batch."""
@@ -193,7 +197,41 @@ class VLLMEngine(WeightTransfer):
                 raise UserError(f"rollout.engine=vllm on CPU runs each server on one worker (tensor parallel 1), not "
                                 f"{tensor_parallel_size}: set rollout.tensor_model_parallel_size=1")
         host = host or node_address()
-        port = free_port("" if launcher else host)  # another node's address is not ours to bind
+        log_path = Path(log_path or f"{name}.log")
+        for attempt in range(_PORT_ATTEMPTS):
+            port = free_port("" if launcher else host)  # another node's address is not ours to bind
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            try:
+                engine = cls._start(model_path, host=host, port=port, name=name, log_path=log_path, device=device,
+                                    max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                                    vocab_size=vocab_size, request_timeout_s=request_timeout_s,
+                                    startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env,
+                                    launcher=launcher, stop=stop, tensor_parallel_size=tensor_parallel_size,
+                                    dtype=dtype, health_check_interval_s=health_check_interval_s,
+                                    health_check_failures=health_check_failures, lora_rank=lora_rank)
+                break
+            except EngineError:
+                # The port was free when picked and taken before the server bound it (another
+                # process on the node, e.g. a second server starting): pick another one.
+                if attempt + 1 == _PORT_ATTEMPTS or not lost_port_race(log_path, offset):
+                    raise
+        # What restart() launches again (the log file is appended to: both lives stay readable).
+        engine._relaunch = dict(model_path=model_path, name=name, log_path=log_path, host=host, device=device,
+                                max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
+                                vocab_size=vocab_size, request_timeout_s=request_timeout_s,
+                                startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env,
+                                launcher=tuple(launcher), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+                                health_check_interval_s=health_check_interval_s,
+                                health_check_failures=health_check_failures, lora_rank=lora_rank)
+        return engine
+
+    @classmethod
+    def _start(cls, model_path: str | Path, *, host: str, port: int, name: str, log_path: Path, device: str,
+               max_model_len: int | None, gpu_memory_utilization: float, vocab_size: int | None,
+               request_timeout_s: float, startup_timeout_s: float, broadcast: bool, env: dict[str, str] | None,
+               launcher: Sequence[str], stop: threading.Event | None, tensor_parallel_size: int, dtype: str | None,
+               health_check_interval_s: float, health_check_failures: int, lora_rank: int) -> VLLMEngine:
+        """One server on ``port``, healthy, its weight-transfer API open (launch's attempt)."""
         api_key = secrets.token_hex(16)
         command = build_launch_command(model_path, host=host, port=port, device=device,
                                        max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
@@ -212,7 +250,7 @@ class VLLMEngine(WeightTransfer):
             # torch's _new_process_group_helper), which the controller is not a member of.
             extra["VLLM_DISTRIBUTED_USE_SPLIT_GROUP"] = "0"
         extra.update(env or {})
-        process = ServerProcess([*launcher, *command], name=name, log_path=log_path or f"{name}.log",
+        process = ServerProcess([*launcher, *command], name=name, log_path=log_path,
                                 env=server_environment(extra), kind="vLLM")
         engine = cls(f"http://{host}:{port}", name=name, api_key=api_key, process=process,
                      eos_ids=model_eos_ids(model_path), vocab_size=vocab_size, request_timeout_s=request_timeout_s,
@@ -226,14 +264,6 @@ class VLLMEngine(WeightTransfer):
         except BaseException:
             engine.shutdown()
             raise
-        # What restart() launches again (the log file is appended to: both lives stay readable).
-        engine._relaunch = dict(model_path=model_path, name=name, log_path=process.log_path, host=host, device=device,
-                                max_model_len=max_model_len, gpu_memory_utilization=gpu_memory_utilization,
-                                vocab_size=vocab_size, request_timeout_s=request_timeout_s,
-                                startup_timeout_s=startup_timeout_s, broadcast=broadcast, env=env,
-                                launcher=tuple(launcher), tensor_parallel_size=tensor_parallel_size, dtype=dtype,
-                                health_check_interval_s=health_check_interval_s,
-                                health_check_failures=health_check_failures, lora_rank=lora_rank)
         return engine
 
     @property
