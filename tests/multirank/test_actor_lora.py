@@ -19,24 +19,19 @@ import pytest
 import torch
 from dist_utils import run_distributed
 from model_utils import make_tiny_checkpoint
+from test_actor_sequence_parallel import _batch as sp_batch
 
 pytestmark = pytest.mark.multirank
 
-LENGTHS = [21, 17, 15, 12, 9]
-PROMPT_LENGTHS = [5, 4, 4, 3, 4]
 TEMPERATURE = 0.9
 SGD_LR = 30.0
 
 
 def _batch() -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(8)
-    width = max(LENGTHS)
-    pos = torch.arange(width)
-    lens = torch.tensor(LENGTHS)
-    ids = torch.where(pos < lens.unsqueeze(1), torch.randint(0, 100, (len(LENGTHS), width), generator=gen), 0)
-    response = (pos >= torch.tensor(PROMPT_LENGTHS).unsqueeze(1)) & (pos < lens.unsqueeze(1))
-    adv = torch.randn(len(LENGTHS), generator=gen).unsqueeze(1).expand(-1, width).contiguous()
-    return {"input_ids": ids, "seq_lens": lens, "response_mask": response, "advantages": adv}
+    """test_actor_sequence_parallel's batch (odd lengths, two rows sharing a prompt) without its noise."""
+    batch = sp_batch()
+    batch.pop("noise")
+    return batch
 
 
 def _worker(tp: int, pp: int, sps: tuple[bool | str, ...], directory: str) -> dict:
