@@ -1,16 +1,20 @@
 """On-policy distillation against its DAPO twin on the embedded task (issue 61 item 5).
 
-    python benchmarks/distill_vs_dapo.py                        # teacher, then seeds 201-203, one run at a time
+    python benchmarks/distill_vs_dapo.py                        # teacher, then seeds 211-213, one run at a time
     python benchmarks/distill_vs_dapo.py --read                 # only read the runs under --root
-    python benchmarks/distill_vs_dapo.py --seeds 301 --root /tmp/distill-tuning
+    python benchmarks/distill_vs_dapo.py --seeds 301 --root /tmp/distill-tuning --distill <override> ...
+    python benchmarks/distill_vs_dapo.py --seeds 201,202,203 --teacher-steps 160 --root /tmp/distill  # 2026-12-02's first protocol
 
-The teacher is the default run of examples/tiny_cpu.yaml at --teacher-seed, its last
-checkpoint exported to HF (`megatron-dapo convert mcore-to-hf`); its held-out val/acc at
-its last step is the teacher accuracy, and the target is that minus --margin (3 points). Per
-seed S, from S's SFT warm start (cached, the same checkpoint for both):
+The teacher is the default run of examples/tiny_cpu.yaml at --teacher-seed trained for
+--teacher-steps (longer than the runs it is compared with: a teacher no better than what DAPO
+reaches in the same steps has nothing to teach, benchmarks.md 2026-12-02), its last checkpoint
+exported to HF (`megatron-dapo convert mcore-to-hf`); its held-out val/acc at its last step is
+the teacher accuracy, and the target is that minus --margin (3 points). Per seed S, from S's SFT
+warm start (cached, the same checkpoint for both):
 
-    distill  pure on-policy distillation: algorithm.distill.teacher=<teacher HF dir>, coef 1,
-             reward_weight 0, dynamic sampling off (the config refuses it with reward_weight 0)
+    distill  on-policy distillation: algorithm.distill.teacher=<teacher HF dir> plus --distill's
+             overrides (default: pure distillation, coef 1 and reward_weight 0, dynamic sampling
+             off, which the config requires with reward_weight 0)
     dapo     the default run, the baseline
 
 Each run validates every trainer.test_freq steps. A run reaches the target at its first
@@ -34,7 +38,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = "examples/tiny_cpu.yaml"
-DISTILL = ["algorithm.filter_groups.enable=false"]  # coef 1 and reward_weight 0 are the defaults
+DISTILL = ["algorithm.filter_groups.enable=false"]  # pure: coef 1 and reward_weight 0 are the defaults
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +119,12 @@ def ratio(a: Validation | None, b: Validation | None, field: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=Path("/tmp/distill"))
-    parser.add_argument("--seeds", default="201,202,203")
+    parser.add_argument("--seeds", default="211,212,213")
     parser.add_argument("--teacher-seed", type=int, default=42)
-    parser.add_argument("--steps", type=int, default=160, help="RL steps of every run (the default run's)")
+    parser.add_argument("--teacher-steps", type=int, default=480, help="RL steps of the teacher's run")
+    parser.add_argument("--steps", type=int, default=160, help="RL steps of every compared run (the default run's)")
+    parser.add_argument("--distill", nargs="*", default=DISTILL,
+                        help=f"the distillation run's overrides besides its teacher (default: {' '.join(DISTILL)})")
     parser.add_argument("--margin", type=float, default=0.03, help="target = teacher accuracy - margin")
     parser.add_argument("--read", action="store_true", help="only read the runs already under --root")
     args = parser.parse_args()
@@ -125,11 +132,11 @@ def main() -> None:
     root, walls = args.root.resolve(), {}
     teacher_dir, teacher_hf = root / "teacher", root / "teacher_hf"
     if not args.read:
-        walls["teacher"] = train(teacher_dir, args.teacher_seed, [], args.steps)
+        walls["teacher"] = train(teacher_dir, args.teacher_seed, [], args.teacher_steps)
         export_teacher(teacher_dir, teacher_hf)
         for seed in seeds:
             walls[f"{seed}/distill"] = train(root / str(seed) / "distill", seed,
-                                             [f"algorithm.distill.teacher={teacher_hf}", *DISTILL], args.steps)
+                                             [f"algorithm.distill.teacher={teacher_hf}", *args.distill], args.steps)
             walls[f"{seed}/dapo"] = train(root / str(seed) / "dapo", seed, [], args.steps)
     teacher_acc = validations(teacher_dir)[-1].acc
     target = teacher_acc - args.margin
