@@ -19,6 +19,7 @@ from megatron_dapo.data.tokenizer import Tokenizer
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.tools.episode import episode_metrics
+from megatron_dapo.tools.outcomes import call_outcome_metrics
 
 
 def collect_batch(
@@ -64,6 +65,7 @@ def collect_batch(
     metrics.update(counts)
     metrics["train/num_groups_generated"] = float(len(generated))
     metrics.update(episode_metrics([s.episode for g in generated for s in g.samples]))
+    metrics.update(call_outcome_metrics(generated, batch))
     metrics["rollout/generated_tokens_per_kept_group"] = metrics["train/num_generated_tokens"] / len(batch)
     # Accuracy over everything generated this step: the policy's real accuracy, before
     # dynamic sampling removed the all-correct and all-wrong groups.
