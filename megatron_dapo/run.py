@@ -465,6 +465,7 @@ def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: d
     # The controller's key: on a cluster of mixed CPUs the kernel level differs between nodes.
     out = Path(_broadcast(str(sft_cache_dir(cfg, init_dir, sources, dims, cache_dir)) if dims.is_controller else None))
     if _broadcast((out / "config.json").is_file() if dims.is_controller else None):
+        logger.info("sft warm start: %s (cached)", out)
         return out
     s = cfg.model.sft_warm_start
     sft_optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=cfg.optim.clip_grad,
@@ -472,6 +473,7 @@ def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: d
     # SFT rows are distinct prompts, nothing to share; padded rows keep cached warm starts valid.
     actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim, shared_prompts=False, lora=False)
     warm_start(cfg, actor, control, adapter, init_dir, sources, out)
+    logger.info("sft warm start: %s (trained now, cached for the next run)", out)
     return out
 
 

@@ -23,6 +23,7 @@ from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.tools.episode import EpisodeRunner, episode_metrics
+from megatron_dapo.tools.outcomes import call_outcome_metrics
 
 VAL_SEED_OFFSET = 2
 """The trainer's validation (and `megatron-dapo eval` by default) samples with trainer.seed + 2."""
@@ -59,13 +60,15 @@ def score_heldout(
 
     Returns:
         val/acc (avg@n, the paper's metric), val/score/mean, val/pass@n, val/response_length/mean,
-        and with tools val/tools/* (tools/episode.episode_metrics).
+        and with tools val/tools/* (tools/episode.episode_metrics; val/tools/acc_called and
+        acc_not_called, tools/outcomes.py).
     """
     groups, _ = generate_and_score(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params,
                                    episodes=episodes)
     samples = [s for g in groups for s in g.samples]
     return {
         **{f"val/{k}": v for k, v in episode_metrics([s.episode for s in samples]).items()},
+        **{f"val/{k}": v for k, v in call_outcome_metrics(groups, ()).items() if k.startswith("tools/acc_")},
         "val/acc": sum(s.acc for s in samples) / len(samples),
         "val/score/mean": sum(s.score for s in samples) / len(samples),
         f"val/pass@{params.n}": sum(any(s.acc for s in g.samples) for g in groups) / len(groups),
