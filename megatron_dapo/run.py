@@ -26,15 +26,14 @@ import torch.distributed as dist
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
-from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.actor.optimizer_state import materialize_optimizer_state
 from megatron_dapo.actor.reference import BaseOfAdapters, ReferencePolicy
-from megatron_dapo.actor.route_layout import pad_routes
 from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume, step_of
 from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
 from megatron_dapo.collect.dump import ROLLOUTS_FILENAME, truncate_dump
+from megatron_dapo.collect.shards import Shard, split_batch, to_shard
 from megatron_dapo.collect.trained import record_trained_samples
 from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.config.loader import to_dict
@@ -68,16 +67,6 @@ from megatron_dapo.warm_start import sft_cache_dir, warm_start
 logger = logging.getLogger(__name__)
 
 PREEMPTED_MARKER = "PREEMPTED"
-
-
-@dataclass(kw_only=True)
-class Shard:
-    """One mini-batch's share of this rank: model inputs plus the engine's log-probs."""
-
-    batch: RolloutBatch
-    """Inputs, masks, advantages (old log-probs are filled in step 5)."""
-    rollout_log_probs: torch.Tensor
-    """[B, S] engine log-probs aligned like input_ids (0 outside responses)."""
 
 
 @dataclass(kw_only=True)
@@ -132,11 +121,11 @@ class Run:
         """
         per_dp = None
         if self.dims.is_controller:
-            per_dp = _split_batch(groups, self.cfg.trainer.ppo_mini_batch_size, self.dims.dp,
+            per_dp = split_batch(groups, self.cfg.trainer.ppo_mini_batch_size, self.dims.dp,
                                   self.cfg.algorithm.overlong_filtering)
             record_trained_samples(step, groups, per_dp)
         # CPU/gloo, long timeout: the other ranks have waited here for the whole rollout.
-        return [_to_shard(rows) for rows in parallel.scatter_to_replicas(per_dp, self.control)]
+        return [to_shard(rows) for rows in parallel.scatter_to_replicas(per_dp, self.control)]
 
     @property
     def _controller_feeds_colocated(self) -> bool:
@@ -578,47 +567,3 @@ def _launcher_source() -> str:
     if "SLURM_NTASKS" in os.environ:
         return f"SLURM_NTASKS={os.environ['SLURM_NTASKS']}"
     return "a single process"
-
-
-# ------------------------------------------------------------------ batch building
-
-
-def _split_batch(groups: list[Group], mini_batch_groups: int, dp: int, overlong_filtering: bool) -> list[list[list[tuple]]]:
-    """[dp_rank][mini_batch] -> rows (prompt_ids, response_ids, advantage, rollout_lps, keep, routes, loss mask)."""
-    per_dp: list[list[list[tuple]]] = [[] for _ in range(dp)]
-    for start in range(0, len(groups), mini_batch_groups):
-        samples = [s for g in groups[start:start + mini_batch_groups] for s in g.samples]
-        shards = balance_across_dp([len(s.prompt_ids) + len(s.response_ids) for s in samples], dp)
-        for rank, indices in enumerate(shards):
-            per_dp[rank].append([
-                (samples[i].prompt_ids, samples[i].response_ids, samples[i].advantage,
-                 samples[i].rollout_log_probs, not (overlong_filtering and samples[i].truncated),
-                 samples[i].routed_experts, samples[i].loss_mask)
-                for i in indices])
-    return per_dp
-
-
-def _to_shard(rows: list[tuple]) -> Shard:
-    """Right-padded tensors of one mini-batch share, aligned like input_ids.
-
-    The pad value never matters: padding is causal-masked and outside response_mask.
-    """
-    lengths = [len(p) + len(r) for p, r, *_ in rows] or [1]
-    width = max(lengths)
-    num = len(rows)
-    input_ids = torch.zeros((num, width), dtype=torch.long)
-    mask = torch.zeros((num, width), dtype=torch.bool)
-    advantages = torch.zeros((num, width), dtype=torch.float32)
-    rollout_lp = torch.zeros((num, width), dtype=torch.float32)
-    for i, (prompt, response, adv, lps, keep, _, loss_mask) in enumerate(rows):
-        lp, lr = len(prompt), len(response)
-        input_ids[i, :lp] = torch.tensor(prompt)
-        input_ids[i, lp:lp + lr] = torch.tensor(response)
-        mask[i, lp:lp + lr] = keep
-        if loss_mask is not None:  # an episode: a tool's tokens never carry loss
-            mask[i, lp:lp + lr] &= torch.tensor(loss_mask, dtype=torch.bool)
-        advantages[i, lp:lp + lr] = adv
-        rollout_lp[i, lp:lp + lr] = torch.tensor(lps)
-    batch = RolloutBatch(input_ids=input_ids, seq_lens=torch.tensor(lengths[:num], dtype=torch.long),
-                         response_mask=mask, advantages=advantages, routes=pad_routes([row[5] for row in rows], width))
-    return Shard(batch=batch, rollout_log_probs=rollout_lp)

@@ -32,9 +32,10 @@ from megatron_dapo.algo.rollout_correction import CorrectionStats, rollout_corre
 from megatron_dapo.collect import Group, collect_batch, score_heldout
 from megatron_dapo.collect.dump import ROLLOUTS_FILENAME, dump_rollouts, should_dump
 from megatron_dapo.collect.producer import RolloutProducer, check_staleness, staleness_metrics
+from megatron_dapo.collect.shards import Shard
 from megatron_dapo.faults import fault_point
 from megatron_dapo.metrics import Timer
-from megatron_dapo.run import NothingToTrain, Run, Shard
+from megatron_dapo.run import NothingToTrain, Run
 
 logger = logging.getLogger(__name__)
 

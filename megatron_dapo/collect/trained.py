@@ -30,7 +30,7 @@ def trained_sample_records(step: int, groups: Sequence[Group], per_dp: Sequence[
 
     Args:
         groups: the step's batch.
-        per_dp: the rows run.py's `_split_batch` made of it, [dp_rank][mini_batch] -> rows of
+        per_dp: the rows collect/shards.py's `split_batch` made of it, [dp_rank][mini_batch] -> rows of
             (prompt_ids, response_ids, advantage, rollout_lps, keep, routes, loss_mask), which hold
             the samples' own lists: a row is traced back to its sample through its response list.
     """

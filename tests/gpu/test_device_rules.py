@@ -42,8 +42,8 @@ def test_dispatch_runs_on_cpu_groups(dims):
 
 def test_old_log_probs_mix_cpu_rollout_and_cuda_actor(dims):
     from megatron_dapo.actor.microbatch import RolloutBatch
+    from megatron_dapo.collect.shards import Shard
     from megatron_dapo.config import AlgorithmConfig
-    from megatron_dapo.run import Shard
     from megatron_dapo.trainer import rollout_mismatch
 
     mask = torch.tensor([[False, True, True]])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_dapo.run import _to_shard
+from megatron_dapo.collect.shards import to_shard
 
 
 def test_an_episodes_tool_tokens_are_out_of_the_response_mask_and_plain_rows_keep_theirs():
@@ -13,7 +13,7 @@ def test_an_episodes_tool_tokens_are_out_of_the_response_mask_and_plain_rows_kee
     rows = [(prompt, response, 0.5, [-0.1] * 6, True, None, policy),
             (prompt, response, -0.5, [-0.2] * 6, True, None, None),
             (prompt, response, 1.0, [-0.3] * 6, False, None, policy)]  # overlong-filtered: nothing
-    batch = _to_shard(rows).batch
+    batch = to_shard(rows).batch
     assert batch.response_mask[0].tolist() == [False] * 3 + [True, True, False, False, False, True]
     assert batch.response_mask[1].tolist() == [False] * 3 + [True] * 6
     assert not batch.response_mask[2].any()

@@ -5,7 +5,7 @@ The collections run the local engine on a tiny random model with the test reward
 e2e_reward_fns.char_code_score (seven levels, a known function of each response's text): rounds,
 streaming with aborts and partial carries across steps, the asynchronous loop's producer with
 staleness, two engines, and tool episodes. Each batch goes through the trainer's own split
-(run._split_batch) over two DP ranks before it is recorded. The check must fail on a permutation
+(collect.shards.split_batch) over two DP ranks before it is recorded. The check must fail on a permutation
 of rewards, a mixed group and a flipped sign (injected below). The trainer's hook itself
 (MEGATRON_DAPO_TRAINED_SAMPLES) is held end to end by tests/e2e/test_trainer.py's partial run and
 tests/e2e/test_async.py's k2-partial run.
@@ -24,13 +24,13 @@ from trained_samples import check_trained_samples
 from megatron_dapo.collect import CollectSettings, CollectState, collect_batch
 from megatron_dapo.collect import batch as batch_module
 from megatron_dapo.collect.producer import RolloutProducer, check_staleness
+from megatron_dapo.collect.shards import split_batch
 from megatron_dapo.collect.trained import trained_sample_records
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
 from megatron_dapo.rewards.pool import RewardPool
 from megatron_dapo.rollout.controller import RolloutController
 from megatron_dapo.rollout.engine import SamplingParams
 from megatron_dapo.rollout.local.engine import LocalEngine
-from megatron_dapo.run import _split_batch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))  # e2e_reward_fns
 from e2e_reward_fns import char_code_score
@@ -84,7 +84,7 @@ def collect_steps(pieces, steps, *, num_engines=1, **overrides):
         for step in steps:
             batch, m = collect_batch(sampler, step, rollout=rollout, rewards=rewards, tokenizer=DigitsTokenizer(),
                                      settings=settings(**overrides), state=state)
-            out += trained_sample_records(step, batch, _split_batch(batch, 2, 2, False))
+            out += trained_sample_records(step, batch, split_batch(batch, 2, 2, False))
             metrics.append(m)
     finally:
         rollout.shutdown()
@@ -166,7 +166,7 @@ def test_the_asynchronous_loop_with_staleness(pieces):
         for step in range(1, last + 1):
             batch = producer.batch_for(step).groups
             check_staleness(batch, step, staleness)
-            records += trained_sample_records(step, batch, _split_batch(batch, 2, 2, False))
+            records += trained_sample_records(step, batch, split_batch(batch, 2, 2, False))
             # A slow trainer: the next batch starts under the old weights before this sync lands.
             with started:
                 assert started.wait_for(lambda s=step: min(s + staleness, last) in versions_at_start, timeout=60)
