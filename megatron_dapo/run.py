@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,28 +24,35 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo import parallel
-from megatron_dapo.actor.actor import MegatronActor, make_optimizer_config
+from megatron_dapo.actor.actor import MegatronActor
 from megatron_dapo.actor.optimizer_state import materialize_optimizer_state
 from megatron_dapo.actor.reference import BaseOfAdapters, ReferencePolicy
 from megatron_dapo.algo import LossSettings
+from megatron_dapo.bootstrap import (
+    build_actor,
+    model_dtype,
+    on_controller,
+    prepare_sources,
+    warm_started,
+    with_tokenizer,
+)
 from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume, step_of
 from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
 from megatron_dapo.collect.dump import ROLLOUTS_FILENAME, truncate_dump
 from megatron_dapo.collect.shards import Shard, split_batch, to_shard
 from megatron_dapo.collect.trained import record_trained_samples
-from megatron_dapo.config import Config, OptimConfig
+from megatron_dapo.config import Config
 from megatron_dapo.config.loader import to_dict
-from megatron_dapo.config.preflight import check_device, check_hf_checkpoint, check_inputs
+from megatron_dapo.config.preflight import check_device, check_inputs
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
-from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
-from megatron_dapo.device import param_dtype, release_cached_memory
-from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
+from megatron_dapo.data.tokenizer import Tokenizer, load_tokenizer
+from megatron_dapo.device import release_cached_memory
+from megatron_dapo.embedded import cache_root
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.lora.sync import AdapterSync
 from megatron_dapo.metrics import MetricsLogger
 from megatron_dapo.models import DecoderAdapter, adapter_for
-from megatron_dapo.models.transformer_impl import choose_transformer_impl, te_available
 from megatron_dapo.output_dir import RunLock, check_output_dir, prepare_output_dir
 from megatron_dapo.rewards.pool import REWARD_LOG, RewardPool
 from megatron_dapo.rollout.controller import RolloutController
@@ -62,7 +68,6 @@ from megatron_dapo.rollout.fleet.stages import StageSender, sync_by_stage
 from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
 from megatron_dapo.tools.registry import episode_runner
-from megatron_dapo.warm_start import sft_cache_dir, warm_start
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +301,7 @@ def build_run(cfg: Config, config_source: str) -> Run:
         return {**prepare_sources(cfg, cache_root()), "cache_dir": str(cache_root())}
 
     try:
-        sources = _on_controller(prepare)
+        sources = on_controller(prepare)
         if "finished_at" in sources:
             raise NothingToTrain(output_dir, int(sources["finished_at"]), cfg.trainer.total_training_steps)
         run = _build(cfg, env, output_dir, sources)
@@ -333,9 +338,9 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
     control = parallel.build_control_groups(dims, cfg.trainer.controller_wait_timeout_minutes)
 
     if cfg.model.hf_checkpoint is None and cfg.model.sft_warm_start.enable:
-        hf_dir = _warm_start(cfg, adapter, hf_dir, sources, dims, control, cache_dir)
+        hf_dir = warm_started(cfg, adapter, hf_dir, sources, dims, control, cache_dir)
     if cfg.model.hf_checkpoint is None:
-        _on_controller(lambda: _with_tokenizer(hf_dir, Path(sources["tokenizer"])))
+        on_controller(lambda: with_tokenizer(hf_dir, Path(sources["tokenizer"])))
     actor = build_actor(cfg, adapter, hf_dir, dims)
 
     loss = LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature, cfg.data.max_response_length)
@@ -377,7 +382,7 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
     run.colocated = launch_rank_engines(cfg, hf_dir, rank=env.rank, world_size=env.world_size,
                                         local_rank=env.local_rank, log_dir=run.output_dir / "engine_logs",
                                         device=dims.device, dtype=model_dtype(cfg, dims.device))
-    _on_controller(lambda: _build_controller(run, hf_dir, sources))
+    on_controller(lambda: _build_controller(run, hf_dir, sources))
 
     if resume_from is not None:
         assert state is not None
@@ -403,93 +408,6 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
     if threads is not None and threads < torch.get_num_threads():
         torch.set_num_threads(threads)
         logger.info("the fleet beside the trainer overlaps its update: %d torch thread(s) per trainer rank", threads)
-
-
-def model_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """The actor's parameter dtype (model.dtype: auto = bf16 on GPU, fp32 on CPU); the engines serve the same."""
-    return param_dtype(cfg.model.dtype, device)
-
-
-def build_actor(cfg: Config, adapter: DecoderAdapter, hf_dir: Path, dims: parallel.ParallelDims,
-                optim: OptimConfig | None = None, *, shared_prompts: bool | None = None,
-                lora: bool = True) -> MegatronActor:
-    """The Megatron actor of this rank, loaded from an HF checkpoint, with the run's optimizer.
-
-    shared_prompts: None = trainer.shared_prompts. lora: model.lora's adapters (the SFT warm
-    start trains the whole model).
-    """
-    dtype = model_dtype(cfg, dims.device)
-    optim = optim or cfg.optim
-    if lora and cfg.model.lora.enabled and cfg.model.transformer_impl == "auto" and te_available():
-        logger.warning("model.lora: the actor is built on megatron's local layer spec, not Transformer Engine's "
-                       "(adapters are wired on the local spec; packed micro-batches and TE's fused kernels are off)")
-    decay_steps = optim.lr_decay_steps if optim.lr_decay_steps is not None else cfg.optimizer_steps
-    return MegatronActor(
-        adapter=adapter, dims=dims,
-        optimizer_config=make_optimizer_config(optim, dtype=dtype,
-                                               use_distributed_optimizer=cfg.parallel.use_distributed_optimizer),
-        lr_warmup_steps=optim.lr_warmup_steps, lr_decay=(optim.lr_decay_style, decay_steps, optim.min_lr_ratio),
-        hf_checkpoint=hf_dir,
-        recompute="full" if cfg.model.recompute_activations else "none",
-        max_tokens_per_microbatch=cfg.trainer.max_tokens_per_microbatch,
-        logprob_chunk_size=cfg.trainer.logprob_chunk_size, sequence_parallel=cfg.parallel.sequence_parallel,
-        cp_comm_type=cfg.parallel.cp_comm_type, routing_replay=_routing_replay(cfg, adapter),
-        # Adapters are wired on the local spec only: auto picks it for a LoRA actor (config refuses TE's).
-        use_te=choose_transformer_impl(cfg.model.transformer_impl) and not (lora and cfg.model.lora.enabled),
-        shared_prompts=cfg.trainer.shared_prompts if shared_prompts is None else shared_prompts,
-        lora=cfg.model.lora if lora else None, seed=cfg.trainer.seed)
-
-
-def _routing_replay(cfg: Config, adapter: DecoderAdapter) -> str:
-    mode = cfg.algorithm.routing_replay
-    if mode != "off" and not adapter.hf.is_moe:
-        raise UserError(f"algorithm.routing_replay={mode} needs a mixture-of-experts model, and "
-                        f"{cfg.model.hf_checkpoint} has no MoE layer; set algorithm.routing_replay=off")
-    return mode
-
-
-def _warm_start(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],
-                dims: parallel.ParallelDims, control: parallel.ControlGroups, cache_dir: Path) -> Path:
-    """The SFT'd HF checkpoint of the scratch model: from the cache, or trained now."""
-    # The controller's key: on a cluster of mixed CPUs the kernel level differs between nodes.
-    out = Path(_broadcast(str(sft_cache_dir(cfg, init_dir, sources, dims, cache_dir)) if dims.is_controller else None))
-    if _broadcast((out / "config.json").is_file() if dims.is_controller else None):
-        logger.info("sft warm start: %s (cached)", out)
-        return out
-    s = cfg.model.sft_warm_start
-    sft_optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=cfg.optim.clip_grad,
-                            lr_warmup_steps=min(10, s.num_steps))
-    # SFT rows are distinct prompts, nothing to share; padded rows keep cached warm starts valid.
-    actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim, shared_prompts=False, lora=False)
-    warm_start(cfg, actor, control, adapter, init_dir, sources, out)
-    logger.info("sft warm start: %s (trained now, cached for the next run)", out)
-    return out
-
-
-def _with_tokenizer(hf_dir: Path, spm_model: Path) -> None:
-    """Put the embedded task's tokenizer into its (cached) HF directory, so that checkpoints
-    carry it in hf/ and an export can be trained from (data/tokenizer.py reads it back)."""
-    target = hf_dir / SPM_MODEL_FILENAME
-    if target.is_file():
-        return
-    tmp = hf_dir / f".{SPM_MODEL_FILENAME}.{os.getpid()}"
-    shutil.copyfile(spm_model, tmp)
-    os.replace(tmp, target)
-
-
-def prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
-    """Controller: make the embedded task and scratch checkpoint if needed; return paths."""
-    if cfg.model.hf_checkpoint is not None:
-        # Here, once, rather than as a traceback on every rank while the actor loads.
-        check_hf_checkpoint(cfg.model.hf_checkpoint)
-        load_tokenizer(cfg.model.tokenizer or cfg.model.hf_checkpoint)
-        return {"hf_dir": cfg.model.hf_checkpoint, "tokenizer": cfg.model.tokenizer or cfg.model.hf_checkpoint,
-                "train": None, "val": None, "sft_path": None}
-    task = task_for(cfg.data.embedded, cache_dir)
-    tokenizer = load_tokenizer(task.tokenizer_path)
-    scratch = scratch_checkpoint(cfg.model.scratch, tokenizer.vocab_size, cfg.trainer.seed, cache_dir)
-    return {"hf_dir": str(scratch), "tokenizer": str(task.tokenizer_path), "train": str(task.train_path),
-            "val": str(task.val_path), "sft_path": str(task.sft_path)}
 
 
 def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
@@ -534,31 +452,6 @@ def _build_controller(run: Run, hf_dir: Path, sources: dict[str, Any]) -> None:
                                 use_wandb=lg.wandb, total_steps=cfg.trainer.total_training_steps,
                                 wandb_mode=lg.wandb_mode, config=to_dict(cfg), console=lg.console, jsonl=lg.jsonl,
                                 tensorboard=lg.tensorboard, mlflow=lg.mlflow, mlflow_tracking_uri=lg.mlflow_tracking_uri)
-
-
-def _on_controller(fn: Any) -> Any:
-    """Run `fn` on the controller and broadcast its result (collective).
-
-    A UserError there is raised on every rank as a SharedUserError, so every rank exits
-    with code 2 and the message prints once, instead of the others waiting in the next
-    collective for a controller that is gone.
-    """
-    result, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            result = fn()
-        except UserError as e:
-            error = str(e)
-    result, error = _broadcast((result, error))
-    if error is not None:
-        raise SharedUserError(error)
-    return result
-
-
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _launcher_source() -> str:
