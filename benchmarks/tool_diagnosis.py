@@ -79,8 +79,8 @@ def split(rows: list[dict], kinds: list[str]) -> dict[str, float]:
         out[f"{kind} acc"] = sum(r["acc"] for r in rs) / len(rs)
         if kind == "product":
             plain = [r for r in rs if r not in called]
-            out["product acc | call"] = sum(r["acc"] for r in called) / len(called) if called else float("nan")
-            out["product acc | no call"] = sum(r["acc"] for r in plain) / len(plain) if plain else float("nan")
+            out["product acc called"] = sum(r["acc"] for r in called) / len(called) if called else float("nan")
+            out["product acc not called"] = sum(r["acc"] for r in plain) / len(plain) if plain else float("nan")
             calls = [c for r in called for c in r["episode"]["calls"]]
             out["product call errors"] = sum(c["status"] != "ok" for c in calls) / len(calls) if calls else 0.0
     out["all acc"] = sum(r["acc"] for r in rows) / len(rows)
