@@ -1,0 +1,92 @@
+"""The tool-calling example against its no-tool twin, seed by seed (issue 63 item 3).
+
+    python benchmarks/tools_vs_twin.py --seeds 6301,6302,...      # every run, one at a time, then the table
+    python benchmarks/tools_vs_twin.py --seeds ... --read         # only read the runs under --root
+
+Per seed S, from S's warm start (cached, the same checkpoint for both runs):
+
+    tools   python -m megatron_dapo.train examples/tiny_tools_cpu.yaml trainer.seed=S
+    twin    the same with tools.enable=false (its calls go unanswered, in training and held out)
+
+then `megatron-dapo eval` of the tool run's last checkpoint on the held-out prompts (the run's
+own validation draw) for the call rate on the problems that need the calculator (the 3-digit x
+2-digit products). A seed meets the bar when the tool run gains >= --min-gain held-out points,
+ends with a call rate >= --min-call-rate on those products, beats its twin by >= --min-lead
+points, and each of its two runs takes <= --max-minutes (warm start included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tool_diagnosis import CONFIG, REPO, evaluate, split, val_file
+
+
+def train(out: Path, seed: int, overrides: list[str]) -> None:
+    """One run in a fresh process, unless it is complete; its wall seconds go to <out>.wall."""
+    wall = out.with_suffix(".wall")
+    if wall.exists():
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "megatron_dapo.train", str(CONFIG), f"trainer.seed={seed}",
+               f"trainer.output_dir={out}", *overrides]
+    print("$", " ".join(command[1:]), flush=True)
+    start = time.perf_counter()
+    with out.with_suffix(".log").open("w") as log:
+        subprocess.run(command, cwd=REPO, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    wall.write_text(f"{time.perf_counter() - start:.1f}\n")
+
+
+def accuracies(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["val/acc"]) for r in map(json.loads, (out / "metrics.jsonl").open()) if "val/acc" in r]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", type=Path, default=Path("/tmp/tools-vs-twin"))
+    parser.add_argument("--seeds", required=True)
+    parser.add_argument("--read", action="store_true")
+    parser.add_argument("--min-gain", type=float, default=15.0)
+    parser.add_argument("--min-call-rate", type=float, default=0.8)
+    parser.add_argument("--min-lead", type=float, default=10.0)
+    parser.add_argument("--max-minutes", type=float, default=15.0)
+    args = parser.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    root = args.root.resolve()
+    if not args.read:
+        for seed in seeds:
+            train(root / str(seed) / "tools", seed, [])
+            train(root / str(seed) / "twin", seed, ["tools.enable=false"])
+    val_path, val_rows = val_file([])
+    kinds = [r["extra_info"]["kind"] for r in val_rows]
+    print("| seed | tools: held-out at each validation | gain | twin: first -> last | tools - twin | "
+          "call rate on products (held-out, last step) | minutes (tools / twin) | meets |")
+    print("|---|---|---|---|---|---|---|---|")
+    met = 0
+    for seed in seeds:
+        tools, twin = root / str(seed) / "tools", root / str(seed) / "twin"
+        if not (tools.with_suffix(".wall").exists() and twin.with_suffix(".wall").exists()):
+            continue
+        t, w = accuracies(tools), accuracies(twin)
+        last = max((p for p in (tools / "checkpoints").glob("step_*")), key=lambda p: int(p.name.split("_")[1]))
+        rate = split(evaluate(last, tools.parent / "tools-eval-last.jsonl", val_path, seed, []), kinds)["product call rate"]
+        gain, lead = 100 * (t[-1][1] - t[0][1]), 100 * (t[-1][1] - w[-1][1])
+        minutes = [float(p.with_suffix(".wall").read_text()) / 60 for p in (tools, twin)]
+        ok = (gain >= args.min_gain and rate >= args.min_call_rate and lead >= args.min_lead
+              and max(minutes) <= args.max_minutes)
+        met += ok
+        print(f"| {seed} | " + " -> ".join(f"{a:.3f}" for _, a in t) + f" | {gain:+.1f} | {w[0][1]:.3f} -> {w[-1][1]:.3f} "
+              f"| {lead:+.1f} | {rate:.3f} | {minutes[0]:.1f} / {minutes[1]:.1f} | {'yes' if ok else 'no'} |")
+    print(f"\n{met} of {len(seeds)} seeds meet every bar (gain >= {args.min_gain:g}, call rate >= "
+          f"{args.min_call_rate:g}, lead >= {args.min_lead:g}, <= {args.max_minutes:g} min per run)")
+
+
+if __name__ == "__main__":
+    main()
