@@ -13,11 +13,14 @@ ask for pinned host memory, which CPU torch refuses: the venv's start-up fix
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from tiers import requires, sglang_missing
+
+from megatron_dapo.rollout.sglang.server import sglang_python
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from test_sglang_train import SHORT
@@ -30,7 +33,15 @@ LOADED = 'POST /load_lora_adapter HTTP/1.1" 200'
 """SGLang's access log line of one adapter loaded."""
 
 
+FIX = REPO / "scripts/sglang_cpu/site/_megatron_dapo_lora_host_memory.py"
+
+
 def test_adapter_only_sync_serves_the_actors_policy_on_sglang_through_a_restart(tmp_path):
+    site = subprocess.run([sglang_python(), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True, timeout=120).stdout.strip()
+    installed = Path(site) / FIX.name
+    assert installed.is_file() and installed.read_bytes() == FIX.read_bytes(), \
+        f"the SGLang venv lacks {FIX.name} as in the repository (its LoRA layers die on pinned memory): rerun make install-sglang-cpu"
     out = tmp_path / "run"
     command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, *LORA, f"trainer.output_dir={out}",
                             "trainer.total_training_steps=3", "trainer.test_freq=0",
