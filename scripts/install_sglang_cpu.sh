@@ -166,7 +166,8 @@ else
   cp -r "$SITE_SRC/sgl_kernel" "$site/sgl_kernel"
 fi
 # Start-up fixes, each a module loaded by its .pth (their docstrings say why): torchvision's op
-# schemas; the routed-experts host buffer allocated unpinned where no accelerator can pin it.
+# schemas; the routed-experts host buffer and the LoRA layers' host tensors allocated unpinned where
+# no accelerator can pin them.
 cp "$SITE_SRC"/_megatron_dapo_*.py "$SITE_SRC"/_megatron_dapo_*.pth "$site/"
 
 if ! "$VPY" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION+cpu')"; then

@@ -132,20 +132,25 @@ class Config:
                "the targets without experts")
 
     def _check_adapter_sync(self, moe: str | None) -> None:
-        """rollout.lora_sync=adapter where an engine serves LoRA adapters (vLLM 0.32 here, DESIGN.md "LoRA")."""
+        """rollout.lora_sync=adapter where an engine serves LoRA adapters loaded at run time: vLLM 0.32 and
+        SGLang 0.5.3-0.5.23, the server(s) beside the trainer (DESIGN.md "LoRA")."""
         r, lora = self.rollout, self.model.lora
         _check(lora.enabled, "rollout.lora_sync", "=adapter sends LoRA adapters, and model.lora.rank is 0; set "
                "model.lora.rank > 0 or rollout.lora_sync=merged")
-        _check(r.engine == "vllm" and r.placement == "colocated", "rollout.lora_sync",
-               f"=adapter needs rollout.engine=vllm with rollout.placement=colocated (the server on the trainer's "
-               f"node, which loads each step's adapter directory), not engine={r.engine} placement={r.placement}; "
+        _check(r.engine in ("vllm", "sglang") and r.placement == "colocated", "rollout.lora_sync",
+               f"=adapter needs rollout.engine=vllm or sglang with rollout.placement=colocated (servers beside the "
+               f"trainer, which load each step's adapter directory), not engine={r.engine} placement={r.placement}; "
                "use rollout.lora_sync=merged (every engine and placement)")
         _check(self.trainer.max_staleness == 0, "rollout.lora_sync",
                "=adapter swaps the served adapter between steps: set trainer.max_staleness=0, or use merged")
-        _check(lora.rank <= VLLM_MAX_LORA_RANKS[-1], "model.lora.rank",
+        _check(r.engine != "vllm" or lora.rank <= VLLM_MAX_LORA_RANKS[-1], "model.lora.rank",
                f"={lora.rank} is above vLLM's largest --max-lora-rank {VLLM_MAX_LORA_RANKS[-1]}; lower it or use "
                "rollout.lora_sync=merged")
-        _check(moe is None, "rollout.lora_sync", f"=adapter: vLLM serves no LoRA on experts on CPU and this model is a "
+        # vLLM: no LoRA on experts on CPU. SGLang: FusedMoEWithLoRA runs its experts' adapters on the
+        # Triton MoE runner only (0.5.18 lora/layers.py:992, 0.5.23 :1075), which has no CPU form.
+        why = {"vllm": "vLLM serves no LoRA on experts on CPU",
+               "sglang": "SGLang runs LoRA on experts with Triton kernels only (none on CPU; untested on GPUs)"}
+        _check(moe is None, "rollout.lora_sync", f"=adapter: {why[r.engine]} and this model is a "
                f"mixture of experts ({moe}); use rollout.lora_sync=merged")
 
     @property

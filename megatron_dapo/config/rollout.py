@@ -105,7 +105,7 @@ class RolloutConfig:
     lora_sync: Literal["merged", "adapter"] = "merged"
     """With model.lora: merged = the engines receive W + (alpha/r) B A (any engine, any layout);
     adapter = only the adapters, as a PEFT directory each step that the engine serves as a LoRA
-    adapter on its base (rollout.engine=vllm with placement colocated; docs/DESIGN.md, "LoRA")."""
+    adapter on its base (rollout.engine=vllm or sglang with placement colocated; docs/DESIGN.md, "LoRA")."""
     placement: Literal["colocated", "disaggregated"] = "colocated"
     """colocated = engines share the actor's devices and take turns with it; disaggregated = engines
     on devices of their own (on CPU: the local engine in its own process, or rollout.num_engines SGLang

@@ -252,11 +252,14 @@ def weight_transport(cfg: Config, engines: Sequence[RolloutEngine], device: torc
 
 def _sglang_launch(cfg: Config, hf_dir: Path, *, rank: int, world_size: int, local_rank: int,
                    log_dir: Path, device: torch.device, dtype: torch.dtype) -> ColocatedEngines:
+    from megatron_dapo.rollout.sglang.adapters import lora_modules
     from megatron_dapo.rollout.sglang.launch import launch_colocated_engines
 
+    adapters = cfg.rollout.lora_sync == "adapter"  # the servers serve each step's adapter (lora/sync.py)
     return launch_colocated_engines(cfg.rollout, hf_dir, rank=rank, world_size=world_size, local_rank=local_rank,
                                     log_dir=log_dir, device=device.type, dtype=str(dtype).removeprefix("torch."),
-                                    return_routes=_wants_routes(cfg))
+                                    return_routes=_wants_routes(cfg), lora_rank=cfg.model.lora.rank if adapters else 0,
+                                    lora_modules=lora_modules(cfg.model.lora.targets) if adapters else ())
 
 
 def _sglang_eval(args: EvalEngineArgs) -> RolloutEngine:

@@ -34,10 +34,18 @@ BAD = [
     ("rollout: {lora_sync: adapter, engine: vllm}",
      "{f}: rollout.lora_sync=adapter sends LoRA adapters, and model.lora.rank is 0; set "
      "model.lora.rank > 0 or rollout.lora_sync=merged"),
-    ("model: {lora: {rank: 8}}\nrollout: {lora_sync: adapter, engine: sglang}",
-     "{f}: rollout.lora_sync=adapter needs rollout.engine=vllm with rollout.placement=colocated (the "
-     "server on the trainer's node, which loads each step's adapter directory), not engine=sglang "
+    ("model: {lora: {rank: 8}}\nrollout: {lora_sync: adapter, engine: local}",
+     "{f}: rollout.lora_sync=adapter needs rollout.engine=vllm or sglang with rollout.placement=colocated "
+     "(servers beside the trainer, which load each step's adapter directory), not engine=local "
      "placement=colocated; use rollout.lora_sync=merged (every engine and placement)"),
+    ("model: {lora: {rank: 8}}\nrollout: {lora_sync: adapter, engine: sglang, placement: disaggregated}",
+     "{f}: rollout.lora_sync=adapter needs rollout.engine=vllm or sglang with rollout.placement=colocated "
+     "(servers beside the trainer, which load each step's adapter directory), not engine=sglang "
+     "placement=disaggregated; use rollout.lora_sync=merged (every engine and placement)"),
+    ("model: {scratch: {family: qwen3_moe}, lora: {rank: 8}}\nrollout: {lora_sync: adapter, engine: sglang}",
+     "{f}: rollout.lora_sync=adapter: SGLang runs LoRA on experts with Triton kernels only (none on CPU; "
+     "untested on GPUs) and this model is a mixture of experts (model.scratch.family=qwen3_moe); use "
+     "rollout.lora_sync=merged"),
     ("model: {lora: {rank: 600}}\nrollout: {lora_sync: adapter, engine: vllm}",
      "{f}: model.lora.rank=600 is above vLLM's largest --max-lora-rank 512; lower it or use "
      "rollout.lora_sync=merged"),
@@ -55,6 +63,13 @@ def test_lora_settings_the_actor_cannot_build_are_one_line_and_exit_2(tmp_path, 
     err = capsys.readouterr().err
     assert code == 2
     assert err == "error: " + expected.format(f=f) + "\n"
+
+
+def test_sglang_serves_adapters_of_any_rank_beside_the_trainer(tmp_path, capsys):
+    """SGLang takes any --max-lora-rank (vLLM's are a fixed list): rank 600 validates there."""
+    f = tmp_path / "exp.yaml"
+    f.write_text("model: {lora: {rank: 600}}\nrollout: {lora_sync: adapter, engine: sglang}")
+    assert cli.run(["config", "validate", "--static", str(f)]) == 0, capsys.readouterr().err
 
 
 def test_the_base_fingerprint_names_the_weights_not_the_directory(tmp_path):

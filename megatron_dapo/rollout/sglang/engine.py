@@ -187,6 +187,7 @@ class SGLangEngine(WeightUpdates):
         self._call_versions: dict[int, list[int | None]] = {}  # generate call -> version at send, then each set
         self._live_updates = live_updates
         self._paused = False  # generation is paused in place for a weight update
+        self._adapter: str | None = None  # the LoRA adapter requests name (adapters.py); None = the base
         self._expected_shapes = expected_shapes
         self.routes = routes
         self.lm_head_copy = False
@@ -420,8 +421,7 @@ class SGLangEngine(WeightUpdates):
         check_prompts(prompts, vocab_size=self._vocab_size, engine=self.name)
         payload = build_generate_payload(
             prompts, params, index_offset=index_offset, rid_prefix=f"{self.name}-{uuid.uuid4().hex[:12]}",
-            send_seed=self._deterministic, return_routes=self.routes is not None,
-        )
+            send_seed=self._deterministic, return_routes=self.routes is not None, lora_path=self._adapter)
         with self._state_lock:
             self._refuse_if_released("/generate")
             if self._stopped.is_set():

@@ -48,6 +48,8 @@ def launch_colocated_engines(
     dtype: str = "bfloat16",
     max_restarts: int | None = None,
     return_routes: bool = False,
+    lora_rank: int = 0,
+    lora_modules: tuple[str, ...] = (),
 ) -> ColocatedEngines:
     """Collective: start SGLang engines on the GPUs of every node and connect the controller to all.
 
@@ -66,6 +68,8 @@ def launch_colocated_engines(
         max_restarts: None = rollout.max_engine_restarts. A one-process job on a CPU has
             none here: its controller feeds its server and restarts it (run.py).
         return_routes: the servers report every row's routed experts (routing replay).
+        lora_rank: > 0: the servers serve LoRA adapters up to this rank on ``lora_modules``
+            (rollout.lora_sync=adapter; adapters.py).
 
     Returns:
         This rank's ColocatedEngines; on the controller ``clients`` holds every engine.
@@ -83,6 +87,7 @@ def launch_colocated_engines(
             model_path=str(model_path), tp_size=slot.tp_size, base_gpu_id=slot.base_gpu_id,
             mem_fraction_static=config.gpu_memory_utilization, host=host, dtype=dtype, device=device,
             max_total_tokens=kv_tokens, python=config.sglang.python or "", return_routes=return_routes,
+            lora_rank=lora_rank, lora_modules=lora_modules,
             log_path=str(Path(log_dir) / f"{slot.name}.log") if log_dir is not None else "",
         ), slot.name)  # fmt: skip
         engine = SGLangEngine.launch(server, name=slot.name, startup_timeout_s=startup_timeout_s,

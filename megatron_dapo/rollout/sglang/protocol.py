@@ -84,7 +84,7 @@ SGLANG_VERSION_READ = "0.5.x (0.5.3-0.5.5)"
 
 def build_generate_payload(
     prompts: Sequence[Sequence[int]], params: SamplingParams, *, index_offset: int, rid_prefix: str,
-    send_seed: bool = False, return_routes: bool = False,
+    send_seed: bool = False, return_routes: bool = False, lora_path: str | None = None,
 ) -> dict[str, Any]:
     """The /generate body: one row per response, each with its own rid and sampling params.
 
@@ -97,6 +97,7 @@ def build_generate_payload(
             started with --enable-deterministic-inference use it (SGLang >= 0.5.3), so it is
             sent only to those; seeded SGLang rollouts are otherwise not reproducible.
         return_routes: ask for each row's routed experts (a server with --enable-return-routed-experts).
+        lora_path: the loaded LoRA adapter every row runs with, by its name (adapters.py); None = the base.
 
     Returns:
         JSON-serialisable dict for POST /generate.
@@ -124,6 +125,8 @@ def build_generate_payload(
     payload = {"input_ids": input_ids, "sampling_params": per_row, "return_logprob": True, "rid": rids}
     if return_routes:
         payload["return_routed_experts"] = True  # one flag for the batch (GenerateReqInput)
+    if lora_path is not None:
+        payload["lora_path"] = lora_path  # one name for the batch: GenerateReqInput repeats it per row
     return payload
 
 

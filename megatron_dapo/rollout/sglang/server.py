@@ -40,6 +40,7 @@ from pathlib import Path
 
 from megatron_dapo.rollout.fleet.cores import server_cores
 from megatron_dapo.rollout.server_process import free_port, node_address
+from megatron_dapo.rollout.sglang.adapters import lora_launch_args
 from megatron_dapo.rollout.sglang.interpreter import INSTALL_HINT, default_cpu_venv, sglang_python
 
 __all__ = [
@@ -108,6 +109,11 @@ class SGLangServerConfig:
     releases_memory: bool = True
     """A GPU server that hands its weights and KV cache to training between rollouts (colocated:
     --enable-memory-saver, which needs torch_memory_saver); a fleet's server on GPUs of its own keeps them."""
+    lora_rank: int = 0
+    """> 0: the server serves LoRA adapters up to this rank, loaded at run time (rollout.lora_sync=adapter;
+    adapters.py has the flags)."""
+    lora_modules: tuple[str, ...] = ()
+    """The HF modules those adapters are on (--lora-target-modules; adapters.lora_modules)."""
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -116,6 +122,9 @@ class SGLangServerConfig:
             raise ValueError(f"SGLangServerConfig.base_gpu_id={self.base_gpu_id} must be >= 0")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"SGLangServerConfig.device={self.device!r} must be cuda or cpu")
+        if self.lora_rank < 0 or (self.lora_rank > 0 and not self.lora_modules):
+            raise ValueError(f"SGLangServerConfig.lora_rank={self.lora_rank} must be >= 0 (0 = no LoRA), and a rank "
+                             "> 0 needs lora_modules (the HF modules its adapters are on)")
         if self.device == "cpu" and self.max_total_tokens <= 0:
             raise ValueError("SGLangServerConfig.max_total_tokens must be > 0 on a CPU (rollout.sglang.max_total_tokens)")
         if self.api_key and not re.fullmatch(r"[A-Za-z0-9_.~+/=][A-Za-z0-9_.~+/=-]*", self.api_key):
@@ -174,6 +183,8 @@ def build_launch_command(config: SGLangServerConfig, secret_path: Path | None = 
         *device_args,
         *(["--enable-deterministic-inference"] if config.deterministic else []),
         *(["--enable-return-routed-experts"] if config.return_routes else []),
+        *lora_launch_args(rank=config.lora_rank, modules=config.lora_modules, device=config.device,
+                          releases_memory=config.releases_memory),
         *config.extra_args,
     ]  # fmt: skip
 
@@ -296,6 +307,8 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         env=dict(config.env),
         launcher=tuple(config.launcher),
         releases_memory=config.releases_memory,
+        lora_rank=config.lora_rank,
+        lora_modules=tuple(config.lora_modules),
     )
 
 

@@ -26,14 +26,16 @@ from megatron_dapo.rollout.flat_bucket import (
     default_weight_format,
     encode_bucket,
 )
+from megatron_dapo.rollout.sglang.adapters import AdapterServing
 from megatron_dapo.rollout.sglang.protocol import cpu_serialize, sglang_serialize
 from megatron_dapo.rollout.weight_sync import with_lm_head_copy
 
 __all__ = ["WeightUpdates", "serializer_for"]
 
 
-class WeightUpdates:
-    """Weight updates, versions and memory of one SGLang server (a mixin of SGLangEngine)."""
+class WeightUpdates(AdapterServing):
+    """Weight updates, versions and memory of one SGLang server (a mixin of SGLangEngine); LoRA
+    adapters served on its base are AdapterServing's (adapters.py)."""
 
     # Set by SGLangEngine.__init__ (engine.py).
     name: str
