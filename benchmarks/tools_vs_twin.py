@@ -6,7 +6,10 @@
 Per seed S, from S's warm start (cached, the same checkpoint for both runs):
 
     tools   python -m megatron_dapo.train examples/tiny_tools_cpu.yaml trainer.seed=S
-    twin    the same with tools.enable=false (its calls go unanswered, in training and held out)
+    twin    the same with tools.enable=false (its calls go unanswered, in training and held out),
+            started from the tool run's warm start (model.hf_checkpoint=<it>, the task's files as
+            data.train_files / data.val_files): the warm start stops in a held-out band that
+            the tool run's checks measure with the calculator, so the twin's own would differ
 
 then `megatron-dapo eval` of the tool run's last checkpoint on the held-out prompts (the run's
 own validation draw) for the call rate on the problems that need the calculator (the 3-digit x
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tool_diagnosis import CONFIG, REPO, evaluate, split, val_file
+from tool_diagnosis import CONFIG, REPO, evaluate, split, val_file, warm_start_dir
 
 
 def train(out: Path, seed: int, overrides: list[str]) -> None:
@@ -60,11 +63,15 @@ def main() -> None:
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     root = args.root.resolve()
+    val_path, val_rows = val_file([])
+    train_path = val_path.with_name("train.jsonl")
     if not args.read:
         for seed in seeds:
-            train(root / str(seed) / "tools", seed, [])
-            train(root / str(seed) / "twin", seed, ["tools.enable=false"])
-    val_path, val_rows = val_file([])
+            tools = root / str(seed) / "tools"
+            train(tools, seed, [])
+            train(root / str(seed) / "twin", seed, [
+                "tools.enable=false", f"model.hf_checkpoint={warm_start_dir(tools.with_suffix('.log'))}",
+                f"data.train_files=[{train_path}]", f"data.val_files=[{val_path}]"])
     kinds = [r["extra_info"]["kind"] for r in val_rows]
     print("| seed | tools: held-out at each validation | gain | twin: first -> last | tools - twin | "
           "call rate on products (held-out, last step) | minutes (tools / twin) | meets |")
