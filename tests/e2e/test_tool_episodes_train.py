@@ -1,7 +1,8 @@
 """The tool run through the whole trainer (issue 40): episodes in rounds, tool tokens out of the loss.
 
-A short SFT teaches the call format (half of the 3-digit products are solved with
-``<calc>a*b</calc><result>c</result>``), then two RL steps run episodes with the calculator.
+A short SFT teaches the call format (the 3-digit products are solved with
+``<calc>a*b</calc><result>c</result>``; a fixed 100 steps here, not the example's held-out band),
+then two RL steps run episodes with the calculator.
 Per step: calls happen and are answered; the actor's old log-probs equal the engine's on the
 policy's tokens (a tool token in the mask would add its log-prob, 0.0 from the engine, against
 the actor's: a gap of nats, not 1e-7); held-out evaluation runs episodes too.
@@ -14,7 +15,9 @@ from trainer_utils import REPO, read_rows, run_trainer
 
 pytestmark = pytest.mark.e2e
 
-DATA = ("data.embedded.num_train=2000", "data.embedded.num_sft=2000", "data.embedded.num_val=32")
+DATA = ("data.embedded.num_train=2000", "data.embedded.num_sft=2000", "data.embedded.num_val=32",
+        # A fixed-length warm start (the example's stops in a held-out band, hundreds of steps on).
+        "model.sft_warm_start.target_acc_min=null", "model.sft_warm_start.target_acc_max=null")
 
 
 @pytest.fixture(scope="module")
