@@ -2,6 +2,7 @@
 
     python benchmarks/tools_vs_twin.py --seeds 6301,6302,...      # every run, one at a time, then the table
     python benchmarks/tools_vs_twin.py --seeds ... --read         # only read the runs under --root
+    python benchmarks/tools_vs_twin.py --seeds ... --read --plot docs/tools_seeds.png
 
 Per seed S, from S's warm start (cached, the same checkpoint for both runs):
 
@@ -51,6 +52,30 @@ def accuracies(out: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["val/acc"]) for r in map(json.loads, (out / "metrics.jsonl").open()) if "val/acc" in r]
 
 
+def plot(root: Path, seeds: list[int], out: Path) -> None:
+    """Held-out accuracy of the tool runs and of their twins over the steps: mean and min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    for kind, label, color in (("tools", "with the calculator", "tab:blue"), ("twin", "no-tool twin", "tab:gray")):
+        runs = [dict(accuracies(root / str(s) / kind)) for s in seeds]
+        steps = sorted(set.intersection(*(set(r) for r in runs)))
+        values = [[r[step] for r in runs] for step in steps]
+        ax.plot(steps, [sum(v) / len(v) for v in values], color=color, label=f"{label} (mean of {len(runs)} seeds)")
+        ax.fill_between(steps, [min(v) for v in values], [max(v) for v in values], color=color, alpha=0.2)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("held-out accuracy (avg@4)")
+    ax.set_title(f"examples/tiny_tools_cpu.yaml, seeds {seeds[0]}-{seeds[-1]} (band: min-max)", fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", type=Path, default=Path("/tmp/tools-vs-twin"))
@@ -60,6 +85,7 @@ def main() -> None:
     parser.add_argument("--min-call-rate", type=float, default=0.8)
     parser.add_argument("--min-lead", type=float, default=10.0)
     parser.add_argument("--max-minutes", type=float, default=15.0)
+    parser.add_argument("--plot", type=Path, help="also draw the runs' held-out accuracy to this PNG")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     root = args.root.resolve()
@@ -91,6 +117,8 @@ def main() -> None:
         met += ok
         print(f"| {seed} | " + " -> ".join(f"{a:.3f}" for _, a in t) + f" | {gain:+.1f} | {w[0][1]:.3f} -> {w[-1][1]:.3f} "
               f"| {lead:+.1f} | {rate:.3f} | {minutes[0]:.1f} / {minutes[1]:.1f} | {'yes' if ok else 'no'} |")
+    if args.plot is not None:
+        plot(root, seeds, args.plot)
     print(f"\n{met} of {len(seeds)} seeds meet every bar (gain >= {args.min_gain:g}, call rate >= "
           f"{args.min_call_rate:g}, lead >= {args.min_lead:g}, <= {args.max_minutes:g} min per run)")
 
