@@ -134,7 +134,13 @@ def test_engine_servers_die_within_10s_of_a_kill_9_of_their_trainer(tmp_path: Pa
         fields = trainer.stdout.readline().split()
         servers, released_reaper = [int(p) for p in fields[:4]], fields[4]
         assert released_reaper == "None"
-        assert _group_alive(servers[0]) and _group_alive(servers[1]) and not _group_alive(servers[2])
+        assert _group_alive(servers[0]) and _group_alive(servers[1])
+        # The stopped server's group got its SIGKILL; its last members may take a moment to be
+        # reaped on a loaded machine (seen 2026-12-02 beside three training runs).
+        deadline = time.monotonic() + 10
+        while _group_alive(servers[2]):
+            assert time.monotonic() < deadline, f"the stopped server's group {servers[2]} is still alive after 10 s"
+            time.sleep(0.05)
         assert _group_alive(servers[3])
         if how == "kill -9 of the trainer":
             trainer.send_signal(signal.SIGKILL)
