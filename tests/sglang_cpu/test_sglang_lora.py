@@ -23,8 +23,8 @@ from tiers import requires, sglang_missing
 from megatron_dapo.rollout.sglang.server import sglang_python
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
-from test_sglang_train import SHORT
-from trainer_utils import REPO, kill_engine_when, read_rows, step_logged, train_command, trainer_env
+from test_sglang_train import SHORT, kill_while_step_2_generates
+from trainer_utils import REPO, read_rows, train_command
 
 pytestmark = [pytest.mark.sglang_cpu, pytest.mark.e2e, *requires(sglang_missing())]
 
@@ -48,29 +48,13 @@ def test_adapter_only_sync_serves_the_actors_policy_on_sglang_through_a_restart(
                             "trainer.val_before_train=false")
     log = tmp_path / "trainer.log"
     engine_log = out / "engine_logs" / "sglang0.log"
-    after_step_1 = step_logged(out, 1)
-    prefills: list[int] = []
-    logged_at_kill: list[int] = []
-
-    def generating_after_step_1() -> bool:
-        if not prefills:
-            if not after_step_1():
-                return False
-            prefills.append(engine_log.read_text(errors="replace").count("Prefill batch"))
-        if engine_log.read_text(errors="replace").count("Prefill batch") <= prefills[0]:
-            return False
-        logged_at_kill.append(max(r["step"] for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r))
-        return True
-
-    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, generating_after_step_1,
-                            marker="sglang.launch_server", timeout_s=900)
+    code, killed_after = kill_while_step_2_generates(command, tmp_path, out, "sglang0")
     assert code == 0, log.read_text()[-4000:]
     rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [r["train/num_responses"] for r in rows] == [32, 32, 32]  # the lost requests were sent again
     # A step generates in under a second here: the kill lands in step 2's generation, or in step
     # 3's when step 2's was over before the poll saw step 1 logged (2026-12-02, the first run).
-    (killed_after,) = logged_at_kill
     assert killed_after in (1, 2), killed_after
     assert [r["rollout/engine_restarts"] for r in rows] == [int(r["step"] > killed_after) for r in rows]
     assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-4, rows

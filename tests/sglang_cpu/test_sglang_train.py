@@ -39,6 +39,35 @@ SHORT = ("rollout.engine=sglang", "model.sft_warm_start.enable=false", "algorith
          "trainer.ppo_mini_batch_size=4")
 
 
+def kill_while_step_2_generates(command: list[str], tmp_path: Path, out: Path, server: str, *, rank: int | None = None,
+                                timeout_s: float = 900) -> tuple[int, int]:
+    """Run `command` and SIGKILL its SGLang server `server` once it generates after step 1 is logged.
+
+    Returns the trainer's exit code and the last step logged at the kill: 1, or 2 when step 2's
+    generation was over before the poll saw step 1 logged (a step generates in under a second).
+    The trainer's log is tmp_path/trainer.log, its cache tmp_path/cache.
+    """
+    engine_log = out / "engine_logs" / f"{server}.log"
+    after_step_1 = step_logged(out, 1)
+    prefills: list[int] = []
+    logged_at_kill: list[int] = []
+
+    def generating_after_step_1() -> bool:
+        if not prefills:
+            if not after_step_1():
+                return False
+            prefills.append(engine_log.read_text(errors="replace").count("Prefill batch"))
+        if engine_log.read_text(errors="replace").count("Prefill batch") <= prefills[0]:
+            return False
+        logged_at_kill.append(max(r["step"] for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r))
+        return True
+
+    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), tmp_path / "trainer.log",
+                            generating_after_step_1, marker="sglang.launch_server", rank=rank, timeout_s=timeout_s)
+    assert len(logged_at_kill) == 1, f"the server was killed {len(logged_at_kill)} times"
+    return code, logged_at_kill[0]
+
+
 # One run holds the trainer through SGLang's own servers on CPU: TP=2 under torchrun, two servers
 # at once, a kill of one mid-generation. The one-process layout runs in test_sglang_routes.py
 # (with R3) and the restart of a controller's own server in test_sglang_fleet.py; PP=2's
@@ -63,31 +92,14 @@ def test_a_server_another_rank_owns_is_restarted_by_its_owner_mid_generation(tmp
                             f"trainer.output_dir={out}", "trainer.total_training_steps=3", "trainer.test_freq=0",
                             nproc=2)
     log = tmp_path / "trainer.log"
-    engine_log = out / "engine_logs" / "sglang1.log"
-    after_step_1 = step_logged(out, 1)
-    prefills: list[int] = []
-    logged_at_kill: list[int] = []
-
-    def generating_after_step_1() -> bool:
-        if not prefills:
-            if not after_step_1():
-                return False
-            prefills.append(engine_log.read_text(errors="replace").count("Prefill batch"))
-        if engine_log.read_text(errors="replace").count("Prefill batch") <= prefills[0]:
-            return False
-        logged_at_kill.append(max(r["step"] for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r))
-        return True
-
-    code = kill_engine_when(command, trainer_env(tmp_path / "cache"), log, generating_after_step_1,
-                            marker="sglang.launch_server", rank=1)
+    code, killed_after = kill_while_step_2_generates(command, tmp_path, out, "sglang1", rank=1)
     assert code == 0, log.read_text()[-4000:]
     rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]  # no step repeated, none lost
     assert [r["train/num_responses"] for r in rows] == [32, 32, 32]
-    (killed_after,) = logged_at_kill
     assert killed_after in (1, 2), killed_after  # a later step's generation was interrupted
     assert [r["rollout/engine_restarts"] for r in rows] == [int(r["step"] > killed_after) for r in rows]
     assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-5, rows
     text = log.read_text()
     assert "restarting its server in place for the controller" in text, text[-3000:]
-    assert engine_log.read_text(errors="replace").count("server_args=ServerArgs(") == 2
+    assert (out / "engine_logs" / "sglang1.log").read_text(errors="replace").count("server_args=ServerArgs(") == 2
