@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,8 @@ from megatron_dapo.lora.layers import LoraModel, apply_lora
 from megatron_dapo.lora.state import base_identity
 
 __all__ = ["add_adapters"]
+
+logger = logging.getLogger(__name__)
 
 
 def add_adapters(model: Any, lora: LoraConfig, hf: Any, dims: Any, *, use_te: bool, seed: int,
@@ -45,4 +48,8 @@ def add_adapters(model: Any, lora: LoraConfig, hf: Any, dims: Any, *, use_te: bo
     adapters = apply_lora(model, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, targets=targets, seed=seed,
                           expert_offset=expert_offset)
     adapters.base = base_identity(base) if base is not None else None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    logger.info("model.lora: rank %d, alpha %g on %s: %d trainable parameters of %d on this rank (%.2f%%)",
+                lora.rank, lora.alpha, ",".join(targets), trainable, total, 100 * trainable / max(total, 1))
     return adapters

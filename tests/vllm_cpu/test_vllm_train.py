@@ -61,9 +61,13 @@ def kill_while_step_2_generates(command: list[str], tmp_path: Path, out: Path) -
 
 
 def test_a_vllm_server_killed_mid_generation_costs_a_restart_and_the_gap_stays_at_float32_level(tmp_path):
+    """The actor is a LoRA one with the merged sync (issue 62): the server takes W + (alpha/r) B A
+    through the same resharded sync as a full model's weights (lora/state.py's merged view of the
+    export), so the gap and the restart hold for both; the adapter-only sync is test_vllm_lora.py's."""
     out = tmp_path / "run"
     command = train_command(REPO / "examples" / "tiny_cpu.yaml", *SHORT, f"trainer.output_dir={out}",
-                            "trainer.total_training_steps=3")
+                            "trainer.total_training_steps=3", "model.lora.rank=4", "model.lora.alpha=8",
+                            "optim.lr=2e-3")
     log = tmp_path / "trainer.log"
     engine_log = out / "engine_logs" / "vllm0.log"
     code = kill_while_step_2_generates(command, tmp_path, out)
@@ -77,6 +81,9 @@ def test_a_vllm_server_killed_mid_generation_costs_a_restart_and_the_gap_stays_a
     assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-4, rows
     text = engine_log.read_text(errors="replace")
     assert text.count("Starting vLLM server on") == 2  # one log, both lives
+    assert "model.lora: rank 4, alpha 8 on linear_qkv" in log.read_text()  # the actor is a LoRA one
+    # Merged: every sync sends the whole model (3.3 MB in float32), not the adapters.
+    assert all(r["sync/num_bytes"] >= 3_318_272 for r in rows), [r["sync/num_bytes"] for r in rows]
 
 
 FINISHED = 'POST /finish_weight_update HTTP/1.1" 200'
