@@ -72,11 +72,10 @@ def prepare(cache_dir: Path, ours_python: str, ours_path: Path, workdir: Path) -
     """Model, tokenizer and prompts both sides use; trains the cached SFT warm start if missing."""
     from types import SimpleNamespace
 
-    from megatron_dapo.bootstrap import prepare_sources
     from megatron_dapo.config.loader import load_config
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.data.tokenizer import load_tokenizer
-    from megatron_dapo.embedded import task_for
+    from megatron_dapo.run import prepare_sources, task_for
     from megatron_dapo.warm_start import sft_cache_dir
 
     cfg = load_config(str(CONFIG), OVERRIDES)

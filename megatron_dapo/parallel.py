@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
 from megatron_dapo.device import distributed_backend, setup_device
+from megatron_dapo.errors import SharedUserError, UserError
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -585,3 +586,28 @@ def first_slurm_host(nodelist: str) -> str:
     if ranges is None:
         return prefix
     return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def on_controller(fn: Any) -> Any:
+    """Run `fn` on the controller and broadcast its result (collective).
+
+    A UserError there is raised on every rank as a SharedUserError, so every rank exits
+    with code 2 and the message prints once, instead of the others waiting in the next
+    collective for a controller that is gone.
+    """
+    result, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except UserError as e:
+            error = str(e)
+    result, error = broadcast_object((result, error))
+    if error is not None:
+        raise SharedUserError(error)
+    return result
+
+
+def broadcast_object(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

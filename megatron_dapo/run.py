@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,17 +26,10 @@ import torch.distributed as dist
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import MegatronActor
+from megatron_dapo.actor.build import build_actor, model_dtype
 from megatron_dapo.actor.optimizer_state import materialize_optimizer_state
 from megatron_dapo.actor.reference import BaseOfAdapters, ReferencePolicy
 from megatron_dapo.algo import LossSettings
-from megatron_dapo.bootstrap import (
-    build_actor,
-    model_dtype,
-    on_controller,
-    prepare_sources,
-    warm_started,
-    with_tokenizer,
-)
 from megatron_dapo.checkpoint import CheckpointManager, read_manifest, resolve_resume, step_of
 from megatron_dapo.checkpoint.integrity import verify_checksums
 from megatron_dapo.collect import CollectSettings, CollectState, Group, val_sampling_params
@@ -44,11 +38,11 @@ from megatron_dapo.collect.shards import Shard, split_batch, to_shard
 from megatron_dapo.collect.trained import record_trained_samples
 from megatron_dapo.config import Config
 from megatron_dapo.config.loader import to_dict
-from megatron_dapo.config.preflight import check_device, check_inputs
+from megatron_dapo.config.preflight import check_device, check_hf_checkpoint, check_inputs
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
-from megatron_dapo.data.tokenizer import Tokenizer, load_tokenizer
+from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
 from megatron_dapo.device import release_cached_memory
-from megatron_dapo.embedded import cache_root
+from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.lora.sync import AdapterSync
 from megatron_dapo.metrics import MetricsLogger
@@ -68,6 +62,7 @@ from megatron_dapo.rollout.fleet.stages import StageSender, sync_by_stage
 from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
 from megatron_dapo.tools.registry import episode_runner
+from megatron_dapo.warm_start import warm_started
 
 logger = logging.getLogger(__name__)
 
@@ -301,7 +296,7 @@ def build_run(cfg: Config, config_source: str) -> Run:
         return {**prepare_sources(cfg, cache_root()), "cache_dir": str(cache_root())}
 
     try:
-        sources = on_controller(prepare)
+        sources = parallel.on_controller(prepare)
         if "finished_at" in sources:
             raise NothingToTrain(output_dir, int(sources["finished_at"]), cfg.trainer.total_training_steps)
         run = _build(cfg, env, output_dir, sources)
@@ -340,7 +335,7 @@ def _build(cfg: Config, env: Any, output_dir: Path, sources: dict[str, Any]) -> 
     if cfg.model.hf_checkpoint is None and cfg.model.sft_warm_start.enable:
         hf_dir = warm_started(cfg, adapter, hf_dir, sources, dims, control, cache_dir)
     if cfg.model.hf_checkpoint is None:
-        on_controller(lambda: with_tokenizer(hf_dir, Path(sources["tokenizer"])))
+        parallel.on_controller(lambda: with_tokenizer(hf_dir, Path(sources["tokenizer"])))
     actor = build_actor(cfg, adapter, hf_dir, dims)
 
     loss = LossSettings.from_config(cfg.algorithm, cfg.rollout.temperature, cfg.data.max_response_length)
@@ -382,7 +377,7 @@ def _start_engines_and_resume(run: Run, cfg: Config, env: Any, hf_dir: Path, sou
     run.colocated = launch_rank_engines(cfg, hf_dir, rank=env.rank, world_size=env.world_size,
                                         local_rank=env.local_rank, log_dir=run.output_dir / "engine_logs",
                                         device=dims.device, dtype=model_dtype(cfg, dims.device))
-    on_controller(lambda: _build_controller(run, hf_dir, sources))
+    parallel.on_controller(lambda: _build_controller(run, hf_dir, sources))
 
     if resume_from is not None:
         assert state is not None
@@ -460,3 +455,29 @@ def _launcher_source() -> str:
     if "SLURM_NTASKS" in os.environ:
         return f"SLURM_NTASKS={os.environ['SLURM_NTASKS']}"
     return "a single process"
+
+
+def with_tokenizer(hf_dir: Path, spm_model: Path) -> None:
+    """Put the embedded task's tokenizer into its (cached) HF directory, so that checkpoints
+    carry it in hf/ and an export can be trained from (data/tokenizer.py reads it back)."""
+    target = hf_dir / SPM_MODEL_FILENAME
+    if target.is_file():
+        return
+    tmp = hf_dir / f".{SPM_MODEL_FILENAME}.{os.getpid()}"
+    shutil.copyfile(spm_model, tmp)
+    os.replace(tmp, target)
+
+
+def prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
+    """Controller: make the embedded task and scratch checkpoint if needed; return paths."""
+    if cfg.model.hf_checkpoint is not None:
+        # Here, once, rather than as a traceback on every rank while the actor loads.
+        check_hf_checkpoint(cfg.model.hf_checkpoint)
+        load_tokenizer(cfg.model.tokenizer or cfg.model.hf_checkpoint)
+        return {"hf_dir": cfg.model.hf_checkpoint, "tokenizer": cfg.model.tokenizer or cfg.model.hf_checkpoint,
+                "train": None, "val": None, "sft_path": None}
+    task = task_for(cfg.data.embedded, cache_dir)
+    tokenizer = load_tokenizer(task.tokenizer_path)
+    scratch = scratch_checkpoint(cfg.model.scratch, tokenizer.vocab_size, cfg.trainer.seed, cache_dir)
+    return {"hf_dir": str(scratch), "tokenizer": str(task.tokenizer_path), "train": str(task.train_path),
+            "val": str(task.val_path), "sft_path": str(task.sft_path)}

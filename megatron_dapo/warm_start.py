@@ -39,10 +39,11 @@ from safetensors.torch import save_file
 
 from megatron_dapo import parallel
 from megatron_dapo.actor.actor import MegatronActor
+from megatron_dapo.actor.build import build_actor
 from megatron_dapo.actor.microbatch import RolloutBatch, balance_across_dp
 from megatron_dapo.algo import LossSettings
 from megatron_dapo.checkpoint.files import chmod_as_created
-from megatron_dapo.config import Config
+from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.data.arithmetic import CALC_MARKERS
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.embedded import atomic_dir, digest, environment_key
@@ -317,3 +318,20 @@ def _sft_batch(rows: list[tuple[list[int], list[int], list[int]]]) -> RolloutBat
     return RolloutBatch(input_ids=input_ids, seq_lens=torch.tensor(lengths[: len(rows)], dtype=torch.long),
                         response_mask=mask, advantages=mask.float())
 
+
+def warm_started(cfg: Config, adapter: DecoderAdapter, init_dir: Path, sources: dict[str, Any],
+                dims: parallel.ParallelDims, control: parallel.ControlGroups, cache_dir: Path) -> Path:
+    """The SFT'd HF checkpoint of the scratch model: from the cache, or trained now."""
+    # The controller's key: on a cluster of mixed CPUs the kernel level differs between nodes.
+    out = Path(parallel.broadcast_object(str(sft_cache_dir(cfg, init_dir, sources, dims, cache_dir)) if dims.is_controller else None))
+    if parallel.broadcast_object((out / "config.json").is_file() if dims.is_controller else None):
+        logger.info("sft warm start: %s (cached)", out)
+        return out
+    s = cfg.model.sft_warm_start
+    sft_optim = OptimConfig(lr=s.lr, weight_decay=0.0, clip_grad=cfg.optim.clip_grad,
+                            lr_warmup_steps=min(10, s.num_steps))
+    # SFT rows are distinct prompts, nothing to share; padded rows keep cached warm starts valid.
+    actor = build_actor(cfg, adapter, init_dir, dims, optim=sft_optim, shared_prompts=False, lora=False)
+    warm_start(cfg, actor, control, adapter, init_dir, sources, out)
+    logger.info("sft warm start: %s (trained now, cached for the next run)", out)
+    return out

@@ -11,13 +11,12 @@ pytestmark = pytest.mark.e2e
 
 
 def test_pure_distillation_from_a_wider_deeper_teacher(tmp_path):
-    from megatron_dapo.bootstrap import prepare_sources
     from megatron_dapo.config import ScratchModelConfig
     from megatron_dapo.config.loader import load_config
     from megatron_dapo.config.preflight import check_teacher
     from megatron_dapo.data.tokenizer import load_tokenizer
-    from megatron_dapo.embedded import scratch_checkpoint
     from megatron_dapo.errors import UserError
+    from megatron_dapo.run import prepare_sources, scratch_checkpoint
 
     cache = tmp_path / "cache"
     cache.mkdir()
