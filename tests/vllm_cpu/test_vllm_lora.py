@@ -32,11 +32,12 @@ def test_adapter_only_sync_serves_the_actors_policy_through_a_restart(tmp_path):
                             "trainer.total_training_steps=3")
     log = tmp_path / "trainer.log"
     engine_log = out / "engine_logs" / "vllm0.log"
-    code = kill_while_step_2_generates(command, tmp_path, out)
+    code, killed_after = kill_while_step_2_generates(command, tmp_path, out)
     assert code == 0, log.read_text()[-4000:]
     rows = [r for r in read_rows(out) if "rollout/train_logprob_abs_diff" in r]
     assert [r["step"] for r in rows] == [1, 2, 3]
-    assert [r["rollout/engine_restarts"] for r in rows] == [0, 1, 1]
+    assert killed_after in (1, 2), killed_after
+    assert [r["rollout/engine_restarts"] for r in rows] == [int(r["step"] > killed_after) for r in rows]
     assert max(r["rollout/train_logprob_abs_diff"] for r in rows) < 1e-4, rows
     # The adapters alone: rank 8 on every linear of the 4-layer 128-wide model is 8.7% of its
     # parameters (3.3 MB in float32); each sync wrote and loaded one PEFT directory.
