@@ -75,10 +75,10 @@ def split(rows: list[dict], kinds: list[str]) -> dict[str, float]:
     out: dict[str, float] = {}
     for kind, rs in by.items():
         called = [r for r in rs if r.get("episode", {}).get("calls")]
+        plain = [r for r in rs if not r.get("episode", {}).get("calls")]
         out[f"{kind} call rate"] = len(called) / len(rs)
         out[f"{kind} acc"] = sum(r["acc"] for r in rs) / len(rs)
         if kind == "product":
-            plain = [r for r in rs if r not in called]
             out["product acc called"] = sum(r["acc"] for r in called) / len(called) if called else float("nan")
             out["product acc not called"] = sum(r["acc"] for r in plain) / len(plain) if plain else float("nan")
             calls = [c for r in called for c in r["episode"]["calls"]]
