@@ -47,6 +47,7 @@ from megatron_dapo.config import Config, OptimConfig
 from megatron_dapo.data.arithmetic import CALC_MARKERS
 from megatron_dapo.data.tokenizer import load_tokenizer
 from megatron_dapo.embedded import atomic_dir, digest, environment_key
+from megatron_dapo.errors import UserError
 from megatron_dapo.models import DecoderAdapter
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,11 @@ WARM_START_RECORD = "warm_start.json"
 def sft_cache_key(cfg: Config, init_dir: Path, sources: dict[str, Any], dims: parallel.ParallelDims) -> dict[str, Any]:
     """Every input of the warm-started checkpoint (see the module docstring)."""
     s = cfg.model.sft_warm_start
+    sft = asdict(s)
+    if not s.band_by_kind:  # only when on, so the warm starts cached before it stay valid
+        del sft["band_by_kind"]
     key: dict[str, Any] = {
-        "version": WARM_START_VERSION, "init": init_dir.name, "sft": asdict(s), "clip_grad": cfg.optim.clip_grad,
+        "version": WARM_START_VERSION, "init": init_dir.name, "sft": sft, "clip_grad": cfg.optim.clip_grad,
         "corpus": sources["sft_path"], "tokenizer": sources["tokenizer"], "seed": cfg.trainer.seed,
         "dtype": cfg.model.dtype, "layout": [dims.tp, dims.pp, dims.dp],
         "max_tokens_per_microbatch": cfg.trainer.max_tokens_per_microbatch, "environment": environment_key(),
@@ -90,14 +94,16 @@ class AccuracyBand:
     """
 
     def __init__(self, adapter: DecoderAdapter, dims: parallel.ParallelDims, band: tuple[float, float],
-                 evaluate: Callable[[list[tuple[str, torch.Tensor]]], float] | None) -> None:
+                 evaluate: Callable[[list[tuple[str, torch.Tensor]]], float] | None,
+                 reading: str = "acc") -> None:
         """Args:
             adapter: exports the actor's weights.
             dims: the layout.
             band: (min, max) held-out accuracy.
-            evaluate: controller only: HF tensors -> val/acc; None on other ranks.
+            evaluate: controller only: HF tensors -> the accuracy the band reads; None on other ranks.
+            reading: what `evaluate` returns, for the log ("acc", or the weakest kind's).
         """
-        self.adapter, self.dims, self.band, self.evaluate = adapter, dims, band, evaluate
+        self.adapter, self.dims, self.band, self.evaluate, self.reading = adapter, dims, band, evaluate, reading
         self.checks: list[dict[str, float]] = []
         self.best: dict[str, torch.Tensor] | None = None
         self.best_step = 0
@@ -115,7 +121,8 @@ class AccuracyBand:
         decision = None
         if self.evaluate is not None:
             acc = self.evaluate(tensors)
-            logger.info("sft warm start step %d: held-out acc %.4f (target band [%.2f, %.2f])", step, acc, *self.band)
+            logger.info("sft warm start step %d: held-out %s %.4f (target band [%.2f, %.2f])", step, self.reading, acc,
+                        *self.band)
             if not self.checks or self.distance(acc) < min(self.distance(c["acc"]) for c in self.checks):
                 self.best, self.best_step = dict(tensors), step
             self.checks.append({"step": step, "acc": acc})
@@ -140,7 +147,8 @@ def warm_start(cfg: Config, actor: MegatronActor, control: parallel.ControlGroup
     closers: list[Callable[[], None]] = []
     try:
         evaluate_fn = _held_out_accuracy(cfg, init_dir, sources, closers) if dims.is_controller else None
-        band = AccuracyBand(adapter, dims, s.band, evaluate_fn)
+        band = AccuracyBand(adapter, dims, s.band, evaluate_fn,
+                            reading="acc of the weakest kind" if s.band_by_kind else "acc")
         steps = run_sft(actor, control, sources["sft_path"], sources["tokenizer"], num_steps=s.num_steps,
                         batch_size=s.batch_size, seed=cfg.trainer.seed, check=band, check_interval=s.check_interval,
                         fine_check_interval=s.fine_check_interval)
@@ -191,11 +199,23 @@ def _held_out_accuracy(cfg: Config, init_dir: Path, sources: dict[str, Any],
     if episodes is not None:
         closers.append(episodes.close)
 
+    by_kind = cfg.model.sft_warm_start.band_by_kind
+    if by_kind and any(not isinstance(p.extra_info, dict) or not isinstance(p.extra_info.get("kind"), str)
+                       for p in prompts):
+        raise UserError("model.sft_warm_start.band_by_kind: the held-out prompts name no problem kind "
+                        "(extra_info.kind, which the embedded task writes); set band_by_kind: false")
+
     def held_out_accuracy(tensors: list[tuple[str, torch.Tensor]]) -> float:
         engine.update_weights(tensors)
         engine.finish_weight_update()
-        return float(score_heldout(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params,
-                                   episodes=episodes)["val/acc"])
+        metrics = score_heldout(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params,
+                                episodes=episodes)
+        if not by_kind:
+            return float(metrics["val/acc"])
+        kinds = {k.removeprefix("val/acc/"): float(v) for k, v in metrics.items() if k.startswith("val/acc/")}
+        logger.info("sft warm start check: held-out acc %.4f; by kind %s (the band reads the weakest)",
+                    metrics["val/acc"], ", ".join(f"{k} {v:.4f}" for k, v in kinds.items()))
+        return min(kinds.values())
 
     return held_out_accuracy
 

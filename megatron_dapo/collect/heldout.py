@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from megatron_dapo.collect.scoring import generate_and_score
+from megatron_dapo.collect.types import Group
 from megatron_dapo.config import ValKwargsConfig
 from megatron_dapo.data.datasets import PromptRecord
 from megatron_dapo.data.tokenizer import Tokenizer
@@ -60,8 +61,9 @@ def score_heldout(
 
     Returns:
         val/acc (avg@n, the paper's metric), val/score/mean, val/pass@n, val/response_length/mean,
-        and with tools val/tools/* (tools/episode.episode_metrics; val/tools/acc_called and
-        acc_not_called, tools/outcomes.py).
+        val/acc/<kind> for prompts whose extra_info names their kind (the embedded task's add,
+        sub, big_mul, ...: `accuracy_by_kind`), and with tools val/tools/* (tools/episode.episode_metrics;
+        val/tools/acc_called and acc_not_called, tools/outcomes.py).
     """
     groups, _ = generate_and_score(prompts, rollout=rollout, rewards=rewards, tokenizer=tokenizer, params=params,
                                    episodes=episodes)
@@ -73,4 +75,15 @@ def score_heldout(
         "val/score/mean": sum(s.score for s in samples) / len(samples),
         f"val/pass@{params.n}": sum(any(s.acc for s in g.samples) for g in groups) / len(groups),
         "val/response_length/mean": sum(len(s.response_ids) for s in samples) / len(samples),
+        **{f"val/acc/{kind}": acc for kind, acc in accuracy_by_kind(groups).items()},
     }
+
+
+def accuracy_by_kind(groups: Sequence[Group]) -> dict[str, float]:
+    """avg@n accuracy per problem kind (a prompt's extra_info["kind"]); prompts without one are left out."""
+    by: dict[str, list[float]] = {}
+    for g in groups:
+        kind = g.prompt.extra_info.get("kind") if isinstance(g.prompt.extra_info, dict) else None
+        if isinstance(kind, str):
+            by.setdefault(kind, []).extend(float(s.acc) for s in g.samples)
+    return {kind: sum(accs) / len(accs) for kind, accs in sorted(by.items()) if accs}

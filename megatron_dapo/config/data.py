@@ -45,6 +45,10 @@ class EmbeddedTaskConfig:
     """Weight of 3-digit x 2-digit products, the tool task's (data.arithmetic.ArithmeticMix.big_mul)."""
     sft_tool_share: float = 0.0
     """Share of the big_mul worked solutions that call the calculator (<calc>a*b</calc><result>..)."""
+    sft_balance_product_digits: bool = False
+    """SFT corpus only: big_mul products with 4-digit and 5-digit results in equal shares (drawn as
+    the mix does, 17% are 4-digit, and a warm start then miscopies every one of them;
+    data.arithmetic.balance_product_digits)."""
     max_digits: int = 2
     """Digits of +/- operands (1..6)."""
     solution_style: Literal["columns", "direct"] = "columns"

@@ -82,6 +82,11 @@ class SFTWarmStartConfig:
     num_steps."""
     target_acc_max: float | None = None
     """Upper end of the band; a check above it stops SFT too, keeping the check nearest the band."""
+    band_by_kind: bool = False
+    """The band applies to the weakest problem kind's held-out accuracy (the prompts'
+    extra_info.kind: the embedded task's add, sub, big_mul, ...) instead of the mean over all
+    prompts: a task of two skills then starts RL with both half there, not one of them learnt and
+    the other absent (the tool example, docs/benchmarks.md issue 63)."""
     check_interval: int = 50
     """SFT steps between held-out accuracy checks (with a target band)."""
     fine_check_interval: int | None = 10

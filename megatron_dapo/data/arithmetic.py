@@ -228,6 +228,30 @@ def draw_problem_of_kind(rng: random.Random, mix: ArithmeticMix, kind: str) -> A
     return ArithmeticProblem(expression=f"{a}{op}{b}", steps=[str(answer)], answer=answer, kind=kind, lines=lines)
 
 
+def balance_product_digits(problems: list[ArithmeticProblem], rng: random.Random,
+                           exclude: frozenset[str] = frozenset()) -> list[ArithmeticProblem]:
+    """The big_mul products redrawn so that half have a 4-digit result and half a 5-digit one.
+
+    Drawn as the mix does, 17% of 3-digit x 2-digit products are under 10,000; a warm start
+    that has seen mostly 5-digit results copies a tool's answer by position, so every 4-digit
+    result is miscopied into the answer line, all eight responses of such a prompt are wrong and
+    dynamic sampling drops its group: RL never sees a rewarded one (docs/benchmarks.md, issue
+    63). Each product keeps its place (and its `calc`) and gets operands with the drawn length.
+    """
+    out = []
+    for p in problems:
+        if p.kind != "big_mul":
+            out.append(p)
+            continue
+        short = rng.random() < 0.5
+        while True:
+            a, b = rng.randint(100, 999), rng.randint(11, 99)
+            if (a * b < 10_000) == short and f"{a}*{b}" not in exclude:
+                break
+        out.append(dataclasses.replace(p, expression=f"{a}*{b}", steps=[str(a * b)], answer=a * b))
+    return out
+
+
 class ColumnBalancer:
     """Chooses, among candidate problems of one kind, the one whose column facts were taught least.
 
@@ -368,6 +392,7 @@ def prepare_arithmetic_task(
     sft_balance_columns: int = 0,
     train_balance_columns: int = 0,
     sft_tool_share: float = 0.0,
+    sft_balance_product_digits: bool = False,
 ) -> ArithmeticTask:
     """Writes the train/val/SFT files of the arithmetic task and builds its tokenizer.
 
@@ -384,6 +409,8 @@ def prepare_arithmetic_task(
         sft_tool_share: the share of big_mul worked solutions that call the calculator (the warm
             start teaches the call format; RL then teaches when to call). The tokenizer of a task
             with big_mul problems or calls has the format's markers as single pieces.
+        sft_balance_product_digits: the SFT corpus's big_mul products have 4-digit and 5-digit
+            results in equal shares (`balance_product_digits`); the other splits keep the mix.
 
     Returns:
         The paths written.
@@ -405,6 +432,8 @@ def prepare_arithmetic_task(
 
     train, drawn_train = split("train", num_train, train_balance_columns)
     sft, drawn_sft = split("sft", num_sft, sft_balance_columns)
+    if sft_balance_product_digits:
+        sft = balance_product_digits(sft, random.Random(f"{seed}:sft-digits"), exclude=held_out)
     if sft_tool_share > 0:
         calls = random.Random(f"{seed}:sft-calls")
         for p in sft:
