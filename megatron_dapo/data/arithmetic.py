@@ -432,12 +432,12 @@ def prepare_arithmetic_task(
 
     train, drawn_train = split("train", num_train, train_balance_columns)
     sft, drawn_sft = split("sft", num_sft, sft_balance_columns)
-    if sft_balance_product_digits:
-        sft = balance_product_digits(sft, random.Random(f"{seed}:sft-digits"), exclude=held_out)
     if sft_tool_share > 0:
         calls = random.Random(f"{seed}:sft-calls")
         for p in sft:
             p.calc = p.kind == "big_mul" and calls.random() < sft_tool_share
+    if sft_balance_product_digits:  # after the calls: the tokenizer's corpus (the drawn split) keeps them
+        sft = balance_product_digits(sft, random.Random(f"{seed}:sft-digits"), exclude=held_out)
     if mix.big_mul > 0 or sft_tool_share > 0:
         tokenizer_settings = dataclasses.replace(tokenizer_settings, user_defined_symbols=CALC_MARKERS)
     # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus or the RL

@@ -114,3 +114,30 @@ def test_checks_come_every_fine_interval_once_one_reads_half_the_band(tmp_path):
                  if json.loads(p.read_text())["band"][0] > 0]
     assert [c["step"] for c in record["checks"]] == [5, 7, 9, 10]
     assert all(c["acc"] == v for c in record["checks"])
+
+
+def test_band_by_kind_reads_the_weakest_kinds_accuracy(tmp_path):
+    # Issue 63: a band on the mean stopped the tool example's SFT with one skill learnt and the
+    # other absent. With band_by_kind the check reads the lowest per-kind avg@n; even_answer scores
+    # the prompts, so each kind's reading is the share of even answers among its held-out prompts.
+    from megatron_dapo.config.loader import load_config
+    from megatron_dapo.embedded import task_for
+
+    cache_dir = tmp_path / "cache"
+    sft = {**SFT["sft_warm_start"], "target_acc_min": 0.0, "target_acc_max": 1.0, "band_by_kind": True}
+    config = write_config(tmp_path / "tiny.yaml", model={"sft_warm_start": sft},
+                          reward={"reward_fn": "e2e_reward_fns:even_answer"}, algorithm={"filter_groups": {"enable": False}})
+    proc = run_trainer(config, f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_training_steps=1",
+                       "trainer.val_before_train=false", cache_dir=cache_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in task_for(load_config(config, []).data.embedded, cache_dir)
+            .val_path.read_text().splitlines()]
+    by_kind: dict[str, list[bool]] = {}
+    for r in rows:
+        by_kind.setdefault(r["extra_info"]["kind"], []).append(int(r["answer"]) % 2 == 0)
+    shares = {kind: sum(v) / len(v) for kind, v in by_kind.items()}
+    overall = sum(sum(v) for v in by_kind.values()) / len(rows)
+    assert len(shares) >= 2 and min(shares.values()) < overall
+    record = warm_start_record(cache_dir)
+    assert record["chosen_step"] == 5 and record["checks"][0]["acc"] == pytest.approx(min(shares.values()), abs=1e-9)
+    assert "held-out acc of the weakest kind" in proc.stderr and "by kind" in proc.stderr

@@ -292,3 +292,35 @@ def test_balancing_a_split_keeps_the_tokenizer_and_the_other_splits(tmp_path: Pa
     held_out = {json.loads(line)["extra_info"]["expression"] for line in tasks[1].val_path.read_text().splitlines()}
     train = [json.loads(line)["extra_info"]["expression"] for line in tasks[1].train_path.read_text().splitlines()]
     assert len(train) == 300 and not held_out & set(train)
+
+
+def test_balanced_product_digits_even_out_4_and_5_digit_results_in_the_sft_corpus_only(tmp_path: Path) -> None:
+    # Issue 63: drawn as the mix does, 17% of the products have a 4-digit result, and a warm start
+    # copied every one of them into the answer line as if it had 5 digits.
+    import random
+
+    from megatron_dapo.data.arithmetic import balance_product_digits
+
+    mix = ArithmeticMix(add=0.3, sub=0.3, mul=0.0, two_step=0.0, big_mul=0.4)
+    drawn = generate_problems(3000, mix, seed="s")
+    exclude = frozenset(p.expression for p in drawn[:500] if p.kind == "big_mul")
+    balanced = balance_product_digits(drawn, random.Random(0), exclude=exclude)
+    products = [p for p in balanced if p.kind == "big_mul"]
+    share = sum(p.answer < 10_000 for p in products) / len(products)
+    assert sum(p.answer < 10_000 for p in drawn if p.kind == "big_mul") / len(products) < 0.2 < 0.45 < share < 0.55
+    assert [p.kind for p in balanced] == [p.kind for p in drawn]
+    assert [p for p in balanced if p.kind != "big_mul"] == [p for p in drawn if p.kind != "big_mul"]
+    assert all(p.answer == eval(p.expression) and p.steps == [str(p.answer)] and p.expression not in exclude
+               for p in products)
+    settings = SentencePieceSettings(vocab_size=320)
+    tasks = [prepare_arithmetic_task(tmp_path / str(on), mix, num_train=200, num_val=40, num_sft=400, seed=9,
+                                     tokenizer_settings=settings, sft_tool_share=1.0, sft_balance_product_digits=on)
+             for on in (False, True)]
+    assert tasks[0].tokenizer_path.read_bytes() == tasks[1].tokenizer_path.read_bytes()
+    for name in ("val", "train"):
+        assert getattr(tasks[0], f"{name}_path").read_text() == getattr(tasks[1], f"{name}_path").read_text()
+    rows = [json.loads(line) for line in tasks[1].sft_path.read_text().splitlines()]
+    calls = [r for r in rows if "<calc>" in r["response"]]
+    assert calls and sum(int(r["answer"]) < 10_000 for r in calls) / len(calls) > 0.35
+    held_out = {json.loads(line)["extra_info"]["expression"] for line in tasks[1].val_path.read_text().splitlines()}
+    assert not held_out & {r["prompt"].split("Compute ")[1].split(".")[0] for r in rows}

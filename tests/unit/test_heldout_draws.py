@@ -31,3 +31,20 @@ def test_the_band_check_and_the_validation_are_independent_draws_of_the_same_sam
     assert draw(val) == draw(val)  # each draw is reproducible (the evaluation's default seed)
     differing = sum(a != b for a, b in zip(draw(val), draw(check), strict=True))
     assert differing >= len(PROMPTS) * 4 // 2, differing  # most of the 16 responses differ
+
+
+def test_accuracy_by_kind_is_the_avg_at_n_of_each_kinds_prompts():
+    # What the warm start's band_by_kind reads (issue 63): one skill learnt must not hide another absent.
+    from megatron_dapo.collect.heldout import accuracy_by_kind
+    from megatron_dapo.collect.types import Group, Sample
+    from megatron_dapo.data.datasets import PromptRecord
+
+    def group(kind, accs):
+        record = PromptRecord(prompt_ids=[1], messages=[], prompt_text="", ground_truth="1", data_source="d", index=0,
+                              extra_info={} if kind is None else {"kind": kind})
+        return Group(prompt=record, samples=[Sample(prompt_ids=[1], response_ids=[2], rollout_log_probs=[0.0],
+                                                    finish_reason="stop", acc=a) for a in accs])
+
+    groups = [group("add", [1, 0, 0, 0]), group("big_mul", [1, 1, 1, 1]), group("add", [1, 1, 0, 0]), group(None, [1] * 4)]
+    assert accuracy_by_kind(groups) == {"add": 0.375, "big_mul": 1.0}
+    assert accuracy_by_kind([group(None, [1])]) == {}

@@ -90,3 +90,25 @@ def test_fine_interval_must_be_positive():
 
     with pytest.raises(ConfigError, match="fine_check_interval=0: must be > 0"):
         load_config(REPO / "examples" / "tiny_cpu.yaml", ["model.sft_warm_start.fine_check_interval=0"])
+
+
+def test_band_by_kind_enters_the_warm_start_key_only_when_on():
+    # Off (the default), the key is the one every warm start cached before the field existed.
+    base = load_config(REPO / "examples" / "tiny_cpu.yaml")
+    layout = SimpleNamespace(tp=1, pp=1, dp=1)
+    key = warm_start.sft_cache_key(base, Path("/c/scratch-abc"), SOURCES, layout)
+    assert "band_by_kind" not in key["sft"]
+    on = load_config(REPO / "examples" / "tiny_cpu.yaml", ["model.sft_warm_start.band_by_kind=true"])
+    assert warm_start.sft_cache_key(on, Path("/c/scratch-abc"), SOURCES, layout)["sft"]["band_by_kind"] is True
+    assert key_dir(on) != key_dir(base)
+
+
+def test_balanced_product_digits_enter_the_task_key_only_when_on(tmp_path):
+    from megatron_dapo.config import EmbeddedTaskConfig
+    from megatron_dapo.embedded import task_for
+
+    common = dict(num_train=50, num_val=20, num_sft=100, add=0.5, sub=0.0, mul=0.0, two_step=0.0, big_mul=0.5,
+                  sft_tool_share=1.0)
+    off = task_for(EmbeddedTaskConfig(**common), tmp_path)
+    on = task_for(EmbeddedTaskConfig(**common, sft_balance_product_digits=True), tmp_path)
+    assert off.sft_path.parent != on.sft_path.parent and off.sft_path.read_text() != on.sft_path.read_text()
