@@ -228,7 +228,7 @@ def draw_problem_of_kind(rng: random.Random, mix: ArithmeticMix, kind: str) -> A
     return ArithmeticProblem(expression=f"{a}{op}{b}", steps=[str(answer)], answer=answer, kind=kind, lines=lines)
 
 
-def balance_product_digits(problems: list[ArithmeticProblem], rng: random.Random,
+def balance_product_digits(problems: list[ArithmeticProblem], mix: ArithmeticMix, rng: random.Random,
                            exclude: frozenset[str] = frozenset()) -> list[ArithmeticProblem]:
     """The big_mul products redrawn so that half have a 4-digit result and half a 5-digit one.
 
@@ -245,10 +245,10 @@ def balance_product_digits(problems: list[ArithmeticProblem], rng: random.Random
             continue
         short = rng.random() < 0.5
         while True:
-            a, b = rng.randint(100, 999), rng.randint(11, 99)
-            if (a * b < 10_000) == short and f"{a}*{b}" not in exclude:
+            q = draw_problem_of_kind(rng, mix, "big_mul")
+            if (q.answer < 10_000) == short and q.expression not in exclude:
                 break
-        out.append(dataclasses.replace(p, expression=f"{a}*{b}", steps=[str(a * b)], answer=a * b))
+        out.append(dataclasses.replace(q, calc=p.calc))
     return out
 
 
@@ -437,7 +437,7 @@ def prepare_arithmetic_task(
         for p in sft:
             p.calc = p.kind == "big_mul" and calls.random() < sft_tool_share
     if sft_balance_product_digits:  # after the calls: the tokenizer's corpus (the drawn split) keeps them
-        sft = balance_product_digits(sft, random.Random(f"{seed}:sft-digits"), exclude=held_out)
+        sft = balance_product_digits(sft, mix, random.Random(f"{seed}:sft-digits"), exclude=held_out)
     if mix.big_mul > 0 or sft_tool_share > 0:
         tokenizer_settings = dataclasses.replace(tokenizer_settings, user_defined_symbols=CALC_MARKERS)
     # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus or the RL

@@ -304,7 +304,7 @@ def test_balanced_product_digits_even_out_4_and_5_digit_results_in_the_sft_corpu
     mix = ArithmeticMix(add=0.3, sub=0.3, mul=0.0, two_step=0.0, big_mul=0.4)
     drawn = generate_problems(3000, mix, seed="s")
     exclude = frozenset(p.expression for p in drawn[:500] if p.kind == "big_mul")
-    balanced = balance_product_digits(drawn, random.Random(0), exclude=exclude)
+    balanced = balance_product_digits(drawn, mix, random.Random(0), exclude=exclude)
     products = [p for p in balanced if p.kind == "big_mul"]
     share = sum(p.answer < 10_000 for p in products) / len(products)
     assert sum(p.answer < 10_000 for p in drawn if p.kind == "big_mul") / len(products) < 0.2 < 0.45 < share < 0.55
