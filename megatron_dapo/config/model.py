@@ -108,6 +108,8 @@ class SFTWarmStartConfig:
         if self.target_acc_min is not None and self.target_acc_max is not None:
             _check(0 <= self.target_acc_min <= self.target_acc_max <= 1, "target_acc_min",
                    f"must satisfy 0 <= target_acc_min <= target_acc_max={self.target_acc_max} <= 1")
+        _check(not self.band_by_kind or self.target_acc_min is not None, "band_by_kind",
+               "applies to a band: set target_acc_min and target_acc_max, or band_by_kind: false")
 
     @property
     def band(self) -> tuple[float, float] | None:

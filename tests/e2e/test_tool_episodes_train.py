@@ -17,7 +17,8 @@ pytestmark = pytest.mark.e2e
 
 DATA = ("data.embedded.num_train=2000", "data.embedded.num_sft=2000", "data.embedded.num_val=32",
         # A fixed-length warm start (the example's stops in a held-out band, hundreds of steps on).
-        "model.sft_warm_start.target_acc_min=null", "model.sft_warm_start.target_acc_max=null")
+        "model.sft_warm_start.target_acc_min=null", "model.sft_warm_start.target_acc_max=null",
+        "model.sft_warm_start.band_by_kind=false")
 
 
 @pytest.fixture(scope="module")

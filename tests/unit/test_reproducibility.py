@@ -73,6 +73,15 @@ def test_band_needs_both_ends(band, message):
         load_config(REPO / "examples" / "tiny_cpu.yaml", ["model.sft_warm_start.target_acc_max=null", band])
 
 
+def test_band_by_kind_without_a_band_is_refused():
+    # It was silently ignored: a fixed-length warm start with band_by_kind: true read no band at all.
+    from megatron_dapo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="band_by_kind.*applies to a band"):
+        load_config(REPO / "examples" / "tiny_tools_cpu.yaml", ["model.sft_warm_start.target_acc_min=null",
+                                                                 "model.sft_warm_start.target_acc_max=null"])
+
+
 def test_check_interval_below_the_default_fine_interval_loads_and_keeps_its_gap():
     # CI, 2026-11-26: a config with check_interval=5 was refused once the fine interval's default
     # (10) had to be <= check_interval; the fine interval only ever shortens the gap.
