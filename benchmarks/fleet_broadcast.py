@@ -143,8 +143,8 @@ def measure_sync(engine: str, checkpoint: Path, engines: int, repeats: int,
 def measure_plain(numel: int, receivers: int, repeats: int) -> float:
     import torch
 
+    from megatron_dapo.launcher import free_port
     from megatron_dapo.rollout.fleet.group import join_weight_group
-    from megatron_dapo.rollout.server_process import free_port
 
     port, world, name = free_port("127.0.0.1"), receivers + 1, f"plain-{receivers}"  # a name once per process
     children = [subprocess.Popen([sys.executable, "-c", RECEIVER, "127.0.0.1", str(port), str(world), str(r),

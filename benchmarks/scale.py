@@ -59,7 +59,7 @@ def _run(cmd: list[str], log: Path, **extra_env: str) -> tuple[float, int]:
 
 
 def _torchrun(n: int) -> list[str]:
-    from megatron_dapo.parallel import free_port
+    from megatron_dapo.launcher import free_port
 
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={free_port()}"]
 

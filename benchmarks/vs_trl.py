@@ -75,8 +75,8 @@ def prepare(cache_dir: Path, ours_python: str, ours_path: Path, workdir: Path) -
     from megatron_dapo.config.loader import load_config
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.embedded.warm_start import sft_cache_dir
     from megatron_dapo.run import prepare_sources, task_for
-    from megatron_dapo.warm_start import sft_cache_dir
 
     cfg = load_config(str(CONFIG), OVERRIDES)
     task = task_for(cfg.data.embedded, cache_dir)

@@ -136,9 +136,9 @@ def _check_layout(tp: int, pp: int, ep: int, adapter: Any, world: int) -> None:
 
 
 def _processes() -> int:
-    from megatron_dapo import parallel
+    from megatron_dapo import launcher
 
-    return parallel.launcher_ranks()[1]
+    return launcher.launcher_ranks()[1]
 
 
 def _init_layout(tp: int, pp: int, ep: int, adapter: Any, device: str) -> Any:

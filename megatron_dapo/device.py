@@ -516,7 +516,7 @@ def _install_cpu_layer() -> None:
 
 
 def one_process(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
-    """Whether no launcher started this process as one of several ranks (parallel.launcher_ranks' rule)."""
+    """Whether no launcher started this process as one of several ranks (launcher.launcher_ranks' rule)."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         return env["WORLD_SIZE"] == "1"

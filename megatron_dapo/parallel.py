@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import random
-import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +23,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+from megatron_dapo import launcher
 from megatron_dapo.device import distributed_backend, setup_device
 from megatron_dapo.errors import SharedUserError, UserError
 
@@ -244,13 +244,13 @@ def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> Di
     global _env
     if _env is not None:
         return _env
-    rank, world_size, local_rank = launcher_ranks()
-    one_process = not _launched()
+    rank, world_size, local_rank = launcher.launcher_ranks()
+    one_process = not launcher.launched()
     if one_process:
         # A one-process world rendezvous with itself: a MASTER_ADDR left in the shell by
         # another job would make it wait for a host that never answers.
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        os.environ["MASTER_PORT"] = str(free_port())
+        os.environ["MASTER_PORT"] = str(launcher.free_port())
     os.environ["LOCAL_RANK"] = str(local_rank)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
@@ -276,8 +276,8 @@ def init_distributed(device_kind: str = "auto", timeout_minutes: int = 30) -> Di
                 # unit tier): pick another. A launcher's port is the launcher's to choose.
                 if not one_process or "EADDRINUSE" not in str(err) or attempt == 2:
                     raise
-                os.environ["MASTER_PORT"] = str(free_port())
-    _env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=launcher_local_world_size(),
+                os.environ["MASTER_PORT"] = str(launcher.free_port())
+    _env = DistEnv(rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=launcher.launcher_local_world_size(),
                    device=device, backend=backend)
     return _env
 
@@ -512,80 +512,6 @@ def _pid_gone(pid: int) -> bool:
         except PermissionError:
             return False
         return False
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launcher_local_world_size() -> int:
-    """Processes of the job per node, as the launcher says: torchrun's LOCAL_WORLD_SIZE, else SLURM's
-    SLURM_NTASKS_PER_NODE (set with --ntasks-per-node, as the sbatch scripts do; "8(x16)" when SLURM
-    compresses equal counts: the first node's); 1 otherwise. Colocated engines need it exact and
-    check it themselves (rollout/placement.py ranks_per_node_from_env)."""
-    value = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE", "1")
-    count = re.match(r"\s*(\d+)", value)
-    return max(int(count.group(1)), 1) if count else 1
-
-
-def launcher_ranks() -> tuple[int, int, int]:
-    """Where the launcher put this process, before any process group exists.
-
-    Under SLURM without MASTER_ADDR/MASTER_PORT it also exports them (first node of the
-    job, a port derived from the job id), as init_distributed needs them.
-
-    Returns:
-        (rank, world_size, local_rank) from torchrun, SLURM, or (0, 1, 0).
-    """
-    env = os.environ
-    if "RANK" in env and "WORLD_SIZE" in env:
-        for key in ("MASTER_ADDR", "MASTER_PORT"):
-            if key not in env:
-                raise ValueError(
-                    f"RANK/WORLD_SIZE are set but {key} is not; launch with torchrun or set {key}"
-                )
-        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        if "MASTER_ADDR" not in env:
-            nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-            if not nodelist:
-                raise ValueError(
-                    "SLURM_PROCID is set but neither MASTER_ADDR nor SLURM_JOB_NODELIST is; "
-                    "export MASTER_ADDR in the sbatch script"
-                )
-            env["MASTER_ADDR"] = first_slurm_host(nodelist)
-        if "MASTER_PORT" not in env:
-            env["MASTER_PORT"] = str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
-        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", "0"))
-    return 0, 1, 0
-
-
-def _launched() -> bool:
-    """Whether torchrun or SLURM started this process (else it is a one-process world)."""
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ) or (
-        "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ
-    )
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """First host of a SLURM nodelist: "gpu[03-05,09],cpu1" -> "gpu03".
-
-    Args:
-        nodelist: SLURM_JOB_NODELIST.
-
-    Returns:
-        The host name of the first node.
-    """
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if match is None:
-        raise ValueError(f"cannot parse SLURM_JOB_NODELIST={nodelist!r}; export MASTER_ADDR instead")
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
 
 
 def on_controller(fn: Any) -> Any:

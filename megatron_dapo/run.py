@@ -43,6 +43,7 @@ from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt
 from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
 from megatron_dapo.device import release_cached_memory
 from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
+from megatron_dapo.embedded.warm_start import warm_started
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.lora.sync import AdapterSync
 from megatron_dapo.metrics import MetricsLogger
@@ -62,7 +63,6 @@ from megatron_dapo.rollout.fleet.stages import StageSender, sync_by_stage
 from megatron_dapo.rollout.sglang.colocated import ColocatedEngines
 from megatron_dapo.rollout.weight_sync import WeightSyncStats, sync_weights
 from megatron_dapo.tools.registry import episode_runner
-from megatron_dapo.warm_start import warm_started
 
 logger = logging.getLogger(__name__)
 

@@ -76,7 +76,7 @@ def run_distributed(
     """
     # Imported here, not at module level: workers unpickle fn by importing this module,
     # and a failing-fast worker should not pay for importing megatron.
-    from megatron_dapo.parallel import free_port
+    from megatron_dapo.launcher import free_port
 
     ctx = _context(device_kind)
     for attempt in range(3):

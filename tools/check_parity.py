@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_dapo import parallel
+    from megatron_dapo import launcher, parallel
     from megatron_dapo.models import adapter_for
     from megatron_dapo.models.parity import compare_log_probs, full_vocab_log_probs
 
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     adapter = adapter_for(args.hf_checkpoint)
     # Checked before any process group exists, so bad input fails fast and alike on every rank.
     parallel.validate_layout(
-        world_size=parallel.launcher_ranks()[1],
+        world_size=launcher.launcher_ranks()[1],
         tp=args.tp,
         pp=args.pp,
         cp=1,

@@ -180,7 +180,7 @@ def _gpu_layout(rollout: RolloutConfig, device: torch.device) -> dict[str, Any]:
         return {}
     import torch
 
-    from megatron_dapo.parallel import launcher_local_world_size
+    from megatron_dapo.launcher import launcher_local_world_size
 
     return dict(gpus_per_server=rollout.tensor_model_parallel_size, trainer_gpus=launcher_local_world_size(),
                 node_gpus=torch.cuda.device_count())

@@ -38,7 +38,6 @@ __all__ = [
     "LAUNCHER_VARIABLES",
     "ServerProcess",
     "call_while_healthy",
-    "free_port",
     "node_address",
     "package_installed",
     "poll_until_healthy",
@@ -134,25 +133,6 @@ def package_installed(name: str) -> bool:
     """
     spec = importlib.util.find_spec(name)
     return spec is not None and spec.origin is not None
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` right now (the server binds it shortly after)."""
-    return free_ports(host, 1)[0]
-
-
-def free_ports(host: str, count: int) -> list[int]:
-    """``count`` distinct TCP ports free on `host` right now: held open together while they are
-    picked, since a port just closed is the kernel's next answer (a fleet's groups, one store each)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    socks = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
-    try:
-        for sock in socks:
-            sock.bind((host, 0))
-        return [int(sock.getsockname()[1]) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
 
 
 def lost_port_race(log_path: str | Path, offset: int = 0) -> bool:

@@ -35,7 +35,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], nproc: int = 1) -> subprocess.CompletedProcess[str]:
-    from megatron_dapo.parallel import free_port
+    from megatron_dapo.launcher import free_port
 
     if nproc == 1:
         cmd = [sys.executable, *args]

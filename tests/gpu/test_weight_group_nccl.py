@@ -15,8 +15,8 @@ pytestmark = pytest.mark.gpu
 def test_an_nccl_weight_group_is_destroyed_and_the_next_one_broadcasts() -> None:
     from torch.distributed.distributed_c10d import _world
 
+    from megatron_dapo.launcher import free_port
     from megatron_dapo.rollout.fleet.group import destroy_weight_group, join_weight_group, on_device
-    from megatron_dapo.rollout.server_process import free_port
 
     def form(name: str):
         return join_weight_group(master_address="127.0.0.1", master_port=free_port("127.0.0.1"), world_size=1,
@@ -47,13 +47,13 @@ def test_dropping_an_nccl_group_with_a_broadcast_in_flight_returns_at_once_and_t
     import threading
     import time
 
+    from megatron_dapo.launcher import free_port
     from megatron_dapo.rollout.fleet.group import (
         broadcast_bytes,
         destroy_weight_group,
         join_weight_group,
         side_stream,
     )
-    from megatron_dapo.rollout.server_process import free_port
 
     group = join_weight_group(master_address="127.0.0.1", master_port=free_port("127.0.0.1"), world_size=1, rank=0,
                               group_name="nccl-abort-in-flight", backend="nccl", timeout_s=60)

@@ -210,7 +210,7 @@ def test_impossible_layouts_raise_one_line(kwargs: dict[str, int], message: str)
 
 
 def test_slurm_env_gives_ranks_and_master(monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron_dapo import parallel
+    from megatron_dapo import launcher
 
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         # setenv first so that monkeypatch records the key and removes what launcher_ranks exports.
@@ -221,15 +221,15 @@ def test_slurm_env_gives_ranks_and_master(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("SLURM_LOCALID", "1")
     monkeypatch.setenv("SLURM_JOB_ID", "123456")
     monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[03-05,09],cpu1")
-    assert parallel.launcher_ranks() == (5, 8, 1)
+    assert launcher.launcher_ranks() == (5, 8, 1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_NTASKS_PER_NODE", raising=False)
-    assert parallel.launcher_local_world_size() == 1  # srun without --ntasks-per-node does not say
+    assert launcher.launcher_local_world_size() == 1  # srun without --ntasks-per-node does not say
     monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "4(x2)")  # equal counts, compressed
-    assert parallel.launcher_local_world_size() == 4
+    assert launcher.launcher_local_world_size() == 4
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's wins
-    assert parallel.launcher_local_world_size() == 2
+    assert launcher.launcher_local_world_size() == 2
     import os
 
     assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("gpu03", str(20000 + 123456 % 20000))
-    assert parallel.first_slurm_host("node7") == "node7"
+    assert launcher.first_slurm_host("node7") == "node7"

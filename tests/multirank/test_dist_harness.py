@@ -44,18 +44,18 @@ def _all_reduce_rank() -> float:
 
 
 def test_a_port_taken_between_its_pick_and_the_store_bind_is_picked_again(monkeypatch):
-    """parallel.free_port binds, reads and closes: another process may take the port before rank
+    """launcher.free_port binds, reads and closes: another process may take the port before rank
     0's store binds it (EADDRINUSE, two xdist workers). The harness picks another port."""
     import socket
 
-    from megatron_dapo import parallel
+    from megatron_dapo import launcher
 
     taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     taken.bind(("127.0.0.1", 0))
     taken.listen()
     picks = [taken.getsockname()[1]]
-    real = parallel.free_port
-    monkeypatch.setattr(parallel, "free_port", lambda: picks.pop() if picks else real())
+    real = launcher.free_port
+    monkeypatch.setattr(launcher, "free_port", lambda: picks.pop() if picks else real())
     try:
         assert run_distributed(_all_reduce_rank, 2) == [3.0, 3.0]
     finally:

@@ -43,8 +43,8 @@ class _Fleet:
         return self.failed
 
     def prepare_stage_groups(self, stages: int):
+        from megatron_dapo.launcher import free_port
         from megatron_dapo.rollout.fleet.broadcast import StageGroup
-        from megatron_dapo.rollout.server_process import free_port
 
         self.calls.append("prepare")
         self.plan = StageGroup(stage=1, name="test-fleet-stage1", master_address="127.0.0.1",

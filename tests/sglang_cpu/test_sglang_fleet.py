@@ -219,8 +219,8 @@ def test_a_server_killed_mid_generate_is_restarted_by_the_controller_with_the_sy
 def test_a_server_owned_by_another_rank_fails_without_a_restart():
     """A client of a server that another rank owns is not restartable: its failure is the usual
     EngineError naming the owner, no restart counted."""
+    from megatron_dapo.launcher import free_port
     from megatron_dapo.rollout.engine import EngineError, EngineRestartsExhausted
-    from megatron_dapo.rollout.server_process import free_port
 
     client = SGLangEngine(f"http://127.0.0.1:{free_port('127.0.0.1')}", name="sglang1", api_key="key",
                           log_location="node1:/run/sglang1.log (owned by rank 2)")

@@ -23,8 +23,8 @@ from safetensors.torch import load_file
 from sglang_venv import venv_kernel
 from tiers import requires, sglang_missing
 
+from megatron_dapo.launcher import free_port
 from megatron_dapo.rollout.engine import EngineError, GenerationResult, SamplingParams
-from megatron_dapo.rollout.server_process import free_port
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
 from megatron_dapo.rollout.sglang.protocol import create_weight_update_group
 from megatron_dapo.rollout.sglang.server import SGLangServerConfig

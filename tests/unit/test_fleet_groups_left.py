@@ -101,8 +101,8 @@ def test_a_left_group_is_out_of_torchs_registry() -> None:
     group, and torch's destroy_process_group needs the ranks join_weight_group records."""
     from torch.distributed.distributed_c10d import _world
 
+    from megatron_dapo.launcher import free_port
     from megatron_dapo.rollout.fleet.group import destroy_weight_group, join_weight_group
-    from megatron_dapo.rollout.server_process import free_port
 
     group = join_weight_group(master_address="127.0.0.1", master_port=free_port("127.0.0.1"), world_size=1, rank=0,
                               group_name="left-test", timeout_s=30)
@@ -140,8 +140,8 @@ def test_the_controllers_dropped_groups_leave_torchs_registry(monkeypatch) -> No
     Real one-member gloo groups stand in for the fleet's (the fake servers join nothing)."""
     from torch.distributed.distributed_c10d import _world
 
+    from megatron_dapo.launcher import free_port
     from megatron_dapo.rollout.fleet.group import join_weight_group
-    from megatron_dapo.rollout.server_process import free_port
 
     made = []
 

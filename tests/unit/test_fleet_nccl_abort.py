@@ -139,7 +139,7 @@ def test_abort_weight_group_takes_a_registered_group_out_of_torchs_registry() ->
     registry's part is what is held): nothing of it stays in torch's registries."""
     from torch.distributed.distributed_c10d import _world
 
-    from megatron_dapo.rollout.server_process import free_port
+    from megatron_dapo.launcher import free_port
 
     group = fleet_group.join_weight_group(master_address="127.0.0.1", master_port=free_port("127.0.0.1"),
                                           world_size=1, rank=0, group_name="abort-test", timeout_s=30)
@@ -165,7 +165,7 @@ def test_an_nccl_groups_collectives_outlast_the_controllers_watch(monkeypatch) -
         return real(*args, timeout=timeout, backend_options=backend_options, **kwargs)
 
     monkeypatch.setattr(c10d, "_new_process_group_helper", helper)
-    from megatron_dapo.rollout.server_process import free_port
+    from megatron_dapo.launcher import free_port
 
     group = fleet_group.join_weight_group(master_address="127.0.0.1", master_port=free_port("127.0.0.1"),
                                           world_size=1, rank=0, group_name="timeout-test", timeout_s=30)

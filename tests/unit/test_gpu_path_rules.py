@@ -42,7 +42,7 @@ def test_a_server_started_from_a_torchrun_rank_can_build_its_own_tcp_process_gro
     With torchrun's TORCHELASTIC_USE_AGENT_STORE inherited, torch builds a client-only store
     that waits for a master that never comes; the scrubbed environment initialises at once.
     """
-    from megatron_dapo.parallel import free_port
+    from megatron_dapo.launcher import free_port
 
     script = textwrap.dedent(f"""
         import datetime, torch.distributed as dist

@@ -16,8 +16,9 @@ taken = socket.socket()
 taken.bind(("127.0.0.1", 0))
 taken.listen(1)  # what another process did with the port in between
 picks = [taken.getsockname()[1]]
-real = parallel.free_port
-parallel.free_port = lambda: picks.pop() if picks else real()
+import megatron_dapo.launcher as launcher
+real = launcher.free_port
+launcher.free_port = lambda: picks.pop() if picks else real()
 env = parallel.init_distributed("cpu", timeout_minutes=1)
 import os, torch.distributed as dist
 print(dist.get_world_size(), os.environ["MASTER_PORT"] != str(taken.getsockname()[1]))

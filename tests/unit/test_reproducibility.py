@@ -6,9 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_dapo import warm_start
 from megatron_dapo.config.loader import load_config
-from megatron_dapo.embedded import NUMERIC_LIBRARIES, environment_key
+from megatron_dapo.embedded import NUMERIC_LIBRARIES, environment_key, warm_start
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCES = {"sft_path": "/c/arithmetic-1/sft.jsonl", "tokenizer": "/c/arithmetic-1/tok/spm.model",
@@ -77,7 +76,7 @@ def test_band_by_kind_without_a_band_is_refused():
     # It was silently ignored: a fixed-length warm start with band_by_kind: true read no band at all.
     from megatron_dapo.config import ConfigError
 
-    with pytest.raises(ConfigError, match="band_by_kind.*applies to a band"):
+    with pytest.raises(ConfigError, match=r"band_by_kind.*applies to a band"):
         load_config(REPO / "examples" / "tiny_tools_cpu.yaml", ["model.sft_warm_start.target_acc_min=null",
                                                                  "model.sft_warm_start.target_acc_max=null"])
 

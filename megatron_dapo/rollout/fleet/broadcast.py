@@ -370,7 +370,7 @@ class WeightBroadcast:
             return None
         self._drop_group()
         self._leave_stale()  # before the ports are taken and the stage sources start to join
-        from megatron_dapo.rollout.server_process import free_ports
+        from megatron_dapo.launcher import free_ports
 
         base = f"megatron-dapo-weights-{uuid.uuid4().hex[:8]}"
         self._base_port, *ports = free_ports(self.master_address, stages)
@@ -393,7 +393,7 @@ class WeightBroadcast:
         if self._group is not None and members == self._members:
             return
         if self._group is not None or not self._base_name:  # no stage groups planned for these members
-            from megatron_dapo.rollout.server_process import free_port
+            from megatron_dapo.launcher import free_port
 
             self._drop_group()
             self._leave_stale()  # before the port is taken: a slow leave must not let another process have it

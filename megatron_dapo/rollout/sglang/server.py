@@ -38,8 +38,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.launcher import free_port
 from megatron_dapo.rollout.fleet.cores import server_cores
-from megatron_dapo.rollout.server_process import free_port, node_address
+from megatron_dapo.rollout.server_process import node_address
 from megatron_dapo.rollout.sglang.adapters import lora_launch_args
 from megatron_dapo.rollout.sglang.interpreter import INSTALL_HINT, default_cpu_venv, sglang_python
 

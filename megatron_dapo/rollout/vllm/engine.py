@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from megatron_dapo.errors import UserError
+from megatron_dapo.launcher import free_port
 from megatron_dapo.rollout.engine import (
     FINISH_REASONS,
     EngineError,
@@ -65,7 +66,6 @@ from megatron_dapo.rollout.engine import (
 )
 from megatron_dapo.rollout.server_process import (
     ServerProcess,
-    free_port,
     lost_port_race,
     node_address,
     package_installed,

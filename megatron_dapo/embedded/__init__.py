@@ -4,7 +4,7 @@
 its sentencepiece tokenizer are generated (cached), and the policy starts from a
 Qwen2-style HF checkpoint initialised from `model.scratch` (cached too), which the
 Megatron actor then loads like any other HF checkpoint. The SFT warm start
-(warm_start.py) turns it into a policy with non-trivial accuracy.
+(embedded/warm_start.py) turns it into a policy with non-trivial accuracy.
 
 Only the controller (global rank 0) writes; the other ranks wait at a barrier and read.
 Every cache entry is keyed by a hash of what determines it, the versions of the libraries
