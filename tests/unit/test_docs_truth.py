@@ -83,9 +83,10 @@ def test_a_gpu_date_in_the_readme_is_a_gpu_row_of_benchmarks() -> None:
 # ---------------------------------------------------------------- set-up times
 
 
-def _row(command: str) -> list[str]:
-    (row,) = [r for r in TODAY if _ticks(r[4]) == [command]]
-    return row
+def _rows(command: str) -> list[list[str]]:
+    rows = [r for r in TODAY if _ticks(r[4]) == [command]]
+    assert rows, f"benchmarks.md's table has no row measured with `{command}`"
+    return rows
 
 
 def _minutes(value: str) -> float:
@@ -96,9 +97,11 @@ def _minutes(value: str) -> float:
 
 @pytest.mark.parametrize(("command", "measured"), [("make run", "make run"), ("make test", ".ci/run")])
 def test_the_readme_gives_the_measured_set_up_times(command: str, measured: str) -> None:
+    # One figure per measured machine: "about 27 min on 2 cores (Xeon; 52 on a Zen 4)".
     (line,) = [ln for ln in README.splitlines() if ln.startswith(command + " ")]
-    said = int(re.search(r"about (\d+) min", line).group(1))
-    assert said == round(_minutes(_row(measured)[1])), (line, _row(measured))
+    said = [int(re.search(r"about (\d+) min", line).group(1)), *map(int, re.findall(r"; (\d+) on an? ", line))]
+    rows = _rows(measured)
+    assert sorted(said) == sorted(round(_minutes(r[1])) for r in rows), (line, rows)
 
 
 # ---------------------------------------------------------------- python version
