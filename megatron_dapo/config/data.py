@@ -45,6 +45,12 @@ class EmbeddedTaskConfig:
     """Weight of 3-digit x 2-digit products, the tool task's (data.arithmetic.ArithmeticMix.big_mul)."""
     sft_tool_share: float = 0.0
     """Share of the big_mul worked solutions that call the calculator (<calc>a*b</calc><result>..)."""
+    sft_copy_drills: float = 0.0
+    """SFT corpus only: the share of calling worked solutions whose tool result is a random number
+    of the product's length, copied into the answer line (data.arithmetic.copy_drills). The answer
+    then follows from the result span alone, so the warm start learns to copy what the tool returned
+    instead of half-copying it (a warm start that read the first digit and then took the operands'
+    digits never got past 3% of products in 3,000 steps; docs/benchmarks.md, issue 63)."""
     sft_balance_product_digits: bool = False
     """SFT corpus only: big_mul products with 4-digit and 5-digit results in equal shares (drawn as
     the mix does, 17% are 4-digit, and a warm start then miscopies every one of them;
@@ -68,6 +74,10 @@ class EmbeddedTaskConfig:
             _check(getattr(self, name) >= 0, name, "must be >= 0")
         _check(self.add + self.sub + self.mul + self.two_step + self.big_mul > 0, "add", "the weights must not all be 0")
         _check(0 <= self.sft_tool_share <= 1, "sft_tool_share", "must be in [0, 1]")
+        _check(0 <= self.sft_copy_drills <= 1, "sft_copy_drills", "must be in [0, 1]")
+        _check(self.sft_copy_drills == 0 or self.sft_tool_share > 0, "sft_copy_drills",
+               "drills the calling solutions, and there are none: set data.embedded.sft_tool_share > 0, "
+               "or sft_copy_drills=0")
         _check(1 <= self.max_digits <= 6, "max_digits", "must be in 1..6")
         _check(self.tokenizer_vocab_size >= 276, "tokenizer_vocab_size",
                "must be >= 276 (4 special ids + 256 byte-fallback pieces + 16 characters)")

@@ -102,6 +102,9 @@ class ArithmeticProblem:
     """Column-by-column working (`column_lines`), replacing `steps` in the solution."""
     calc: bool = False
     """The worked solution calls the calculator (tags format) instead of writing the value."""
+    drill_result: int | None = None
+    """A copy drill's tool result (`copy_drills`): the calling solution shows this value in the result
+    span and copies it into the answer line, instead of the answer."""
 
     def prompt(self) -> str:
         """The prompt text: the question, then the answer-format instruction."""
@@ -111,7 +114,8 @@ class ArithmeticProblem:
         """A short worked solution ending with the DAPO answer line."""
         if self.calc:
             open_, close, result_open, result_close = CALC_MARKERS
-            return f"{open_}{self.expression}{close}{result_open}{self.answer}{result_close}\nAnswer: {self.answer}"
+            shown = self.answer if self.drill_result is None else self.drill_result
+            return f"{open_}{self.expression}{close}{result_open}{shown}{result_close}\nAnswer: {shown}"
         if self.lines:
             return "\n".join(self.lines) + f"\nAnswer: {self.answer}"
         return "=".join([self.expression, *self.steps]) + f"\nAnswer: {self.answer}"
@@ -250,6 +254,23 @@ def balance_product_digits(problems: list[ArithmeticProblem], mix: ArithmeticMix
                 break
         out.append(dataclasses.replace(q, calc=p.calc))
     return out
+
+
+def copy_drills(problems: list[ArithmeticProblem], share: float, rng: random.Random) -> None:
+    """Turns `share` of the calling solutions into copy drills, in place: each gets a tool result drawn
+    uniformly among the numbers with as many digits as its answer (`drill_result`).
+
+    In a true solution the answer line repeats the result span, but it is also the product of the
+    operands the policy has just copied, and a warm start can settle on a copy that reads the
+    result's first digit and then continues from where that digit stands in the operands
+    (`<result>37980</result>` -> `Answer: 33980`, "3" followed by "3" in 633). In a drill the answer
+    can come from the result span only, so that copy loses on every drill, not on a few products.
+    Only the SFT corpus has drills; the RL and held-out prompts are scored against true answers.
+    """
+    for p in problems:
+        if p.calc and rng.random() < share:
+            width = len(str(p.answer))
+            p.drill_result = rng.randint(10 ** (width - 1), 10**width - 1)
 
 
 class ColumnBalancer:
@@ -393,6 +414,7 @@ def prepare_arithmetic_task(
     train_balance_columns: int = 0,
     sft_tool_share: float = 0.0,
     sft_balance_product_digits: bool = False,
+    sft_copy_drills: float = 0.0,
 ) -> ArithmeticTask:
     """Writes the train/val/SFT files of the arithmetic task and builds its tokenizer.
 
@@ -411,6 +433,8 @@ def prepare_arithmetic_task(
             with big_mul problems or calls has the format's markers as single pieces.
         sft_balance_product_digits: the SFT corpus's big_mul products have 4-digit and 5-digit
             results in equal shares (`balance_product_digits`); the other splits keep the mix.
+        sft_copy_drills: the share of the SFT corpus's calling solutions that are copy drills
+            (`copy_drills`: a random tool result, copied into the answer line).
 
     Returns:
         The paths written.
@@ -438,6 +462,9 @@ def prepare_arithmetic_task(
             p.calc = p.kind == "big_mul" and calls.random() < sft_tool_share
     if sft_balance_product_digits:  # after the calls: the tokenizer's corpus (the drawn split) keeps them
         sft = balance_product_digits(sft, mix, random.Random(f"{seed}:sft-digits"), exclude=held_out)
+    if sft_copy_drills > 0:  # the SFT file only: the tokenizer's corpus (the drawn split) shows true results
+        sft = [dataclasses.replace(p) for p in sft]
+        copy_drills(sft, sft_copy_drills, random.Random(f"{seed}:sft-drills"))
     if mix.big_mul > 0 or sft_tool_share > 0:
         tokenizer_settings = dataclasses.replace(tokenizer_settings, user_defined_symbols=CALC_MARKERS)
     # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus or the RL
@@ -455,6 +482,7 @@ def prepare_arithmetic_task(
     _write_jsonl_atomic(task.val_path, (_prompt_row(p) for p in val))
     _write_jsonl_atomic(
         task.sft_path,
-        ({"prompt": p.prompt(), "response": p.solution(), "answer": str(p.answer)} for p in sft),
+        ({"prompt": p.prompt(), "response": p.solution(),
+          "answer": str(p.answer if p.drill_result is None else p.drill_result)} for p in sft),
     )
     return task

@@ -96,12 +96,14 @@ def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
         parts["sft_tool_share"] = embedded.sft_tool_share
     if embedded.sft_balance_product_digits:
         parts["sft_balance_product_digits"] = True
+    if embedded.sft_copy_drills > 0:
+        parts["sft_copy_drills"] = embedded.sft_copy_drills
     return prepare_arithmetic_task(
         cache_dir / f"arithmetic-{digest(parts)}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
         num_sft=embedded.num_sft, seed=embedded.seed, sft_balance_columns=embedded.sft_balance_columns,
         train_balance_columns=embedded.train_balance_columns, sft_tool_share=embedded.sft_tool_share,
         sft_balance_product_digits=embedded.sft_balance_product_digits,
-        tokenizer_settings=SentencePieceSettings(vocab_size=embedded.tokenizer_vocab_size),
+        sft_copy_drills=embedded.sft_copy_drills, tokenizer_settings=SentencePieceSettings(vocab_size=embedded.tokenizer_vocab_size),
     )
 
 

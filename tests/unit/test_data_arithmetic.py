@@ -324,3 +324,42 @@ def test_balanced_product_digits_even_out_4_and_5_digit_results_in_the_sft_corpu
     assert calls and sum(int(r["answer"]) < 10_000 for r in calls) / len(calls) > 0.35
     held_out = {json.loads(line)["extra_info"]["expression"] for line in tasks[1].val_path.read_text().splitlines()}
     assert not held_out & {r["prompt"].split("Compute ")[1].split(".")[0] for r in rows}
+
+
+def test_copy_drills_show_a_random_result_and_copy_it_in_the_sft_corpus_only(tmp_path: Path) -> None:
+    # Issue 63: a warm start (seed 6316) read the result's first digit and then continued from the
+    # operands ("<result>37980</result>" -> "Answer: 33980"); in a drill only the result span has the answer.
+    mix = ArithmeticMix(add=0.3, sub=0.3, mul=0.0, two_step=0.0, big_mul=0.4)
+    settings = SentencePieceSettings(vocab_size=320)
+    tasks = [prepare_arithmetic_task(tmp_path / str(share), mix, num_train=200, num_val=40, num_sft=1000, seed=9,
+                                     tokenizer_settings=settings, sft_tool_share=1.0, sft_copy_drills=share)
+             for share in (0.0, 0.5)]
+    assert tasks[0].tokenizer_path.read_bytes() == tasks[1].tokenizer_path.read_bytes()
+    for name in ("val", "train"):
+        assert getattr(tasks[0], f"{name}_path").read_text() == getattr(tasks[1], f"{name}_path").read_text()
+    plain, drilled = ([json.loads(line) for line in t.sft_path.read_text().splitlines()] for t in tasks)
+    assert [r["prompt"] for r in plain] == [r["prompt"] for r in drilled]
+    assert [r for r in plain if "<calc>" not in r["response"]] == [r for r in drilled if "<calc>" not in r["response"]]
+    drills = 0
+    for before, after in zip(plain, drilled):
+        if "<calc>" not in before["response"]:
+            continue
+        true = eval(before["prompt"].split("Compute ")[1].split(".")[0])
+        shown = int(after["response"].split("<result>")[1].split("</result>")[0])
+        assert before["response"].endswith(f"<result>{true}</result>\nAnswer: {true}")
+        assert after["response"].endswith(f"<result>{shown}</result>\nAnswer: {shown}") and after["answer"] == str(shown)
+        assert len(str(shown)) == len(str(true))
+        drills += shown != true
+    calls = sum("<calc>" in r["response"] for r in plain)
+    assert 0.4 < drills / calls < 0.6
+
+
+def test_copy_drills_need_calling_solutions() -> None:
+    from megatron_dapo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("examples/tiny_tools_cpu.yaml", ["data.embedded.sft_tool_share=0", "data.embedded.sft_copy_drills=0.5"])
+    assert "data.embedded.sft_copy_drills" in str(err.value) and "sft_tool_share > 0" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"sft_copy_drills.*must be in"):
+        load_config("examples/tiny_tools_cpu.yaml", ["data.embedded.sft_copy_drills=1.5"])

@@ -120,3 +120,7 @@ def test_balanced_product_digits_enter_the_task_key_only_when_on(tmp_path):
     off = task_for(EmbeddedTaskConfig(**common), tmp_path)
     on = task_for(EmbeddedTaskConfig(**common, sft_balance_product_digits=True), tmp_path)
     assert off.sft_path.parent != on.sft_path.parent and off.sft_path.read_text() != on.sft_path.read_text()
+    drilled = task_for(EmbeddedTaskConfig(**common, sft_copy_drills=0.5), tmp_path)
+    assert drilled.sft_path.parent not in (off.sft_path.parent, on.sft_path.parent)
+    assert drilled.sft_path.read_text() != off.sft_path.read_text()
+    assert drilled.val_path.read_text() == off.val_path.read_text()
