@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from test_rollout_local_engine import make_tiny_qwen2
 from trained_samples import check_trained_samples
 
@@ -73,6 +74,26 @@ def pieces(tmp_path_factory):
     rewards.close()
 
 
+CLOSE = 16  # the tool call's closing token in test_tool_episodes
+
+
+@pytest.fixture(scope="module")
+def caller_path(tmp_path_factory):
+    """A tiny random model that closes a tool call often: on the plain random model the closing
+    token is one of 97 and some sampling streams (CPU- and seed-dependent) never emit it in three
+    steps (CI on 2026-12-02 drew one). Its untied output row for CLOSE points along the mean final
+    hidden state, which puts the token near 6% per position (4 to 18 of the 36 responses call, sampling
+    seeds 0-19 on a Zen 3)."""
+    path = tmp_path_factory.mktemp("tiny_qwen2_caller")
+    model = make_tiny_qwen2(path, tie=False)
+    prompts = torch.tensor([[5 + i % 40, 6, 7 + i % 11] + [(7 * i + 13 * j) % 97 for j in range(20)] for i in range(64)])
+    with torch.no_grad():
+        mean = model.model(prompts).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[CLOSE] = 2.0 * mean / mean.norm() ** 2
+    model.save_pretrained(path)
+    return path
+
+
 def collect_steps(pieces, steps, *, num_engines=1, **overrides):
     """(records of every step, metrics of every step) of a synchronous collection."""
     path, records, rewards = pieces
@@ -120,24 +141,25 @@ def test_two_engines(pieces):
     assert check(records) == 2 * GROUPS * N
 
 
-def test_tool_episodes(pieces):
+def test_tool_episodes(pieces, caller_path):
     from episode_utils import IdTokenizer
 
     from megatron_dapo.tools.episode import EpisodeRunner, EpisodeSettings
     from megatron_dapo.tools.formats import CallFormat
     from megatron_dapo.tools.sandbox import ToolResult
 
-    tok = IdTokenizer({"<c>": 2, "</c>": 16, "<r>": 3, "</r>": 4}, 128)
+    tok = IdTokenizer({"<c>": 2, "</c>": CLOSE, "<r>": 3, "</r>": 4}, 128)
     fmt = CallFormat("ids", "", "</c>", "<r> ", " </r>", default_tool="answer")
     runner = EpisodeRunner(EpisodeSettings(fmt=fmt, tools={"answer": lambda _a: ToolResult("21 22", "ok", 0.0)},
                                            max_turns=3, max_tool_output_tokens=6, max_response_tokens=24), tok)
     try:
-        records, _ = collect_steps(pieces, range(1, 4), episodes=runner)
+        records, _ = collect_steps((caller_path, *pieces[1:]), range(1, 4), episodes=runner)
     finally:
         runner.close()
     assert check(records) == 3 * GROUPS * N
-    # Tool answers are part of the scored text: some responses hold the tool's tokens.
-    assert any(r["response_ids"][i:i + 2] == [21, 22] for r in records for i in range(len(r["response_ids"])))
+    # Tool answers are part of the scored text: responses hold the tool's tokens.
+    calls = [any(r["response_ids"][i:i + 2] == [21, 22] for i in range(len(r["response_ids"]))) for r in records]
+    assert sum(calls) >= 2, f"{sum(calls)} of {len(records)} responses called the tool"  # 4-18 of 36 over seeds 0-19
 
 
 def test_the_asynchronous_loop_with_staleness(pieces):
