@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_rollout_local_engine import make_tiny_qwen2
+from test_rollout_local_engine import make_tiny_caller, make_tiny_qwen2
 
 from megatron_dapo.collect import CollectSettings, CollectState, collect_batch
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler
@@ -129,7 +129,7 @@ def test_without_partial_rollouts_cut_short_tokens_are_counted_as_aborted(pieces
     assert any(m["rollout/aborted_tokens"] > 0 for _, m, _ in out)
 
 
-def test_episodes_are_carried_with_their_segments_and_resumed_through_the_checkpoint_state(pieces):
+def test_episodes_are_carried_with_their_segments_and_resumed_through_the_checkpoint_state(pieces, tmp_path):
     """Issue 40 item 3: streaming collection with tools; the full batch's abort leaves episodes cut
     short, carried with their policy mask and calls (through the JSON trainer state), and the
     next step continues them: each continued sample starts with the carried ids, log-probs and mask."""
@@ -140,12 +140,13 @@ def test_episodes_are_carried_with_their_segments_and_resumed_through_the_checkp
     from megatron_dapo.tools.sandbox import ToolResult
 
     close = 16  # one of the stop tokens: a turn ending on it is a call
+    caller_path = make_tiny_caller(tmp_path / "caller", close)  # calls often, on every sampling stream
     tok = IdTokenizer({"<c>": 2, "</c>": close, "<r>": 3, "</r>": 4}, 128)
     fmt = CallFormat("ids", "", "</c>", "<r> ", " </r>", default_tool="answer")
     runner = EpisodeRunner(EpisodeSettings(fmt=fmt, tools={"answer": lambda _a: ToolResult("21 22", "ok", 0.0)},
                                            max_turns=3, max_tool_output_tokens=6, max_response_tokens=24), tok)
     try:
-        out, state, sampler = run_steps(pieces, range(1, 7), episodes=runner)  # more steps: when cuts land is timing
+        out, state, sampler = run_steps((caller_path, *pieces[1:]), range(1, 7), episodes=runner)  # more steps: when cuts land is timing
         saved = json.loads(json.dumps(state.state_dict(sampler)))
         restored = CollectState()
         restored.load_state_dict(saved, PromptSampler(pieces[1], seed=0))

@@ -26,6 +26,20 @@ def make_tiny_qwen2(path: Path, *, seed: int = 0, tie: bool = True) -> torch.nn.
     return model
 
 
+def make_tiny_caller(path: Path, close: int) -> Path:
+    """make_tiny_qwen2 (untied) whose output row for `close` points along its mean final hidden
+    state: close near 6% per position, so a random policy ends tool calls often. On the plain
+    random model the token is one of 97, and some sampling streams (CPU- and seed-dependent)
+    never emit it in a few steps (CI on 2026-12-02 drew one)."""
+    model = make_tiny_qwen2(path, tie=False)
+    ids = torch.tensor([[5 + i % 40, 6, 7 + i % 11] + [(7 * i + 13 * j) % 97 for j in range(20)] for i in range(64)])
+    with torch.no_grad():
+        mean = model.model(ids).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
+        model.lm_head.weight[close] = 2.0 * mean / mean.norm() ** 2
+    model.save_pretrained(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_qwen2")

@@ -18,8 +18,7 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
-from test_rollout_local_engine import make_tiny_qwen2
+from test_rollout_local_engine import make_tiny_caller, make_tiny_qwen2
 from trained_samples import check_trained_samples
 
 from megatron_dapo.collect import CollectSettings, CollectState, collect_batch
@@ -79,19 +78,8 @@ CLOSE = 16  # the tool call's closing token in test_tool_episodes
 
 @pytest.fixture(scope="module")
 def caller_path(tmp_path_factory):
-    """A tiny random model that closes a tool call often: on the plain random model the closing
-    token is one of 97 and some sampling streams (CPU- and seed-dependent) never emit it in three
-    steps (CI on 2026-12-02 drew one). Its untied output row for CLOSE points along the mean final
-    hidden state, which puts the token near 6% per position (4 to 18 of the 36 responses call, sampling
-    seeds 0-19 on a Zen 3)."""
-    path = tmp_path_factory.mktemp("tiny_qwen2_caller")
-    model = make_tiny_qwen2(path, tie=False)
-    prompts = torch.tensor([[5 + i % 40, 6, 7 + i % 11] + [(7 * i + 13 * j) % 97 for j in range(20)] for i in range(64)])
-    with torch.no_grad():
-        mean = model.model(prompts).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
-        model.lm_head.weight[CLOSE] = 2.0 * mean / mean.norm() ** 2
-    model.save_pretrained(path)
-    return path
+    # 4 to 18 of the 36 responses call (sampling seeds 0-19 on a Zen 3); 0 on 5 of them without.
+    return make_tiny_caller(tmp_path_factory.mktemp("tiny_qwen2_caller"), CLOSE)
 
 
 def collect_steps(pieces, steps, *, num_engines=1, **overrides):
