@@ -47,7 +47,7 @@ class EmbeddedTaskConfig:
     """Share of the big_mul worked solutions that call the calculator (<calc>a*b</calc><result>..)."""
     sft_copy_drills: float = 0.0
     """SFT corpus only: the share of calling worked solutions whose tool result is a random number
-    (4 or 5 digits, evenly), copied into the answer line (data.arithmetic.copy_drills). The answer
+    of the product's length, copied into the answer line (data.arithmetic.copy_drills). The answer
     then follows from the result span alone, so the warm start learns to copy what the tool returned
     instead of half-copying it (a warm start that read the first digit and then took the operands'
     digits never got past 3% of products in 3,000 steps; docs/benchmarks.md, issue 63)."""

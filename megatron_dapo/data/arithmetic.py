@@ -257,9 +257,8 @@ def balance_product_digits(problems: list[ArithmeticProblem], mix: ArithmeticMix
 
 
 def copy_drills(problems: list[ArithmeticProblem], share: float, rng: random.Random) -> None:
-    """Turns `share` of the calling solutions into copy drills, in place: each gets a tool result
-    (`drill_result`) whose digit count is drawn uniformly among the counts the calling solutions'
-    answers have, then uniformly among the numbers of that many digits.
+    """Turns `share` of the calling solutions into copy drills, in place: each gets a tool result drawn
+    uniformly among the numbers with as many digits as its answer (`drill_result`).
 
     In a true solution the answer line repeats the result span, but it is also the product of the
     operands the policy has just copied, and a warm start can settle on a copy that reads the
@@ -267,17 +266,10 @@ def copy_drills(problems: list[ArithmeticProblem], share: float, rng: random.Ran
     (`<result>37980</result>` -> `Answer: 33980`, "3" followed by "3" in 633). In a drill the answer
     can come from the result span only, so that copy loses on every drill, not on a few products.
     Only the SFT corpus has drills; the RL and held-out prompts are scored against true answers.
-
-    The widths are even rather than the answers' own: 3-digit x 2-digit products have 5 digits 83%
-    of the time, and drills of the product's length (commit 7d2ded5) taught the 5-digit copy only;
-    both warm starts tuned with them then miscopied every 4-digit result (seed 6318: 176 of 176
-    5-digit held-out products right at RL step 160, 0 of 40 4-digit ones), and RL could not repair
-    it, since those groups are wrong in every response and dynamic sampling drops them.
     """
-    widths = sorted({len(str(p.answer)) for p in problems if p.calc})
     for p in problems:
         if p.calc and rng.random() < share:
-            width = rng.choice(widths)
+            width = len(str(p.answer))
             p.drill_result = rng.randint(10 ** (width - 1), 10**width - 1)
 
 

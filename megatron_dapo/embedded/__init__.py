@@ -97,7 +97,7 @@ def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
     if embedded.sft_balance_product_digits:
         parts["sft_balance_product_digits"] = True
     if embedded.sft_copy_drills > 0:
-        parts["sft_copy_drills"] = {"share": embedded.sft_copy_drills, "widths": "even"}
+        parts["sft_copy_drills"] = embedded.sft_copy_drills
     return prepare_arithmetic_task(
         cache_dir / f"arithmetic-{digest(parts)}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
         num_sft=embedded.num_sft, seed=embedded.seed, sft_balance_columns=embedded.sft_balance_columns,

@@ -340,7 +340,7 @@ def test_copy_drills_show_a_random_result_and_copy_it_in_the_sft_corpus_only(tmp
     plain, drilled = ([json.loads(line) for line in t.sft_path.read_text().splitlines()] for t in tasks)
     assert [r["prompt"] for r in plain] == [r["prompt"] for r in drilled]
     assert [r for r in plain if "<calc>" not in r["response"]] == [r for r in drilled if "<calc>" not in r["response"]]
-    drills, widths = 0, {4: 0, 5: 0}
+    drills = 0
     for before, after in zip(plain, drilled):
         if "<calc>" not in before["response"]:
             continue
@@ -348,15 +348,10 @@ def test_copy_drills_show_a_random_result_and_copy_it_in_the_sft_corpus_only(tmp
         shown = int(after["response"].split("<result>")[1].split("</result>")[0])
         assert before["response"].endswith(f"<result>{true}</result>\nAnswer: {true}")
         assert after["response"].endswith(f"<result>{shown}</result>\nAnswer: {shown}") and after["answer"] == str(shown)
-        if shown != true:
-            drills += 1
-            widths[len(str(shown))] += 1
+        assert len(str(shown)) == len(str(true))
+        drills += shown != true
     calls = sum("<calc>" in r["response"] for r in plain)
     assert 0.4 < drills / calls < 0.6
-    # Even widths, not the products' own (83% 5-digit): drills of the product's length taught the
-    # 5-digit copy only, and two warm starts then miscopied every 4-digit result (benchmarks.md).
-    fours = sum(len(str(eval(r["prompt"].split("Compute ")[1].split(".")[0]))) == 4 for r in plain if "<calc>" in r["response"])
-    assert fours / calls < 0.3 and 0.4 < widths[4] / drills < 0.6, (fours / calls, widths)
 
 
 def test_copy_drills_need_calling_solutions() -> None:
