@@ -23,6 +23,10 @@ from megatron_dapo.tools.sandbox import ToolResult
 
 PROMPTS = [[5, 17, 42, 8], [3, 9, 11], [60, 61, 62, 63]]
 ANSWER_IDS = [21, 22, 23]
+EPISODE_PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, seed=7, stop_token_ids=(1,))
+EARLY = 12
+"""The call marker is a token of the episodes' first EARLY tokens: 40 - 12 leaves room for the
+answer's 5 ids and a second turn."""
 
 
 class IdTokenizer:
@@ -48,7 +52,14 @@ def exactness_runner(generate: Callable[[Sequence[Sequence[int]], SamplingParams
 
     tool_seconds: how long each call takes (a streaming abort can then catch calls in flight).
     """
-    plain = generate(PROMPTS, SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=5))
+    # The episodes' own first turns, as far as EARLY tokens: the same prompts, seed and stops, so
+    # the episodes sample these tokens again and the marker chosen among them ends a call early
+    # enough for the answer and a second turn to fit in the budget. (A marker taken from another
+    # seed's draw was sampled late or not at all on an AMD Zen 4 under CI's load: two calls in
+    # twelve episodes, neither with a second turn.)
+    plain = generate(PROMPTS, SamplingParams(n=EPISODE_PARAMS.n, temperature=EPISODE_PARAMS.temperature,
+                                             max_new_tokens=EARLY, seed=EPISODE_PARAMS.seed,
+                                             stop_token_ids=EPISODE_PARAMS.stop_token_ids))
     counts = Counter(t for r in plain for t in r.output_ids if t not in ANSWER_IDS and t > 3)
     close = counts.most_common(1)[0][0]
     markers = {"<c>": 2, "</c>": close, "<r>": 3, "</r>": 4}
@@ -63,7 +74,6 @@ def exactness_runner(generate: Callable[[Sequence[Sequence[int]], SamplingParams
                                          max_response_tokens=40), tok), close
 
 
-EPISODE_PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=40, seed=7, stop_token_ids=(1,))
 
 
 def check_episode_exactness(generate: Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]],
