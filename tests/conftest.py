@@ -21,6 +21,25 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
+def worker_cpu_bind(worker: str | None, cpus: list[int]) -> str | None:
+    """The core an xdist worker's vLLM CPU servers bind their worker threads to: worker gwN's is
+    the N-th core this process may use (None outside xdist).
+
+    vLLM 0.32's default binding (VLLM_CPU_OMP_THREADS_BIND=auto, utils/ompmultiprocessing.py)
+    is the same for every server, core 0 of a 2-core machine, so the two workers' servers ran on
+    one core while the other held only their trainers (2026-12-03, AMD Zen 4: the vLLM engine and
+    MoE files side by side took 137 s, 109 s with a core each). A fleet's servers still get their
+    own slices where the test asks for the product's placement (it drops this variable)."""
+    if not worker or not worker.startswith("gw") or not worker[2:].isdigit() or not cpus:
+        return None
+    return str(cpus[int(worker[2:]) % len(cpus)])
+
+
+_bind = worker_cpu_bind(os.environ.get("PYTEST_XDIST_WORKER"), sorted(os.sched_getaffinity(0)))
+if _bind is not None:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _bind)
+
+
 # Test directories, slowest files first (one core, 2026-11-26: sglang_cpu 12 min over 6 files,
 # vllm_cpu 10 min over 5, e2e 18 min over 10, multirank 12 min over 26, unit 3 min over about
 # 100). The slurm tier's file (3.5 min, mostly waiting on its daemons) goes early too: last, it
