@@ -14,6 +14,7 @@ from collections import Counter
 
 import pytest
 import torch
+from proc_utils import worker_cpu_bind
 from tiers import ci_message, in_ci
 
 # Keep every test process to the two cores CI has; spawned ranks inherit this.
@@ -21,23 +22,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
 
 
-def worker_cpu_bind(worker: str | None, cpus: list[int]) -> str | None:
-    """The core an xdist worker's vLLM CPU servers bind their worker threads to: worker gwN's is
-    the N-th core this process may use (None outside xdist).
-
-    vLLM 0.32's default binding (VLLM_CPU_OMP_THREADS_BIND=auto, utils/ompmultiprocessing.py)
-    is the same for every server, core 0 of a 2-core machine, so the two workers' servers ran on
-    one core while the other held only their trainers (2026-12-03, AMD Zen 4: the vLLM engine and
-    MoE files side by side took 137 s, 109 s with a core each). A fleet's servers still get their
-    own slices where the test asks for the product's placement (it drops this variable)."""
-    if not worker or not worker.startswith("gw") or not worker[2:].isdigit() or not cpus:
-        return None
-    return str(cpus[int(worker[2:]) % len(cpus)])
-
-
-_bind = worker_cpu_bind(os.environ.get("PYTEST_XDIST_WORKER"), sorted(os.sched_getaffinity(0)))
-if _bind is not None:
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _bind)
+# Each xdist worker's vLLM CPU servers on a core of their own (tests/proc_utils.py worker_cpu_bind);
+# a binding the environment already has wins. SUITE_VLLM_BIND: what this set (None: nothing).
+SUITE_VLLM_BIND = None
+if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+    SUITE_VLLM_BIND = worker_cpu_bind(os.environ.get("PYTEST_XDIST_WORKER"), sorted(os.sched_getaffinity(0)))
+    if SUITE_VLLM_BIND is not None:
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = SUITE_VLLM_BIND
 
 
 # Test directories, slowest files first (one core, 2026-11-26: sglang_cpu 12 min over 6 files,

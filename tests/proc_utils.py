@@ -61,3 +61,17 @@ def shut_down_mid_relaunch(relaunch, shutdown, marker: str, started=lambda: True
     while processes_with(marker) and time.monotonic() < deadline:
         time.sleep(0.1)
     return thread.is_alive(), failure, processes_with(marker)
+
+
+def worker_cpu_bind(worker: str | None, cpus: list[int]) -> str | None:
+    """The core an xdist worker's vLLM CPU servers bind their worker threads to: worker gwN's is
+    the N-th core this process may use (None outside xdist).
+
+    vLLM 0.32's default binding (VLLM_CPU_OMP_THREADS_BIND=auto, utils/ompmultiprocessing.py)
+    is the same for every server, core 0 of a 2-core machine, so the two workers' servers ran on
+    one core while the other held only their trainers (2026-12-03, AMD Zen 4: the vLLM engine and
+    MoE files side by side took 137 s, 109 s with a core each). A fleet's servers still get their
+    own slices where the test asks for the product's placement (it drops this variable)."""
+    if not worker or not worker.startswith("gw") or not worker[2:].isdigit() or not cpus:
+        return None
+    return str(cpus[int(worker[2:]) % len(cpus)])
