@@ -48,6 +48,7 @@ def tree(tmp_path_factory) -> Path:
         (tests / tier).mkdir(parents=True)
     shutil.copy(TESTS / "conftest.py", tests / "conftest.py")
     shutil.copy(TESTS / "tiers.py", tests / "tiers.py")
+    shutil.copy(TESTS / "proc_utils.py", tests / "proc_utils.py")  # the conftest's imports
     (tests / "sglang_cpu" / "test_engine.py").write_text(MISSING)
     for i in range(3):
         (tests / "unit" / f"test_u{i}.py").write_text(PRESENT.format(name=f"u{i}", outcome="True"))
