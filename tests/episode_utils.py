@@ -74,8 +74,6 @@ def exactness_runner(generate: Callable[[Sequence[Sequence[int]], SamplingParams
                                          max_response_tokens=40), tok), close
 
 
-
-
 def check_episode_exactness(generate: Callable[[Sequence[Sequence[int]], SamplingParams], list[GenerationResult]],
                             checkpoint, *, vocab_size: int) -> dict[str, float]:
     """Run episodes through `generate` and hold them to transformers; returns counts for the caller."""

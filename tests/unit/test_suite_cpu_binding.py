@@ -20,8 +20,9 @@ def test_outside_xdist_nothing_is_bound():
 def test_an_xdist_worker_runs_its_servers_on_its_own_core(request):
     """The root conftest applied it (unless the environment had a binding of its own)."""
     applied = request.config.pluginmanager.get_plugin(str(request.config.rootpath / "tests" / "conftest.py"))
+    assert applied is not None, "the root conftest is not registered under its path"
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    if applied is None or applied.SUITE_VLLM_BIND is None:
+    if applied.SUITE_VLLM_BIND is None:
         assert worker is None or os.environ.get("VLLM_CPU_OMP_THREADS_BIND") is not None
         return
     assert worker_cpu_bind(worker, sorted(os.sched_getaffinity(0))) == applied.SUITE_VLLM_BIND
