@@ -51,9 +51,9 @@ def warm_start_dir(log: Path) -> Path:
 def val_file(overrides: list[str]) -> tuple[Path, list[dict]]:
     """The held-out prompt file and its rows, in order (their extra_info has each problem's kind)."""
     from megatron_dapo.config.loader import load_config
-    from megatron_dapo.embedded import cache_root, task_for
+    from megatron_dapo.embedded import cache_root, task_of
 
-    path = task_for(load_config(CONFIG, overrides).data.embedded, cache_root()).val_path
+    path = task_of(load_config(CONFIG, overrides), cache_root()).val_path
     return path, [json.loads(line) for line in path.open()]
 
 

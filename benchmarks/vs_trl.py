@@ -76,10 +76,10 @@ def prepare(cache_dir: Path, ours_python: str, ours_path: Path, workdir: Path) -
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.data.tokenizer import load_tokenizer
     from megatron_dapo.embedded.warm_start import sft_cache_dir
-    from megatron_dapo.run import prepare_sources, task_for
+    from megatron_dapo.run import prepare_sources, task_of
 
     cfg = load_config(str(CONFIG), OVERRIDES)
-    task = task_for(cfg.data.embedded, cache_dir)
+    task = task_of(cfg, cache_dir)
     tokenizer = load_tokenizer(task.tokenizer_path)
     sources = prepare_sources(cfg, cache_dir)  # the trainer's own paths, so the cache keys match
     single_process = SimpleNamespace(tp=1, pp=1, dp=1)  # the layout our side trains the warm start at

@@ -562,9 +562,9 @@ def _tokenizer_for(explicit: str | None, cfg: Any, ckpt: Path, training: Path | 
     if cfg is not None and cfg.model.tokenizer:
         return cfg.model.tokenizer
     if cfg is not None and cfg.model.hf_checkpoint is None:
-        from megatron_dapo.embedded import cache_root, task_for
+        from megatron_dapo.embedded import cache_root, task_of
 
-        return str(task_for(cfg.data.embedded, cache_root()).tokenizer_path)
+        return str(task_of(cfg, cache_root()).tokenizer_path)
     if training is not None:
         from megatron_dapo.checkpoint import hf_files_of
 

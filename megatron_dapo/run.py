@@ -42,7 +42,7 @@ from megatron_dapo.config.preflight import check_device, check_hf_checkpoint, ch
 from megatron_dapo.data.datasets import PromptRecord, PromptSampler, load_prompt_dataset
 from megatron_dapo.data.tokenizer import SPM_MODEL_FILENAME, Tokenizer, load_tokenizer
 from megatron_dapo.device import release_cached_memory
-from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_for
+from megatron_dapo.embedded import cache_root, scratch_checkpoint, task_of
 from megatron_dapo.embedded.warm_start import warm_started
 from megatron_dapo.errors import SharedUserError, UserError
 from megatron_dapo.lora.sync import AdapterSync
@@ -476,7 +476,7 @@ def prepare_sources(cfg: Config, cache_dir: Path) -> dict[str, str | None]:
         load_tokenizer(cfg.model.tokenizer or cfg.model.hf_checkpoint)
         return {"hf_dir": cfg.model.hf_checkpoint, "tokenizer": cfg.model.tokenizer or cfg.model.hf_checkpoint,
                 "train": None, "val": None, "sft_path": None}
-    task = task_for(cfg.data.embedded, cache_dir)
+    task = task_of(cfg, cache_dir)
     tokenizer = load_tokenizer(task.tokenizer_path)
     scratch = scratch_checkpoint(cfg.model.scratch, tokenizer.vocab_size, cfg.trainer.seed, cache_dir)
     return {"hf_dir": str(scratch), "tokenizer": str(task.tokenizer_path), "train": str(task.train_path),

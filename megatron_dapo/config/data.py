@@ -51,6 +51,10 @@ class EmbeddedTaskConfig:
     then follows from the result span alone, so the warm start learns to copy what the tool returned
     instead of half-copying it (a warm start that read the first digit and then took the operands'
     digits never got past 3% of products in 3,000 steps; docs/benchmarks.md, issue 63)."""
+    sft_copy_drill_digits: Literal["product", "mixed"] = "product"
+    """How the drills' results are drawn: "product", uniform among the numbers of the product's
+    width; "mixed", widths 3-6 with doubled digits at every position, so that only a copy by position
+    is right on all of them (data.arithmetic.drill_result)."""
     sft_balance_product_digits: bool = False
     """SFT corpus only: big_mul products with 4-digit and 5-digit results in equal shares (drawn as
     the mix does, 17% are 4-digit, and a warm start then miscopies every one of them;
@@ -78,6 +82,9 @@ class EmbeddedTaskConfig:
         _check(self.sft_copy_drills == 0 or self.sft_tool_share > 0, "sft_copy_drills",
                "drills the calling solutions, and there are none: set data.embedded.sft_tool_share > 0, "
                "or sft_copy_drills=0")
+        _check(self.sft_copy_drill_digits == "product" or self.sft_copy_drills > 0, "sft_copy_drill_digits",
+               "shapes the copy drills, and there are none: set data.embedded.sft_copy_drills > 0, "
+               "or leave sft_copy_drill_digits at product")
         _check(1 <= self.max_digits <= 6, "max_digits", "must be in 1..6")
         _check(self.tokenizer_vocab_size >= 276, "tokenizer_vocab_size",
                "must be >= 276 (4 special ids + 256 byte-fallback pieces + 16 characters)")

@@ -196,10 +196,10 @@ def check_inputs(cfg: Config, *, verify_resume_checksums: bool = True, world_siz
     tokenizer = load_tokenizer(source) if source is not None and tokenizer_here else None
     if source is None and (cfg.data.train_files or cfg.data.val_files):
         # A scratch model reads prompt files with the embedded task's tokenizer, as train does (run.py).
-        from megatron_dapo.embedded import task_for
+        from megatron_dapo.embedded import task_of
 
         check_task(cfg.data.embedded)
-        tokenizer = load_tokenizer(task_for(cfg.data.embedded, cache_root()).tokenizer_path)
+        tokenizer = load_tokenizer(task_of(cfg, cache_root()).tokenizer_path)
     if tokenizer is not None and hf_here:
         check_tokenizer_fits(tokenizer, hf, "model.tokenizer" if cfg.model.tokenizer else "model.hf_checkpoint")
     if cfg.tools.enable and (tokenizer is not None or hf is None):  # None with hf: not here (--static)

@@ -89,6 +89,11 @@ class ToolsConfig:
     """Policy turns per episode (verl: max_assistant_turns); a call at the last turn is not answered."""
     max_tool_output_tokens: int = 64
     """Tokens of one answer, markers included; longer answers are cut in the middle."""
+    result_width: int = 0
+    """Right-pad every tool answer with "_" to this many characters (0 = as the tool wrote it). A
+    small policy copies a result into its answer by the distance back to it, which a fixed width
+    makes the same for every result (tools/formats.pad_result). The embedded task's warm start shows
+    its results padded the same way."""
     calls_in_flight: int = 8
     """Tool calls run at once."""
     max_failure_fraction: float = 0.5
@@ -108,6 +113,7 @@ class ToolsConfig:
         from megatron_dapo.tools.formats import FORMATS
 
         _check(self.format in FORMATS, "format", f"must be one of {sorted(FORMATS)}")
+        _check(self.result_width >= 0, "result_width", "must be >= 0 (0 = answers as the tool wrote them)")
         # Messages quote the user's values bounded (show) and are built only on failure: 99,000
         # aliases of one 600 KB entry are 59 GB as a plain repr.
         unknown = [t for t in self.tools if not isinstance(t, str) or (":" not in t and t not in BUILTIN_TOOLS)]

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_dapo.data.tokenizer import SentencePieceSettings, load_or_train_sentencepiece
+from megatron_dapo.tools.formats import RESULT_PAD, pad_result
 
 DATA_SOURCE = "arithmetic"
 
@@ -105,6 +106,9 @@ class ArithmeticProblem:
     drill_result: int | None = None
     """A copy drill's tool result (`copy_drills`): the calling solution shows this value in the result
     span and copies it into the answer line, instead of the answer."""
+    result_width: int = 0
+    """The calling solution's result span is padded to this many characters, as the tool's answers
+    are under tools.result_width (tools/formats.pad_result); 0 = unpadded."""
 
     def prompt(self) -> str:
         """The prompt text: the question, then the answer-format instruction."""
@@ -115,7 +119,8 @@ class ArithmeticProblem:
         if self.calc:
             open_, close, result_open, result_close = CALC_MARKERS
             shown = self.answer if self.drill_result is None else self.drill_result
-            return f"{open_}{self.expression}{close}{result_open}{shown}{result_close}\nAnswer: {shown}"
+            return f"{open_}{self.expression}{close}{result_open}{pad_result(str(shown), self.result_width)}" \
+                   f"{result_close}\nAnswer: {shown}"
         if self.lines:
             return "\n".join(self.lines) + f"\nAnswer: {self.answer}"
         return "=".join([self.expression, *self.steps]) + f"\nAnswer: {self.answer}"
@@ -256,21 +261,49 @@ def balance_product_digits(problems: list[ArithmeticProblem], mix: ArithmeticMix
     return out
 
 
-def copy_drills(problems: list[ArithmeticProblem], share: float, rng: random.Random) -> None:
-    """Turns `share` of the calling solutions into copy drills, in place: each gets a tool result drawn
-    uniformly among the numbers with as many digits as its answer (`drill_result`).
+DRILL_DIGITS = ("product", "mixed")
+"""How a copy drill's result is drawn (`copy_drills`)."""
+MIXED_DRILL_WIDTHS = (3, 4, 5, 6)
+MIXED_DRILL_REPEAT = 1 / 3
+"""A "mixed" drill's width is uniform over MIXED_DRILL_WIDTHS; each digit after the first repeats the
+one before it with probability MIXED_DRILL_REPEAT (a 5-digit drill has a doubled digit 87% of the
+time, against 34% for uniform digits)."""
+
+
+def drill_result(rng: random.Random, answer: int, digits: str = "product") -> int:
+    """One copy drill's tool result: uniform among the numbers of the answer's width ("product"), or
+    ("mixed") of a width drawn from MIXED_DRILL_WIDTHS with doubled digits at any position."""
+    if digits == "product":
+        width = len(str(answer))
+        return rng.randint(10 ** (width - 1), 10**width - 1)
+    if digits != "mixed":
+        raise ValueError(f"drill digits {digits!r}: expected one of {DRILL_DIGITS}")
+    out = [rng.randint(1, 9)]
+    for _ in range(rng.choice(MIXED_DRILL_WIDTHS) - 1):
+        out.append(out[-1] if rng.random() < MIXED_DRILL_REPEAT else rng.randint(0, 9))
+    return int("".join(map(str, out)))
+
+
+def copy_drills(problems: list[ArithmeticProblem], share: float, rng: random.Random,
+                digits: str = "product") -> None:
+    """Turns `share` of the calling solutions into copy drills, in place: each gets a tool result
+    (`drill_result`): by default uniform among the numbers with as many digits as its answer.
 
     In a true solution the answer line repeats the result span, but it is also the product of the
     operands the policy has just copied, and a warm start can settle on a copy that reads the
     result's first digit and then continues from where that digit stands in the operands
     (`<result>37980</result>` -> `Answer: 33980`, "3" followed by "3" in 633). In a drill the answer
     can come from the result span only, so that copy loses on every drill, not on a few products.
+    Drills of the product's width leave other local copies standing: a warm start then copied every
+    5-digit result and no 4-digit one, or, drilled on 4 and 5 digits evenly, looked up the digit it
+    had just written in the result span and wrote the one after it, which skips or loops on a doubled
+    digit (`90090` -> `90900`). "mixed" drills vary the width and double digits at every position,
+    so only a copy by position is right on all of them (docs/benchmarks.md, issue 63).
     Only the SFT corpus has drills; the RL and held-out prompts are scored against true answers.
     """
     for p in problems:
         if p.calc and rng.random() < share:
-            width = len(str(p.answer))
-            p.drill_result = rng.randint(10 ** (width - 1), 10**width - 1)
+            p.drill_result = drill_result(rng, p.answer, digits)
 
 
 class ColumnBalancer:
@@ -415,6 +448,8 @@ def prepare_arithmetic_task(
     sft_tool_share: float = 0.0,
     sft_balance_product_digits: bool = False,
     sft_copy_drills: float = 0.0,
+    sft_copy_drill_digits: str = "product",
+    result_width: int = 0,
 ) -> ArithmeticTask:
     """Writes the train/val/SFT files of the arithmetic task and builds its tokenizer.
 
@@ -435,6 +470,9 @@ def prepare_arithmetic_task(
             results in equal shares (`balance_product_digits`); the other splits keep the mix.
         sft_copy_drills: the share of the SFT corpus's calling solutions that are copy drills
             (`copy_drills`: a random tool result, copied into the answer line).
+        sft_copy_drill_digits: how the drills' results are drawn (`drill_result`).
+        result_width: the SFT corpus's result spans are padded to this many characters, as the
+            tool's answers are (tools.result_width); the tokenizer then has the pad as one piece.
 
     Returns:
         The paths written.
@@ -464,9 +502,13 @@ def prepare_arithmetic_task(
         sft = balance_product_digits(sft, mix, random.Random(f"{seed}:sft-digits"), exclude=held_out)
     if sft_copy_drills > 0:  # the SFT file only: the tokenizer's corpus (the drawn split) shows true results
         sft = [dataclasses.replace(p) for p in sft]
-        copy_drills(sft, sft_copy_drills, random.Random(f"{seed}:sft-drills"))
+        copy_drills(sft, sft_copy_drills, random.Random(f"{seed}:sft-drills"), sft_copy_drill_digits)
+    if result_width > 0:  # the SFT file only, as the drills: the tokenizer's corpus keeps what it had
+        sft = [dataclasses.replace(p, result_width=result_width) for p in sft]
     if mix.big_mul > 0 or sft_tool_share > 0:
-        tokenizer_settings = dataclasses.replace(tokenizer_settings, user_defined_symbols=CALC_MARKERS)
+        # Each pad is then its own token, so a padded result is always result_width tokens long.
+        symbols = (*CALC_MARKERS, RESULT_PAD) if result_width > 0 else CALC_MARKERS
+        tokenizer_settings = dataclasses.replace(tokenizer_settings, user_defined_symbols=symbols)
     # The tokenizer learns from the splits as the mix draws them: balancing the SFT corpus or the RL
     # prompts leaves it (and every checkpoint trained with it) as it was, so older runs resume and
     # evaluate unchanged.

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.checkpoint.files import chmod_as_created
-from megatron_dapo.config import EmbeddedTaskConfig, ScratchModelConfig
+from megatron_dapo.config import Config, EmbeddedTaskConfig, ScratchModelConfig
 from megatron_dapo.data.arithmetic import (
     ArithmeticMix,
     ArithmeticTask,
@@ -78,8 +78,15 @@ def _mix(embedded: EmbeddedTaskConfig) -> ArithmeticMix:
                          solution_style=embedded.solution_style)
 
 
-def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
-    """Write (or reuse) the arithmetic task's train/val/SFT files and tokenizer."""
+def task_of(cfg: Config, cache_dir: Path) -> ArithmeticTask:
+    """The run's embedded task: data.embedded, its warm start's results padded as the run's tool
+    answers are (tools.result_width, when tools are on)."""
+    return task_for(cfg.data.embedded, cache_dir, result_width=cfg.tools.result_width if cfg.tools.enable else 0)
+
+
+def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path, result_width: int = 0) -> ArithmeticTask:
+    """Write (or reuse) the arithmetic task's train/val/SFT files and tokenizer (`result_width`: the
+    SFT results' padding, tools.result_width; `task_of` takes it from a run's config)."""
     check_task(embedded)
     mix = _mix(embedded)
     mix_parts = asdict(mix)
@@ -98,12 +105,18 @@ def task_for(embedded: EmbeddedTaskConfig, cache_dir: Path) -> ArithmeticTask:
         parts["sft_balance_product_digits"] = True
     if embedded.sft_copy_drills > 0:
         parts["sft_copy_drills"] = embedded.sft_copy_drills
+        if embedded.sft_copy_drill_digits != "product":  # only when not the default: older caches stay valid
+            parts["sft_copy_drill_digits"] = embedded.sft_copy_drill_digits
+    if result_width > 0:  # only when on, as above
+        parts["result_width"] = result_width
     return prepare_arithmetic_task(
         cache_dir / f"arithmetic-{digest(parts)}", mix, num_train=embedded.num_train, num_val=embedded.num_val,
         num_sft=embedded.num_sft, seed=embedded.seed, sft_balance_columns=embedded.sft_balance_columns,
         train_balance_columns=embedded.train_balance_columns, sft_tool_share=embedded.sft_tool_share,
         sft_balance_product_digits=embedded.sft_balance_product_digits,
-        sft_copy_drills=embedded.sft_copy_drills, tokenizer_settings=SentencePieceSettings(vocab_size=embedded.tokenizer_vocab_size),
+        sft_copy_drills=embedded.sft_copy_drills, sft_copy_drill_digits=embedded.sft_copy_drill_digits,
+        result_width=result_width,
+        tokenizer_settings=SentencePieceSettings(vocab_size=embedded.tokenizer_vocab_size),
     )
 
 

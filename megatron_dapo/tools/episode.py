@@ -37,7 +37,7 @@ import numpy as np
 from megatron_dapo.data.tokenizer import Tokenizer
 from megatron_dapo.errors import UserError
 from megatron_dapo.rollout.engine import EpisodeRecord, GenerationResult, SamplingParams, ToolCallRecord
-from megatron_dapo.tools.formats import CallFormat, ParsedCall
+from megatron_dapo.tools.formats import CallFormat, ParsedCall, pad_result
 from megatron_dapo.tools.sandbox import ToolResult
 
 __all__ = ["EpisodeRunner", "EpisodeSettings", "Generate", "Tool", "ToolPoolBroken", "check_call_close", "episode_metrics",
@@ -68,6 +68,8 @@ class EpisodeSettings:
     """Policy turns per episode (so at most max_turns - 1 tool calls are answered)."""
     max_tool_output_tokens: int = 64
     """Tokens of one answer (markers included); longer answers are cut in the middle."""
+    result_width: int = 0
+    """Answers are right-padded to this many characters (formats.pad_result); 0 = as written."""
     max_response_tokens: int = 512
     """The whole episode's budget after the prompt (data.max_response_length)."""
     calls_in_flight: int = 8
@@ -352,7 +354,7 @@ class EpisodeRunner:
         call = s.fmt.parse(turn_text)
         result = self._run(call)
         status = "malformed" if call.error else result.status
-        text = self._bounded(result.text)
+        text = pad_result(self._bounded(result.text), s.result_width)
         record = ToolCallRecord(tool=call.tool, argument=call.argument, status=status, answer=text,
                                 seconds=result.seconds, isolation=result.isolation)
         return record, self._answer_ids(text)

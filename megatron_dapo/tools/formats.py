@@ -24,7 +24,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["FORMATS", "CallFormat", "ParsedCall"]
+__all__ = ["FORMATS", "RESULT_PAD", "CallFormat", "ParsedCall", "pad_result"]
+
+RESULT_PAD = "_"
+"""What fills a tool's answer up to tools.result_width (one piece of the embedded task's tokenizer)."""
+
+
+def pad_result(text: str, width: int) -> str:
+    """`text` right-padded with RESULT_PAD to `width` characters (unchanged when as long already).
+
+    A small model copies a result into its answer line by distance: the answer's i-th digit looks
+    back at the result's i-th digit, and that distance is the width of the result plus the markers
+    between them. With a fixed width the distance is one for every result; unpadded, a 4-layer policy
+    copied every 5-digit result and no 4-digit one (docs/benchmarks.md, issue 63).
+    """
+    return text + RESULT_PAD * (width - len(text)) if width > len(text) else text
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +88,9 @@ class CallFormat:
             return ParsedCall("", "", 'the call is not {"name": ..., "arguments": {...: "..."}}')
         return ParsedCall(name, argument)
 
-    def answer(self, text: str) -> str:
-        """The text inserted after a call (the tool's tokens)."""
-        return f"{self.result_open}{text}{self.result_close}"
+    def answer(self, text: str, width: int = 0) -> str:
+        """The text inserted after a call (the tool's tokens), `text` padded to `width` (pad_result)."""
+        return f"{self.result_open}{pad_result(text, width)}{self.result_close}"
 
 
 FORMATS: dict[str, CallFormat] = {

@@ -57,7 +57,7 @@ def episode_runner(cfg: ToolsConfig, tokenizer: Tokenizer, max_response_tokens: 
     tools, closers = tool_set(cfg, log_dir=log_dir)
     try:
         settings = EpisodeSettings(fmt=FORMATS[cfg.format], tools=tools, max_turns=cfg.max_turns,
-                                   max_tool_output_tokens=cfg.max_tool_output_tokens,
+                                   max_tool_output_tokens=cfg.max_tool_output_tokens, result_width=cfg.result_width,
                                    max_response_tokens=max_response_tokens, calls_in_flight=cfg.calls_in_flight,
                                    max_failure_fraction=cfg.max_failure_fraction)
         return EpisodeRunner(settings, tokenizer, closers=closers)

@@ -22,13 +22,13 @@ def heldout_of(hf_dir, config, cache_dir) -> dict[str, float]:
     from megatron_dapo.config.loader import load_config
     from megatron_dapo.data.datasets import load_prompt_dataset
     from megatron_dapo.data.tokenizer import load_tokenizer
-    from megatron_dapo.embedded import task_for
+    from megatron_dapo.embedded import task_of
     from megatron_dapo.rewards.pool import RewardPool
     from megatron_dapo.rollout.controller import RolloutController
     from megatron_dapo.rollout.local.engine import LocalEngine
 
     cfg = load_config(config, [])
-    task = task_for(cfg.data.embedded, cache_dir)
+    task = task_of(cfg, cache_dir)
     tokenizer = load_tokenizer(str(task.tokenizer_path))
     prompts = load_prompt_dataset(str(task.val_path), tokenizer, cfg.data.max_prompt_length).records
     rollout = RolloutController([LocalEngine(hf_dir, name="local0")])
@@ -121,7 +121,7 @@ def test_band_by_kind_reads_the_weakest_kinds_accuracy(tmp_path):
     # other absent. With band_by_kind the check reads the lowest per-kind avg@n; even_answer scores
     # the prompts, so each kind's reading is the share of even answers among its held-out prompts.
     from megatron_dapo.config.loader import load_config
-    from megatron_dapo.embedded import task_for
+    from megatron_dapo.embedded import task_of
 
     cache_dir = tmp_path / "cache"
     sft = {**SFT["sft_warm_start"], "target_acc_min": 0.0, "target_acc_max": 1.0, "band_by_kind": True}
@@ -130,7 +130,7 @@ def test_band_by_kind_reads_the_weakest_kinds_accuracy(tmp_path):
     proc = run_trainer(config, f"trainer.output_dir={tmp_path / 'run'}", "trainer.total_training_steps=1",
                        "trainer.val_before_train=false", cache_dir=cache_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in task_for(load_config(config, []).data.embedded, cache_dir)
+    rows = [json.loads(line) for line in task_of(load_config(config, []), cache_dir)
             .val_path.read_text().splitlines()]
     by_kind: dict[str, list[bool]] = {}
     for r in rows:

@@ -354,6 +354,72 @@ def test_copy_drills_show_a_random_result_and_copy_it_in_the_sft_corpus_only(tmp
     assert 0.4 < drills / calls < 0.6
 
 
+def test_mixed_drills_vary_the_width_and_double_digits_at_every_position(tmp_path: Path) -> None:
+    # Issue 63: drilled on the product's widths, warm starts copied no 4-digit result, or (4 and 5
+    # digits evenly) skipped a doubled digit ("90090" -> "90900"); "mixed" drills break both copies.
+    import random
+
+    from megatron_dapo.data.arithmetic import MIXED_DRILL_WIDTHS, drill_result
+
+    rng = random.Random(3)
+    drawn = [str(drill_result(rng, 12345, "mixed")) for _ in range(4000)]
+    assert {len(d) for d in drawn} == set(MIXED_DRILL_WIDTHS) and all(d[0] != "0" for d in drawn)
+    for width in MIXED_DRILL_WIDTHS:
+        share = sum(len(d) == width for d in drawn) / len(drawn)
+        assert abs(share - 1 / len(MIXED_DRILL_WIDTHS)) < 0.04, (width, share)
+    five = [d for d in drawn if len(d) == 5]
+    for i in range(4):  # a doubled digit at each position, far more often than uniform digits (10%)
+        assert sum(d[i] == d[i + 1] for d in five) / len(five) > 0.3, i
+    rng = random.Random(3)
+    assert all(len(str(drill_result(rng, a, "product"))) == len(str(a)) for a in (1000, 9999, 10000, 98901))
+    with pytest.raises(ValueError, match="drill digits"):
+        drill_result(rng, 1000, "even")
+
+    mix = ArithmeticMix(add=0.3, sub=0.3, mul=0.0, two_step=0.0, big_mul=0.4)
+    settings = SentencePieceSettings(vocab_size=320)
+    tasks = [prepare_arithmetic_task(tmp_path / digits, mix, num_train=200, num_val=40, num_sft=1000, seed=9,
+                                     tokenizer_settings=settings, sft_tool_share=1.0, sft_copy_drills=0.5,
+                                     sft_copy_drill_digits=digits) for digits in ("product", "mixed")]
+    assert tasks[0].tokenizer_path.read_bytes() == tasks[1].tokenizer_path.read_bytes()
+    assert tasks[0].val_path.read_text() == tasks[1].val_path.read_text()
+    widths = set()
+    for row in (json.loads(line) for line in tasks[1].sft_path.read_text().splitlines()):
+        if "<calc>" in row["response"]:
+            shown = row["response"].split("<result>")[1].split("</result>")[0]
+            assert row["response"].endswith(f"<result>{shown}</result>\nAnswer: {shown}") and row["answer"] == shown
+            widths.add(len(shown))
+    assert widths == set(MIXED_DRILL_WIDTHS)  # 3 and 6 digits come from drills only
+
+
+def test_a_result_width_pads_the_sft_results_and_every_pad_is_one_token(tmp_path: Path) -> None:
+    # The SFT corpus must show results as the tool answers them (tools.result_width), and a padded
+    # result must be result_width tokens whatever its digits: the pad is a piece of its own.
+    from megatron_dapo.data.tokenizer import load_tokenizer
+    from megatron_dapo.tools.formats import RESULT_PAD
+
+    mix = ArithmeticMix(add=0.3, sub=0.3, mul=0.0, two_step=0.0, big_mul=0.4)
+    settings = SentencePieceSettings(vocab_size=320)
+    plain, padded = (prepare_arithmetic_task(tmp_path / str(w), mix, num_train=200, num_val=40, num_sft=1000, seed=9,
+                                             tokenizer_settings=settings, sft_tool_share=1.0, result_width=w)
+                     for w in (0, 6))
+    for name in ("val", "train"):
+        assert getattr(plain, f"{name}_path").read_text() == getattr(padded, f"{name}_path").read_text()
+    tok = load_tokenizer(str(padded.tokenizer_path))
+    rows = [json.loads(line) for line in padded.sft_path.read_text().splitlines()]
+    calls = [r for r in rows if "<calc>" in r["response"]]
+    widths = set()
+    for row in calls:
+        span = row["response"].split("<result>")[1].split("</result>")[0]
+        digits = span.rstrip(RESULT_PAD)
+        assert len(span) == 6 and digits == row["answer"] and row["response"].endswith(f"\nAnswer: {digits}")
+        assert len(tok.encode(f"<result>{span}</result>")) == 8, span
+        widths.add(len(digits))
+    assert widths == {4, 5}
+    unpadded = [json.loads(line)["response"] for line in plain.sft_path.read_text().splitlines()]
+    assert not any(RESULT_PAD in r for r in unpadded)
+    assert [r["response"].replace(RESULT_PAD, "") for r in rows] == unpadded
+
+
 def test_copy_drills_need_calling_solutions() -> None:
     from megatron_dapo.config import ConfigError, load_config
 
@@ -363,3 +429,9 @@ def test_copy_drills_need_calling_solutions() -> None:
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"sft_copy_drills.*must be in"):
         load_config("examples/tiny_tools_cpu.yaml", ["data.embedded.sft_copy_drills=1.5"])
+    with pytest.raises(ConfigError) as err:
+        load_config("examples/tiny_tools_cpu.yaml", ["data.embedded.sft_copy_drill_digits=mixed"])
+    assert "data.embedded.sft_copy_drill_digits" in str(err.value) and "sft_copy_drills > 0" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"tools.result_width.*must be >= 0"):
+        load_config("examples/tiny_tools_cpu.yaml", ["tools.result_width=-1"])

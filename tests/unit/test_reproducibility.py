@@ -124,3 +124,23 @@ def test_balanced_product_digits_enter_the_task_key_only_when_on(tmp_path):
     assert drilled.sft_path.parent not in (off.sft_path.parent, on.sft_path.parent)
     assert drilled.sft_path.read_text() != off.sft_path.read_text()
     assert drilled.val_path.read_text() == off.val_path.read_text()
+    mixed = task_for(EmbeddedTaskConfig(**common, sft_copy_drills=0.5, sft_copy_drill_digits="mixed"), tmp_path)
+    padded = task_for(EmbeddedTaskConfig(**common), tmp_path, result_width=6)
+    assert padded.sft_path.parent not in (off.sft_path.parent, mixed.sft_path.parent)
+    assert padded.val_path.read_text() == off.val_path.read_text()
+    assert mixed.sft_path.parent != drilled.sft_path.parent and mixed.sft_path.read_text() != drilled.sft_path.read_text()
+
+
+def test_a_runs_task_pads_its_warm_start_as_its_tool_answers_and_only_with_tools_on(tmp_path):
+    from megatron_dapo.config import load_config
+    from megatron_dapo.embedded import task_for, task_of
+
+    small = ["data.embedded.num_train=50", "data.embedded.num_val=20", "data.embedded.num_sft=100"]
+    config = REPO / "examples" / "tiny_tools_cpu.yaml"
+    assert load_config(config).tools.result_width == 6  # the example pads (docs/benchmarks.md, issue 63)
+    plain = task_for(load_config(config, small).data.embedded, tmp_path)
+    assert task_of(load_config(config, [*small, "tools.result_width=0"]), tmp_path) == plain
+    padded = task_of(load_config(config, small), tmp_path)
+    assert padded == task_for(load_config(config, small).data.embedded, tmp_path, result_width=6) != plain
+    assert "_</result>" in padded.sft_path.read_text() and "_</result>" not in plain.sft_path.read_text()
+    assert task_of(load_config(config, [*small, "tools.enable=false"]), tmp_path) == plain

@@ -105,6 +105,21 @@ def test_a_malformed_call_and_an_unknown_tool_are_answered_with_errors(tok):
     assert record.status == "error" and "no tool named 'calculator'" in record.answer
 
 
+def test_answers_are_padded_to_the_result_width_and_the_record_shows_what_the_policy_saw(tok):
+    # Issue 63: a small policy copies a result by its distance back; a fixed width keeps it the same.
+    from megatron_dapo.tools.formats import RESULT_PAD, pad_result
+
+    assert pad_result("408", 6) == "408" + RESULT_PAD * 3 and pad_result("123456", 6) == "123456"
+    assert pad_result("1234567", 6) == "1234567" and pad_result("408", 0) == "408"
+    assert FORMATS["tags"].answer("408", 5) == "<result>408__</result>"
+    runner = _runner(tok, result_width=6)
+    record, ids = runner._call("<calc>12*34</calc>")
+    assert record.answer == "408___" and tok.decode(ids) == "<result>408___</result>"
+    record, ids = runner._call("<calc>1/0</calc>")  # an error text longer than the width is left as it is
+    assert record.status == "error" and RESULT_PAD not in record.answer
+    assert _runner(tok)._call("<calc>12*34</calc>")[0].answer == "408"
+
+
 def test_long_answers_are_cut_in_the_middle_to_the_cap(tok):
     runner = _runner(tok, max_tool_output_tokens=12)
     ids = runner._answer_ids("1234567890" * 5)
