@@ -45,6 +45,8 @@ __all__ = [
 ]
 
 _LOG_TAIL_LINES = 40
+PORT_ATTEMPTS = 3
+"""Launches of one server whose port another process took between free_port and the bind."""
 
 HOST_ENV = "MEGATRON_DAPO_ENGINE_HOST"
 """Environment override of the address engines bind to and advertise (rollout.host wins)."""
@@ -144,7 +146,10 @@ def lost_port_race(log_path: str | Path, offset: int = 0) -> bool:
             text = f.read(4 << 20).decode(errors="replace")
     except OSError:
         return False
-    return "Address already in use" in text or "EADDRINUSE" in text
+    # Python's OSError says "Address already in use", uvicorn's bind error "address already in use"
+    # ("[Errno 98] error while attempting to bind on address ...: address already in use", seen in
+    # an SGLang 0.5.18 server's log), zmq "Address already in use (addr=...)".
+    return "address already in use" in text.lower() or "EADDRINUSE" in text
 
 
 _SIGNAL_CAUSES = {
@@ -206,6 +211,8 @@ class ServerProcess:
         self._private_files = tuple(Path(p) for p in private_files)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        """Where this life's output starts in the log (a relaunch appends to its predecessor's)."""
         # Owner-only: servers print their settings, SGLang its API key among them (server_args=...).
         fd = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         os.fchmod(fd, 0o600)
@@ -231,6 +238,10 @@ class ServerProcess:
     def returncode(self) -> int | None:
         """Exit code, or None while the process runs."""
         return self._popen.poll()
+
+    def lost_port_race(self) -> bool:
+        """Whether the process has ended saying, in this life's log, that its port was taken."""
+        return self.returncode is not None and lost_port_race(self.log_path, self.log_offset)
 
     def log_tail(self, num_lines: int = _LOG_TAIL_LINES) -> str:
         """The last lines of the log file ("" when it is empty or unreadable)."""

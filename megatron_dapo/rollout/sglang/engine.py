@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import logging
 import threading
 import time
 import urllib.error
@@ -51,6 +52,7 @@ from megatron_dapo.rollout.flat_bucket import (
 )
 from megatron_dapo.rollout.routes import RouteShape
 from megatron_dapo.rollout.server_process import (
+    PORT_ATTEMPTS,
     ServerProcess,
     call_while_healthy,
     poll_until_healthy,
@@ -75,6 +77,8 @@ from megatron_dapo.rollout.sglang.weights import WeightUpdates, serializer_for
 
 if TYPE_CHECKING:
     from megatron_dapo.rollout.sglang.restarts import RestartChannel
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "SGLANG_VERSION_READ",
@@ -220,12 +224,7 @@ class SGLangEngine(WeightUpdates):
         if live_updates and "--disable-radix-cache" not in config.extra_args:
             config = dataclasses.replace(config, extra_args=(*config.extra_args, "--disable-radix-cache"))
         resolved = resolve_server_config(config, name)
-        # The launcher's variables are scrubbed: under torchrun the server would otherwise join
-        # the trainer's agent store and hang in its own init_process_group (server_process.py).
-        env = server_environment(server_env(resolved))
-        secret = write_secret_config(resolved)
-        process = ServerProcess([*resolved.launcher, *build_launch_command(resolved, secret)], name=name, log_path=resolved.log_path, env=env,
-                                shm_prefixes=("sglang_", "sem.mp-"), private_files=(secret,))
+        process = _spawn(resolved, name)
         engine = cls(
             f"http://{resolved.host}:{resolved.port}",
             name=name,
@@ -243,6 +242,7 @@ class SGLangEngine(WeightUpdates):
         # What restart() launches again: the resolved config, so the same port, key and log (appended).
         engine._relaunch = dict(config=resolved, name=name, vocab_size=vocab_size, request_timeout_s=request_timeout_s,
                                 live_updates=live_updates)
+        engine._picked_ports = (not config.port, not config.nccl_port)
         return engine
 
     @classmethod
@@ -292,6 +292,13 @@ class SGLangEngine(WeightUpdates):
     def tp_size(self) -> int:
         """The server's TP workers (its ranks in a weight broadcast group)."""
         return self._tp_size
+
+    @property
+    def server_config(self) -> SGLangServerConfig:
+        """The resolved launch settings of the server this engine owns (its host, ports, key, log)."""
+        if getattr(self, "_relaunch", None) is None:
+            raise EngineError(f"SGLang engine {self.name} at {self.base_url} does not own its server")
+        return self._relaunch["config"]
 
     @property
     def log_path(self) -> str | None:
@@ -549,8 +556,34 @@ class SGLangEngine(WeightUpdates):
                 self._refuse_if_released("/health_generate")
             return self._probe_health(t, starting=True)
 
-        poll_until_healthy(probe, timeout_s=timeout_s, poll_s=poll_s,
-                           what=f"SGLang engine {self.name} at {self.base_url}", process=self.process, stop=stop)
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                poll_until_healthy(probe, timeout_s=timeout_s, poll_s=poll_s,
+                                   what=f"SGLang engine {self.name} at {self.base_url}", process=self.process, stop=stop)
+                return
+            except EngineError:
+                if attempt + 1 == PORT_ATTEMPTS or not self._respawn_on_fresh_ports():
+                    raise
+
+    def _respawn_on_fresh_ports(self) -> bool:
+        """Launch again on ports picked anew when the server died because another process took a
+        port this engine had picked (free when free_port chose it, bound by someone else before
+        the server bound it: seen in CI beside another worker's servers). A server whose HTTP
+        port the user set keeps its ports: a taken one is theirs to change. False when that is
+        not what happened."""
+        picked = getattr(self, "_picked_ports", (False, False))
+        if self.process is None or not picked[0] or not self.process.lost_port_race():
+            return False
+        config = self._relaunch["config"]
+        config = resolve_server_config(dataclasses.replace(
+            config, port=0 if picked[0] else config.port, nccl_port=0 if picked[1] else config.nccl_port),
+            self.name)
+        logger.warning("SGLang engine %s: port %s was taken before the server bound it; launching again on %s",
+                       self.name, self.base_url.rsplit(":", 1)[-1], config.port)
+        self.process = _spawn(config, self.name)
+        self.base_url = f"http://{config.host}:{config.port}"
+        self._relaunch["config"] = config
+        return True
 
     def shutdown(self) -> None:
         """Stop the owned server process (no-op for an attached server); a relaunch in progress
@@ -558,6 +591,16 @@ class SGLangEngine(WeightUpdates):
         self._stopping.set()
         if self.process is not None:
             self.process.stop(timeout_s=STOP_GRACE_S)
+
+
+def _spawn(config: SGLangServerConfig, name: str) -> ServerProcess:
+    """The server process of a resolved config, its key in a file of its own."""
+    # The launcher's variables are scrubbed: under torchrun the server would otherwise join
+    # the trainer's agent store and hang in its own init_process_group (server_process.py).
+    env = server_environment(server_env(config))
+    secret = write_secret_config(config)
+    return ServerProcess([*config.launcher, *build_launch_command(config, secret)], name=name, log_path=config.log_path,
+                         env=env, shm_prefixes=("sglang_", "sem.mp-"), private_files=(secret,))
 
 
 def served_shapes(model_path: str | Path) -> dict[str, tuple[int, ...]] | None:

@@ -24,7 +24,6 @@ from megatron_dapo.rollout.sglang.server import (
     CPU_KV_TOKENS,
     SGLangServerConfig,
     copies_lm_head,
-    resolve_server_config,
 )
 from megatron_dapo.rollout.sglang.weights import serializer_for
 
@@ -83,15 +82,16 @@ def launch_colocated_engines(
 
     def start(slot: EngineSlot) -> tuple[LeaderEngine, EngineInfo]:
         kv_tokens = config.sglang.max_total_tokens or (CPU_KV_TOKENS if device == "cpu" else 0)
-        server = resolve_server_config(SGLangServerConfig(
+        # Ports are left to the engine: one another process took before the server bound it is
+        # picked anew (SGLangEngine.wait_until_healthy); the announced URL is the one it serves on.
+        engine = SGLangEngine.launch(SGLangServerConfig(
             model_path=str(model_path), tp_size=slot.tp_size, base_gpu_id=slot.base_gpu_id,
             mem_fraction_static=config.gpu_memory_utilization, host=host, dtype=dtype, device=device,
             max_total_tokens=kv_tokens, python=config.sglang.python or "", return_routes=return_routes,
             lora_rank=lora_rank, lora_modules=lora_modules,
             log_path=str(Path(log_dir) / f"{slot.name}.log") if log_dir is not None else "",
-        ), slot.name)  # fmt: skip
-        engine = SGLangEngine.launch(server, name=slot.name, startup_timeout_s=startup_timeout_s,
-                                     request_timeout_s=config.request_timeout_s)
+        ), name=slot.name, startup_timeout_s=startup_timeout_s, request_timeout_s=config.request_timeout_s)  # fmt: skip
+        server = engine.server_config
         # The ranks' sync feeds it, except in a one-process job on a CPU, whose weights go
         # through the controller (run.Run.sync_weights), which then restarts it itself.
         engine.fed_by_ranks = not controller_fed

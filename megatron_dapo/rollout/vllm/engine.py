@@ -65,6 +65,7 @@ from megatron_dapo.rollout.engine import (
     response_seed,
 )
 from megatron_dapo.rollout.server_process import (
+    PORT_ATTEMPTS,
     ServerProcess,
     lost_port_race,
     node_address,
@@ -79,10 +80,6 @@ __all__ = ["VLLM_VERSION_READ", "VLLMEngine", "parse_choice"]
 
 VLLM_VERSION_READ = "0.32.0"
 """The vLLM version whose HTTP API this module was written against."""
-
-
-_PORT_ATTEMPTS = 3
-"""Starts of a server whose port another process took between its pick and the server's bind."""
 
 _MAX_CONCURRENT_REQUESTS = 256
 """Requests in flight per generate call; vLLM schedules them as one batch."""
@@ -198,7 +195,7 @@ class VLLMEngine(WeightTransfer):
                                 f"{tensor_parallel_size}: set rollout.tensor_model_parallel_size=1")
         host = host or node_address()
         log_path = Path(log_path or f"{name}.log")
-        for attempt in range(_PORT_ATTEMPTS):
+        for attempt in range(PORT_ATTEMPTS):
             port = free_port("" if launcher else host)  # another node's address is not ours to bind
             offset = log_path.stat().st_size if log_path.exists() else 0
             try:
@@ -213,7 +210,7 @@ class VLLMEngine(WeightTransfer):
             except EngineError:
                 # The port was free when picked and taken before the server bound it (another
                 # process on the node, e.g. a second server starting): pick another one.
-                if attempt + 1 == _PORT_ATTEMPTS or not lost_port_race(log_path, offset):
+                if attempt + 1 == PORT_ATTEMPTS or not lost_port_race(log_path, offset):
                     raise
         # What restart() launches again (the log file is appended to: both lives stay readable).
         engine._relaunch = dict(model_path=model_path, name=name, log_path=log_path, host=host, device=device,
