@@ -209,7 +209,7 @@ def test_a_shutdown_during_a_relaunch_ends_it_and_stops_the_fresh_server(tmp_pat
 def test_a_server_whose_port_was_taken_before_it_bound_is_started_again_on_another(tmp_path, monkeypatch):
     """free_port's port can be bound by another process before vLLM binds it (CI 2026-12-02: a fleet
     restart died with 'OSError: [Errno 98] Address already in use'): launch picks another port, at
-    most _PORT_ATTEMPTS times; any other failure of a start is raised at once."""
+    most PORT_ATTEMPTS times; any other failure of a start is raised at once."""
     import megatron_dapo.rollout.vllm.engine as mod
 
     log = tmp_path / "vllm0.log"

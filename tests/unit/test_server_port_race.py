@@ -86,6 +86,8 @@ def test_a_picked_port_taken_before_the_bind_is_picked_again(tmp_path, monkeypat
         assert log.count("address already in use") == 1 and f"serving on {port}" in log
         # restart() launches what was announced: the port it serves on, not the taken one.
         assert engine._relaunch["config"].port == port
+        # The dead server's key file went with it; the live one's stays until its stop.
+        assert len(list(tmp_path.glob("sglang0.secret*.yaml"))) == 1
     finally:
         engine.shutdown()
 

@@ -210,7 +210,10 @@ class ServerLife:
         """Poll /health_generate until it answers, the process dies, or timeout_s passes.
 
         A refused connection is the server still loading: the probe does not wait for an
-        exit then (it waited 10 s per probe, measured 5-10 s of every start on 2 cores).
+        exit then (it waited 10 s per probe, measured 5-10 s of every start on 2 cores). A
+        server that died because a port it was given was taken is launched again on new ports
+        (:meth:`_respawn_on_fresh_ports`), up to PORT_ATTEMPTS launches, each waited for up to
+        timeout_s (SGLang binds its HTTP port after the model loads).
 
         Raises:
             EngineError: the server died (log tail included) or did not come up in time.
@@ -241,10 +244,12 @@ class ServerLife:
             return False
         config = self._relaunch["config"]
         config = resolve_server_config(dataclasses.replace(
-            config, port=0 if picked[0] else config.port, nccl_port=0 if picked[1] else config.nccl_port),
-            self.name)
+            config, port=0, nccl_port=0 if picked[1] else config.nccl_port), self.name)
         logger.warning("SGLang engine %s: port %s was taken before the server bound it; launching again on %s",
                        self.name, self.base_url.rsplit(":", 1)[-1], config.port)
+        # The dead server's reaper, shared memory and key file go now: the probe that found it dead
+        # did so, unless the wait timed out first (it died in the last poll).
+        self.process.stop(timeout_s=STOP_GRACE_S)
         self.process = _spawn(config, self.name)
         self.base_url = f"http://{config.host}:{config.port}"
         self._relaunch["config"] = config
