@@ -17,7 +17,7 @@ import sys
 import pytest
 
 import megatron_dapo.rollout.sglang.server as sglang_server
-from megatron_dapo.launcher import free_port
+from megatron_dapo.launcher import free_ports
 from megatron_dapo.rollout.engine import EngineError
 from megatron_dapo.rollout.server_process import lost_port_race
 from megatron_dapo.rollout.sglang.engine import SGLangEngine
@@ -64,14 +64,17 @@ def _config(tmp_path, **kw) -> SGLangServerConfig:
 
 
 def _first_pick_is(monkeypatch, port: int) -> list[int]:
-    """free_port's first answer is ``port`` (taken by then), later ones real free ports."""
+    """The first port picked is ``port`` (taken by then), every later one a real free port."""
     picks: list[int] = []
 
-    def pick(host: str = "") -> int:
-        picks.append(port if not picks else free_port(host))
-        return picks[-1]
+    def pick(host: str, count: int) -> list[int]:
+        ports = free_ports(host, count)
+        if not picks:
+            ports[0] = port
+        picks.extend(ports)
+        return ports
 
-    monkeypatch.setattr(sglang_server, "free_port", pick)
+    monkeypatch.setattr(sglang_server, "free_ports", pick)
     return picks
 
 

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_dapo.launcher import free_port
+from megatron_dapo.launcher import free_ports
 from megatron_dapo.rollout.fleet.cores import server_cores
 from megatron_dapo.rollout.server_process import node_address
 from megatron_dapo.rollout.sglang.adapters import lora_launch_args
@@ -282,6 +282,8 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
     # A server on another node (launcher) binds an address this node does not have: its ports are
     # ones free here (rollout/fleet/nodes.py says why that serves).
     port_host = "" if config.launcher else host
+    # Distinct ports, held open together while picked (two free_port calls can return one port).
+    picked = free_ports(port_host, (not config.port) + (not config.nccl_port))
     python = config.python or sglang_python()
     if python is None:
         from megatron_dapo.errors import UserError
@@ -293,8 +295,8 @@ def resolve_server_config(config: SGLangServerConfig, name: str) -> SGLangServer
         base_gpu_id=config.base_gpu_id,
         mem_fraction_static=config.mem_fraction_static,
         host=host,
-        port=config.port or free_port(port_host),
-        nccl_port=config.nccl_port or free_port(port_host),
+        port=config.port or picked.pop(0),
+        nccl_port=config.nccl_port or picked.pop(0),
         api_key=config.api_key or secrets.token_hex(24),
         dtype=config.dtype,
         random_seed=config.random_seed,
