@@ -122,12 +122,12 @@ def _train(run: Run, producer: RolloutProducer | None, preemption: PreemptionFla
             with timer("collect"):  # steps 1-4; split into timing_s/gen and timing_s/reward below
                 groups, collect_metrics = collect(run, step)
             metrics.update(collect_metrics)
-        if dims.is_controller:
-            metrics.update(run.rollout_throughput())
-            if should_dump(step, cfg.logging.rollout_dump_freq):
-                dump_rollouts(run.output_dir / ROLLOUTS_FILENAME, step, groups, run.tokenizer)
+        if dims.is_controller and should_dump(step, cfg.logging.rollout_dump_freq):
+            dump_rollouts(run.output_dir / ROLLOUTS_FILENAME, step, groups, run.tokenizer)
         shards, update_metrics = update_policy(run, groups, timer, version=step)
         metrics.update(update_metrics)
+        if dims.is_controller:  # after the sync: a restart its start made is this step's too
+            metrics.update(run.rollout_throughput())
         if producer is not None:
             producer.weights_synced(step)
         if cfg.trainer.test_freq > 0 and (step % cfg.trainer.test_freq == 0 or step == cfg.trainer.total_training_steps):

@@ -120,7 +120,9 @@ class RolloutController:
         # What a restarted engine loads, and the sync a restart waits for (kept_weights.py).
         self._kept = KeptWeights(keep=max_restarts > 0 and any(can_restart(e) for e in self.engines))
         self._restart_lock = threading.Lock()
-        self._failed: set[int] = set()  # engines whose update failed: restarted before their next use
+        self._failed: set[int] = set()  # engines whose update failed: restarted before their next use or sync
+        # Each engine's restarts so far: a restart asked for a life another thread has replaced meanwhile is dropped.
+        self._lives = [0] * len(self.engines)
         # The session's abort (abort() until the next session starts): a driven item's next request
         # sees it even on an engine whose generate() starts unaborted (the local engines).
         self._session_aborted = threading.Event()
@@ -140,7 +142,7 @@ class RolloutController:
     def update_weights(self, bucket: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Step 7 for every engine at once; the bucket is also kept for restarts (sync_weights calls this)."""
         with self._kept.lock:
-            self._kept.begin()
+            self.begin_weight_update()
             self._kept.add(bucket)
             if self._transport is not None:
                 self._fleet_call(lambda: self._transport.update_weights(bucket))  # type: ignore[union-attr]
@@ -159,6 +161,18 @@ class RolloutController:
         """Whether the last sync's weights are kept on the host for a restarted engine."""
         return self._kept.keep
 
+    def begin_weight_update(self) -> None:
+        """A piece of a sync arrives. At a sync's first piece, the engines an earlier failed sync marked
+        and no generation has restarted since are restarted first (with the kept weights): while one
+        is marked a fleet's sync sends nothing (``_fleet_call``), so its live members would go on
+        serving older weights, labelled so, past the staleness bound once the producer runs ahead
+        (seen 2026-12-04: a kill in a vLLM fleet's broadcast while a stream ran; the stream restarted
+        the killed server only, and the next sync skipped the fleet)."""
+        with self._kept.lock:
+            if not self._kept.syncing:
+                self._restart_marked()
+            self._kept.begin()
+
     @property
     def sync_failed(self) -> bool:
         """A broadcast failed: every engine is restarted before its next use, this sync sends no more."""
@@ -172,7 +186,7 @@ class RolloutController:
         """Form the fleet's groups with every server; False when that failed (the failure is handled
         as a failed broadcast's: every engine restarted before its next use, or raised)."""
         with self._kept.lock:
-            self._kept.begin()
+            self.begin_weight_update()
             self._fleet_call(self._transport.form)  # type: ignore[union-attr]
             return not self._failed
 
@@ -180,7 +194,7 @@ class RolloutController:
         """Every server and the controller receive pipeline stage ``stage``'s bucket from its first rank;
         the controller keeps it for restarts. False when the broadcast failed (nothing kept)."""
         with self._kept.lock:
-            self._kept.begin()
+            self.begin_weight_update()
             received: list[list[tuple[str, torch.Tensor]]] = []
             self._fleet_call(lambda: received.append(self._transport.receive_stage(stage, header)))  # type: ignore[union-attr]
             if received:  # the controller's own buffer (on its GPU for a GPU fleet)
@@ -205,7 +219,7 @@ class RolloutController:
         """An adapter-only sync (rollout.lora_sync=adapter): every engine serves the PEFT adapter in
         ``directory`` from now on; kept for an engine restarted later (on the base it starts from)."""
         with self._kept.lock:
-            self._kept.begin()
+            self.begin_weight_update()
             self._each_engine(lambda engine: engine.load_adapter(directory, version))  # type: ignore[attr-defined]
             self._kept.adapter = (directory, version)
             self._kept.finish(version)
@@ -252,12 +266,18 @@ class RolloutController:
     def _can_restart(self, engine: RolloutEngine) -> bool:
         return can_restart(engine) and self.max_restarts > 0
 
-    def _restart(self, index: int, err: BaseException) -> None:
-        """Replace engine `index` by a fresh one holding the current weights, or raise the final error."""
+    def _restart(self, index: int, err: BaseException, *, life: int) -> None:
+        """Replace engine `index` by a fresh one holding the current weights, or raise the final error.
+
+        ``life``: the engine's restart count when the caller met `err` (``_lives``). Another thread
+        may have replaced that life since (a stream's thread and a sync's start both restart a
+        marked engine): then nothing is done, and the caller goes on with the fresh one."""
         engine = self.engines[index]
         log = getattr(engine, "log_path", None)
         where = f"; its log: {log}" if log else ""
         with self._restart_lock:
+            if self._lives[index] != life:
+                return
             self._refuse_when_closing(engine, err)
             if not self._can_restart(engine) or self.num_restarts >= self.max_restarts:
                 raise EngineRestartsExhausted(
@@ -270,10 +290,11 @@ class RolloutController:
                            err, self.num_restarts, self.max_restarts, where)
         with self._kept.lock:
             self._kept.wait_for_sync(self._closing)  # never inside a sync (kept_weights.py says why)
-            if self._closing.is_set():  # shut down while this restart waited: it never began, nor counts
+            if self._closing.is_set() or self._lives[index] != life:  # shut down or replaced while this waited
                 with self._restart_lock:
                     self.num_restarts -= 1
                 self._refuse_when_closing(engine, err)
+                return
             engine.restart()  # type: ignore[attr-defined]
             if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
                 with contextlib.suppress(Exception):
@@ -289,6 +310,7 @@ class RolloutController:
                 engine.finish_weight_update(version=self._kept.version)
             if self._kept.adapter is not None:  # its base is the checkpoint it starts from
                 engine.load_adapter(*self._kept.adapter)  # type: ignore[attr-defined]
+            self._lives[index] += 1
             self._failed.discard(index)
 
     def _refuse_when_closing(self, engine: RolloutEngine, err: BaseException) -> None:
@@ -298,7 +320,10 @@ class RolloutController:
 
     def _restart_marked(self) -> None:
         for index in sorted(self._failed):
-            self._restart(index, EngineError(f"engine {self.engines[index].name}: its weight update failed"))
+            life = self._lives[index]
+            if index in self._failed:  # not restarted by another thread meanwhile
+                self._restart(index, EngineError(f"engine {self.engines[index].name}: its weight update failed"),
+                              life=life)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[GenerationResult]:
         """Generate ``params.n`` responses per prompt on all engines concurrently.
@@ -348,12 +373,13 @@ class RolloutController:
                              offset: int) -> tuple[list[GenerationResult], float]:
         """One engine's slice; a restartable engine that dies is replaced and asked again (same seeds)."""
         while True:
+            life = self._lives[index]
             try:
                 return _timed_generate(self.engines[index], prompts, params, offset)
             except EngineError as err:
                 if not can_restart(self.engines[index]):
                     raise
-                self._restart(index, err)
+                self._restart(index, err, life=life)
 
     def stream(
         self, feed: PromptFeed, params: SamplingParams, on_group: GroupCallback, *, max_inflight: int,
@@ -396,7 +422,7 @@ class RolloutController:
 
         def run(index: int) -> list[GenerationResult]:
             while True:
-                engine = self.engines[index]
+                engine, life = self.engines[index], self._lives[index]
                 if not can_restart(engine):
                     return run_once(engine, feed, serialised)
                 # What this engine took and has not handed back: sent again if it dies.
@@ -412,7 +438,7 @@ class RolloutController:
                     # Its prompts go to the other engines while it restarts (a minute for a server):
                     # held until then, they kept the feed's gate shut and the fleet idle.
                     feed.requeue(tracked.in_flight())
-                    self._restart(index, err)
+                    self._restart(index, err, life=life)
 
         self._restart_marked()
         self._clear_aborts()

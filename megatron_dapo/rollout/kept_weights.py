@@ -48,6 +48,11 @@ class KeptWeights:
         self._syncing = False
         self._sync_done = threading.Condition(self.lock)
 
+    @property
+    def syncing(self) -> bool:
+        """Whether a sync is in progress (its first piece arrived, its finish not yet)."""
+        return self._syncing
+
     def begin(self) -> None:
         """A piece of a sync arrives (call under the lock): a restart waits until its finish."""
         self._syncing = True

@@ -38,6 +38,9 @@ class _Fleet:
         self.kept: list[tuple[str, torch.Tensor]] = []
         self.broadcasts = 0
 
+    def begin_weight_update(self) -> None:  # restarts what an earlier failed sync marked: none here
+        pass
+
     @property
     def sync_failed(self) -> bool:
         return self.failed

@@ -249,6 +249,50 @@ def test_a_failed_fleet_broadcast_restarts_every_member_with_the_whole_sync(new_
             stopped.update_weights(bucket)
 
 
+class _FailsOnce(_Broadcast):
+    """A fleet transport whose first sync fails at its second bucket; every later one goes through."""
+
+    def __init__(self):
+        super().__init__()
+        self.failed = False
+
+    def update_weights(self, bucket):
+        if len(self.sent) == 1 and not self.failed:
+            self.failed = True
+            raise FleetSyncError("weight broadcast to the fleet failed at the broadcast: fake1 died", ["fake1"])
+        self.sent.append(bucket)
+
+
+def test_a_sync_after_a_failed_one_restarts_the_members_no_stream_restarted_and_reaches_them_all(new_weights):
+    """Seen in CI 2026-12-04 (a vLLM fleet, a kill in the broadcast while a stream ran): the stream's
+    threads restarted only the member they met dead; the other stayed marked, and the next sync,
+    seeing a marked member, sent nothing to the fleet: the restarted member kept serving the older
+    version, past the staleness bound once the producer ran ahead. A sync's first piece now
+    restarts the marked members first, and the sync reaches every member. A restart asked for a
+    life already replaced (the stream's, after the sync's start restarted it) does nothing."""
+    members = [_Member("fake0"), _Member("fake1")]
+    transport = _FailsOnce()
+    controller = RolloutController(members, max_restarts=4, transport=transport)
+    first = [new_weights[:1], new_weights[1:2], new_weights[2:]]
+    for bucket in first:
+        controller.update_weights(bucket)
+    controller.finish_weight_update(version=7)
+    assert controller.sync_failed and transport.finished == []
+    controller._restart(1, EngineError("fake1 died"), life=0)  # the stream's thread met fake1 dead
+    assert [m.restarts for m in members] == [0, 1] and controller.sync_failed  # fake0 still marked
+    second = [new_weights[:2], new_weights[2:]]
+    for bucket in second:
+        controller.update_weights(bucket)
+    controller.finish_weight_update(version=8)
+    assert [m.restarts for m in members] == [1, 1] and not controller.sync_failed
+    names = [[n for n, _ in b] for b in first]
+    assert sorted(transport.reloaded) == [(0, names, 7), (1, names, 7)]  # each loaded the kept version 7
+    assert [[n for n, _ in b] for b in transport.sent[1:]] == [[n for n, _ in b] for b in second]
+    assert transport.finished == [8]  # version 8 reached the whole fleet
+    controller._restart(0, EngineError("fake0: its weight update failed"), life=0)  # a stale ask
+    assert [m.restarts for m in members] == [1, 1] and controller.num_restarts == 2
+
+
 class _Server:
     """A fake server engine: one request per prompt; with `dies`, its first request fails (the
     prompt is recorded in `lost`) and it stays dead until restarted."""
@@ -465,7 +509,8 @@ def test_a_restart_during_a_sync_waits_for_it_and_loads_the_new_version(new_weig
                                kwargs=dict(is_controller=True, bucket_bytes=1, version=2), daemon=True)
     syncing.start()
     assert exported.wait(timeout=30)
-    restarting = threading.Thread(target=controller._restart, args=(0, EngineError("srv0 died")), daemon=True)
+    restarting = threading.Thread(target=controller._restart, args=(0, EngineError("srv0 died")),
+                                  kwargs=dict(life=0), daemon=True)
     restarting.start()
     restarting.join(timeout=0.5)
     assert restarting.is_alive(), "the restart did not wait for the sync in progress"

@@ -73,6 +73,8 @@ class StageFleet(Protocol):
     weights_lock: Any
     keeps_weights: bool
 
+    def begin_weight_update(self) -> None: ...
+
     @property
     def sync_failed(self) -> bool: ...
 
@@ -201,6 +203,7 @@ def _controller(named_tensors: Iterable[tuple[str, torch.Tensor]], fleet: StageF
     num_bytes = num_tensors = num_buckets = 0
     # A restart waits for the whole sync: the groups' members must not change between the turns.
     with fleet.weights_lock:
+        fleet.begin_weight_update()  # engines an earlier failed sync marked are restarted first
         plans = None if fleet.sync_failed else fleet.prepare_stage_groups(len(source_ranks))
         dist.broadcast_object_list([plans], src=source_ranks[0], group=group)
         if plans is not None:
