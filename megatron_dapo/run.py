@@ -154,6 +154,13 @@ class Run:
             stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes, version=version)
             release_cached_memory(self.dims.device)
             return stats
+        # Engines a failed sync left marked restart first, while the other ranks wait here in gloo:
+        # in the export they would wait in its collectives, whose deadline is short
+        # (trainer.collective_timeout_minutes). The sync then reaches every engine (controller.py).
+        if self.rollout is not None:
+            self.rollout.restart_failed_engines()
+        if self.dims.world_size > 1:
+            dist.barrier(group=self.control.world)
         if broadcasts_weights(self.cfg) and self.dims.pp > 1 and self.cfg.rollout.fleet_stage_groups:
             # A fleet under PP: each stage's first rank broadcasts its own stage's tensors to the
             # servers in a group of its own, in turns the controller sets (fleet/stages.py).

@@ -121,8 +121,11 @@ class RolloutController:
         self._kept = KeptWeights(keep=max_restarts > 0 and any(can_restart(e) for e in self.engines))
         self._restart_lock = threading.Lock()
         self._failed: set[int] = set()  # engines whose update failed: restarted before their next use or sync
-        # Each engine's restarts so far: a restart asked for a life another thread has replaced meanwhile is dropped.
+        # Each engine's restarts so far, and the life each restart under way replaces: one death is one
+        # restart, whichever threads meet it (a stream's, a sync's start); the others wait for it.
         self._lives = [0] * len(self.engines)
+        self._pending: dict[int, int] = {}
+        self._restarted = threading.Condition(self._restart_lock)
         # The session's abort (abort() until the next session starts): a driven item's next request
         # sees it even on an engine whose generate() starts unaborted (the local engines).
         self._session_aborted = threading.Event()
@@ -170,7 +173,7 @@ class RolloutController:
         the killed server only, and the next sync skipped the fleet)."""
         with self._kept.lock:
             if not self._kept.syncing:
-                self._restart_marked()
+                self.restart_failed_engines()
             self._kept.begin()
 
     @property
@@ -269,13 +272,16 @@ class RolloutController:
     def _restart(self, index: int, err: BaseException, *, life: int) -> None:
         """Replace engine `index` by a fresh one holding the current weights, or raise the final error.
 
-        ``life``: the engine's restart count when the caller met `err` (``_lives``). Another thread
-        may have replaced that life since (a stream's thread and a sync's start both restart a
-        marked engine): then nothing is done, and the caller goes on with the fresh one."""
+        ``life``: the engine's restart count when the caller met `err` (``_lives``). One caller per
+        life restarts it and spends the budget; another that meets the same death (a stream's
+        thread, a sync's start) waits for that restart and returns, and its caller goes on with the
+        fresh engine. A life already replaced returns at once."""
         engine = self.engines[index]
         log = getattr(engine, "log_path", None)
         where = f"; its log: {log}" if log else ""
         with self._restart_lock:
+            while self._pending.get(index) == life and not self._closing.is_set():
+                self._restarted.wait(timeout=1.0)
             if self._lives[index] != life:
                 return
             self._refuse_when_closing(engine, err)
@@ -286,15 +292,25 @@ class RolloutController:
                     "command to resume from the last checkpoint, and look at the engine's log for why it died"
                 ) from err
             self.num_restarts += 1
+            self._pending[index] = life
             logger.warning("engine %s failed (%s): restarting it in place, restart %d of at most %d%s", engine.name,
                            err, self.num_restarts, self.max_restarts, where)
+        try:
+            self._replace(index, err)
+        finally:
+            with self._restart_lock:
+                del self._pending[index]
+                self._restarted.notify_all()
+
+    def _replace(self, index: int, err: BaseException) -> None:
+        """The restart itself (``_restart``'s one caller per life)."""
+        engine = self.engines[index]
         with self._kept.lock:
             self._kept.wait_for_sync(self._closing)  # never inside a sync (kept_weights.py says why)
-            if self._closing.is_set() or self._lives[index] != life:  # shut down or replaced while this waited
+            if self._closing.is_set():  # shut down while this restart waited: it never began, nor counts
                 with self._restart_lock:
                     self.num_restarts -= 1
                 self._refuse_when_closing(engine, err)
-                return
             engine.restart()  # type: ignore[attr-defined]
             if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
                 with contextlib.suppress(Exception):
@@ -310,18 +326,25 @@ class RolloutController:
                 engine.finish_weight_update(version=self._kept.version)
             if self._kept.adapter is not None:  # its base is the checkpoint it starts from
                 engine.load_adapter(*self._kept.adapter)  # type: ignore[attr-defined]
-            self._lives[index] += 1
-            self._failed.discard(index)
+            with self._restart_lock:  # together: restart_failed_engines reads both under this lock
+                self._failed.discard(index)
+                self._lives[index] += 1
 
     def _refuse_when_closing(self, engine: RolloutEngine, err: BaseException) -> None:
         if self._closing.is_set():
             raise EngineError(f"engine {engine.name} failed ({err}) while the rollout was being shut down; "
                               "not restarted") from err
 
-    def _restart_marked(self) -> None:
+    def restart_failed_engines(self) -> None:
+        """Restart now every engine a failed sync left marked (with the kept weights), one after another.
+
+        The trainer calls it on the controller before a sync's export, while the other ranks wait
+        in a gloo group (run.py): a restart inside the export would hold them in its collectives,
+        whose deadline is short (trainer.collective_timeout_minutes)."""
         for index in sorted(self._failed):
-            life = self._lives[index]
-            if index in self._failed:  # not restarted by another thread meanwhile
+            with self._restart_lock:
+                marked, life = index in self._failed, self._lives[index]
+            if marked:  # not restarted by another thread meanwhile
                 self._restart(index, EngineError(f"engine {self.engines[index].name}: its weight update failed"),
                               life=life)
 
@@ -336,7 +359,7 @@ class RolloutController:
             ``len(prompts) * n`` results, prompt-major, with global prompt indices 0..len-1.
             ``last_throughput`` then holds one entry per engine.
         """
-        self._restart_marked()
+        self.restart_failed_engines()
         self._clear_aborts()
         bounds = _split(len(prompts), len(self.engines))
         futures = [
@@ -440,7 +463,7 @@ class RolloutController:
                     feed.requeue(tracked.in_flight())
                     self._restart(index, err, life=life)
 
-        self._restart_marked()
+        self.restart_failed_engines()
         self._clear_aborts()
         self._streaming_feed = feed
         futures = [self._pool.submit(run, i) for i in range(len(self.engines))]

@@ -238,7 +238,7 @@ def test_a_failed_fleet_broadcast_restarts_every_member_with_the_whole_sync(new_
     assert len(transport.sent) == 1 and transport.finished == []  # the rest of the sync was not sent
     # Stopped at once (paused mid-update, a running stream's requests to them would wait an hour).
     assert [m.stopped for m in members] == [1, 1] and [m.restarts for m in members] == [0, 0]
-    controller._restart_marked()
+    controller.restart_failed_engines()
     assert [m.restarts for m in members] == [1, 1] and sorted(transport.replaced) == [0, 1]
     names = [[n for n, _ in b] for b in buckets]
     assert sorted(transport.reloaded) == [(0, names, 7), (1, names, 7)]
@@ -291,6 +291,59 @@ def test_a_sync_after_a_failed_one_restarts_the_members_no_stream_restarted_and_
     assert transport.finished == [8]  # version 8 reached the whole fleet
     controller._restart(0, EngineError("fake0: its weight update failed"), life=0)  # a stale ask
     assert [m.restarts for m in members] == [1, 1] and controller.num_restarts == 2
+
+
+class _Slow(_Member):
+    """A member whose restart waits for `go` (a relaunch takes a minute)."""
+
+    def __init__(self, name, go):
+        super().__init__(name)
+        self.go, self.restarting = go, threading.Event()
+
+    def restart(self):
+        self.restarting.set()
+        assert self.go.wait(timeout=30)
+        super().restart()
+
+
+def test_a_death_met_by_a_stream_and_a_syncs_start_is_one_restart_and_spends_the_budget_once(new_weights):
+    """Review of the fix above: the stream's thread and the sync's start both restart a marked
+    member. Each took a unit of the budget before either restart ended, so with
+    max_restarts=2 and two deaths the second taker raised EngineRestartsExhausted although two
+    restarts were all that happened. One caller per life restarts now; the other waits for it."""
+    from megatron_dapo.rollout.engine import EngineRestartsExhausted
+
+    go = [threading.Event(), threading.Event()]
+    members = [_Slow("fake0", go[0]), _Slow("fake1", go[1])]
+    controller = RolloutController(members, max_restarts=2, transport=_FailsOnce())
+    for bucket in [new_weights[:1], new_weights[1:2]]:
+        controller.update_weights(bucket)
+    controller.finish_weight_update(version=7)
+    assert controller.sync_failed
+    errors: list[BaseException] = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            errors.append(err)
+
+    sync_start = threading.Thread(target=run, args=(controller.restart_failed_engines,), daemon=True)
+    sync_start.start()
+    assert members[0].restarting.wait(timeout=30)  # the sync's start is restarting fake0
+    stream = threading.Thread(target=run, args=(lambda: controller._restart(1, EngineError("fake1 died"), life=0),),
+                              daemon=True)
+    stream.start()  # the stream's thread met fake1 dead meanwhile
+    time.sleep(0.3)
+    go[0].set()
+    time.sleep(0.3)  # the sync's start reaches fake1 while the stream's restart of it is under way
+    go[1].set()
+    sync_start.join(timeout=30)
+    stream.join(timeout=30)
+    assert not sync_start.is_alive() and not stream.is_alive()
+    assert not [e for e in errors if isinstance(e, EngineRestartsExhausted)], errors
+    assert not errors, errors
+    assert [m.restarts for m in members] == [1, 1] and controller.num_restarts == 2 and not controller.sync_failed
 
 
 class _Server:
