@@ -325,7 +325,7 @@ def test_a_death_met_by_a_stream_and_a_syncs_start_is_one_restart_and_spends_the
     def run(fn):
         try:
             fn()
-        except BaseException as err:  # noqa: BLE001 - the test reads it
+        except BaseException as err:  # the test reads it
             errors.append(err)
 
     sync_start = threading.Thread(target=run, args=(controller.restart_failed_engines,), daemon=True)
