@@ -48,6 +48,9 @@ _LOG_TAIL_LINES = 40
 PORT_ATTEMPTS = 3
 """Launches of one server whose port another process took between free_port and the bind."""
 
+KILLED_EXIT_S = 60.0
+"""How long ServerProcess.stop waits for a SIGKILLed server to be gone (its teardown, not a choice of its)."""
+
 HOST_ENV = "MEGATRON_DAPO_ENGINE_HOST"
 """Environment override of the address engines bind to and advertise (rollout.host wins)."""
 
@@ -319,7 +322,12 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self._popen.pid, 9)
-                self._popen.wait(timeout=timeout_s)
+                # SIGKILL is not refused; only the kernel's teardown of a large process takes time.
+                # Waited for the grace alone, a loaded CPU's teardown outlasted it (seen 2026-12-04,
+                # a fleet's SGLang servers under six runs on two cores): the wait raised out of stop
+                # and the key files and /dev/shm leftovers stayed behind.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self._popen.wait(timeout=max(timeout_s, KILLED_EXIT_S))
             except ProcessLookupError:
                 pass
             # The leader's exit does not end its group: a child it left is ended here, not orphaned.

@@ -263,8 +263,6 @@ class ServerLife:
             self.process.stop(timeout_s=STOP_GRACE_S)
 
 
-
-
 def _spawn(config: SGLangServerConfig, name: str) -> ServerProcess:
     """The server process of a resolved config, its key in a file of its own."""
     # The launcher's variables are scrubbed: under torchrun the server would otherwise join
