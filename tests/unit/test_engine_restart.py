@@ -223,18 +223,25 @@ class _Broadcast:
         pass
 
 
+def _after_a_failed_sync(transport, new_weights, members=None, max_restarts=4):
+    """Members (two by default) and their controller, whose sync of version 7 failed at its second
+    bucket (the transport's doing): every member marked and stopped, nothing restarted yet."""
+    members = members or [_Member("fake0"), _Member("fake1")]
+    controller = RolloutController(members, max_restarts=max_restarts, transport=transport)
+    buckets = [new_weights[:1], new_weights[1:2], new_weights[2:]]
+    for bucket in buckets:
+        controller.update_weights(bucket)
+    controller.finish_weight_update(version=7)
+    return members, controller, buckets
+
+
 def test_a_failed_fleet_broadcast_restarts_every_member_with_the_whole_sync(new_weights):
     """Issue 41: after a broken broadcast every member's weights are partly updated, so each is
     restarted (and rejoins: engine_replaced) and loads the kept weights, this sync's included, the
     fleet's way (reload: by broadcast to it alone, never through a member's own update_weights);
     without restarts the one line is raised."""
-    members = [_Member("fake0"), _Member("fake1")]
     transport = _Broadcast()
-    controller = RolloutController(members, max_restarts=4, transport=transport)
-    buckets = [new_weights[:1], new_weights[1:2], new_weights[2:]]
-    for bucket in buckets:
-        controller.update_weights(bucket)
-    controller.finish_weight_update(version=7)
+    members, controller, buckets = _after_a_failed_sync(transport, new_weights)
     assert len(transport.sent) == 1 and transport.finished == []  # the rest of the sync was not sent
     # Stopped at once (paused mid-update, a running stream's requests to them would wait an hour).
     assert [m.stopped for m in members] == [1, 1] and [m.restarts for m in members] == [0, 0]
@@ -270,13 +277,8 @@ def test_a_sync_after_a_failed_one_restarts_the_members_no_stream_restarted_and_
     version, past the staleness bound once the producer ran ahead. A sync's first piece now
     restarts the marked members first, and the sync reaches every member. A restart asked for a
     life already replaced (the stream's, after the sync's start restarted it) does nothing."""
-    members = [_Member("fake0"), _Member("fake1")]
     transport = _FailsOnce()
-    controller = RolloutController(members, max_restarts=4, transport=transport)
-    first = [new_weights[:1], new_weights[1:2], new_weights[2:]]
-    for bucket in first:
-        controller.update_weights(bucket)
-    controller.finish_weight_update(version=7)
+    members, controller, first = _after_a_failed_sync(transport, new_weights)
     assert controller.sync_failed and transport.finished == []
     controller._restart(1, EngineError("fake1 died"), life=0)  # the stream's thread met fake1 dead
     assert [m.restarts for m in members] == [0, 1] and controller.sync_failed  # fake0 still marked
@@ -314,11 +316,8 @@ def test_a_death_met_by_a_stream_and_a_syncs_start_is_one_restart_and_spends_the
     from megatron_dapo.rollout.engine import EngineRestartsExhausted
 
     go = [threading.Event(), threading.Event()]
-    members = [_Slow("fake0", go[0]), _Slow("fake1", go[1])]
-    controller = RolloutController(members, max_restarts=2, transport=_FailsOnce())
-    for bucket in [new_weights[:1], new_weights[1:2]]:
-        controller.update_weights(bucket)
-    controller.finish_weight_update(version=7)
+    members, controller, _ = _after_a_failed_sync(_FailsOnce(), new_weights,
+                                                  [_Slow("fake0", go[0]), _Slow("fake1", go[1])], max_restarts=2)
     assert controller.sync_failed
     errors: list[BaseException] = []
 
