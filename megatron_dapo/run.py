@@ -156,7 +156,7 @@ class Run:
             return stats
         # Engines a failed sync left marked restart first, while the other ranks wait here in gloo:
         # in the export they would wait in its collectives, whose deadline is short
-        # (trainer.collective_timeout_minutes). The sync then reaches every engine (controller.py).
+        # (trainer.collective_timeout_minutes). The sync then reaches every engine (controller_sync.py).
         if self.rollout is not None:
             self.rollout.restart_failed_engines()
         if self.dims.world_size > 1:

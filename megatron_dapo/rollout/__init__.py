@@ -3,6 +3,7 @@
 The shared core, here:
 engine.py         the RolloutEngine protocol, SamplingParams, GenerationResult, EngineError
 controller.py     spreads prompts over engines, reassembles results in prompt order
+controller_sync.py its weight updates, failures and restarts (one restart per death)
 streaming.py      the prompt feed and per-prompt streaming of servers (dynamic sampling)
 weight_sync.py    streams the trainer's HF-named tensors to the engines in bounded buckets
 flat_bucket.py    one flat buffer per dtype per bucket (SGLang's format; the local process engine's)

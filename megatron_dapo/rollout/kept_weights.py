@@ -1,6 +1,6 @@
 """The weights a restarted engine is loaded with, and the sync that is still bringing the next ones.
 
-The RolloutController (controller.py) replaces a dead or hung engine in place and loads it with
+The RolloutController (controller_sync.py) replaces a dead or hung engine in place and loads it with
 the weights of the last finished sync, with their version. It keeps them here, on the host: one
 copy of the HF tensors, only when a restart is possible (``keep``). A sync arrives in pieces (a
 bucket per call, a finish at the end, each call on its own, some from the sync's pool threads);

@@ -23,7 +23,7 @@ engine serves it on the base it started from. Read in sglang 0.5.3, 0.5.18 and 0
 
 So each version is a new name, ``policy-v<version>``, loaded and then the previous one unloaded.
 A restarted server holds the base only: the controller loads the kept adapter into it again
-(controller.py); whoever relaunched it, a load of the name the client holds is sent again, and
+(controller_sync.py); whoever relaunched it, a load of the name the client holds is sent again, and
 an unload the fresh server answers "does not exist" is what it should be.
 """
 
