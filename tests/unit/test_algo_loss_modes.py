@@ -277,3 +277,23 @@ def test_design_md_table_states_each_modes_defaults_and_metrics():
         assert [f"{float(v):g}" if v != "-" else v for v in (low, high)] == as_doc, name
         assert agg == spec.agg_modes[0], name
         assert [m.strip() for m in metrics.split(",")] == list(POLICY_LOSS_MODES[name].metrics), name
+
+
+def test_the_guides_objectives_page_states_each_modes_aggregations_and_clip():
+    """docs/guide/objectives.md quotes each mode's allowed aggregations (the default first) and
+    clip defaults: held to the config's LOSS_MODE_SPECS, as the DESIGN.md table is."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "guide" / "objectives.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].strip("`") in POLICY_LOSS_MODES:
+            rows[cells[0].strip("`")] = cells
+    assert list(rows) == list(POLICY_LOSS_MODES)
+    for name, (_, _, aggs, clip, _) in rows.items():
+        spec = LOSS_MODE_SPECS[name]
+        assert [a.strip().strip("`") for a in aggs.split(",")] == list(spec.agg_modes), name
+        low, high = (c.strip() for c in clip.split("/"))
+        as_doc = [f"{v:g}" if v is not None else "-" for v in (spec.clip_ratio_low, spec.clip_ratio_high)]
+        assert [f"{float(v):g}" if v != "-" else v for v in (low, high)] == as_doc, name
