@@ -141,6 +141,13 @@ class Run:
             version: the step whose update made these weights (the start or resume step at first).
         """
         bucket_bytes = self.cfg.rollout.update_weights_bucket_megabytes << 20
+        # Engines a failed sync left marked restart first, while the other ranks wait here in gloo:
+        # in the sync they would wait in its collectives, whose deadline is short
+        # (trainer.collective_timeout_minutes). The sync then reaches every engine (controller_sync.py).
+        if self.rollout is not None:
+            self.rollout.restart_failed_engines()
+        if self.dims.world_size > 1:
+            dist.barrier(group=self.control.world)
         if self.cfg.rollout.lora_sync == "adapter":  # the adapters alone, as a PEFT directory (lora/sync.py)
             if self._adapter_sync is None:
                 self._adapter_sync = AdapterSync(self.output_dir, self.hf_dir, self.adapter.hf,
@@ -154,13 +161,6 @@ class Run:
             stats = self.colocated.sync_weights(export, bucket_bytes=bucket_bytes, version=version)
             release_cached_memory(self.dims.device)
             return stats
-        # Engines a failed sync left marked restart first, while the other ranks wait here in gloo:
-        # in the export they would wait in its collectives, whose deadline is short
-        # (trainer.collective_timeout_minutes). The sync then reaches every engine (controller_sync.py).
-        if self.rollout is not None:
-            self.rollout.restart_failed_engines()
-        if self.dims.world_size > 1:
-            dist.barrier(group=self.control.world)
         if broadcasts_weights(self.cfg) and self.dims.pp > 1 and self.cfg.rollout.fleet_stage_groups:
             # A fleet under PP: each stage's first rank broadcasts its own stage's tensors to the
             # servers in a group of its own, in turns the controller sets (fleet/stages.py).

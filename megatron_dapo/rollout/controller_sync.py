@@ -10,8 +10,8 @@ A marked or dead engine is replaced in place, with the kept weights, before its 
 a generation's start, a stream's thread that meets it dead, or the next sync, which restarts
 what is still marked before its export (``restart_failed_engines``; docs/DESIGN.md, "A fleet of
 SGLang servers"). One death is one restart and one unit of ``rollout.max_engine_restarts``:
-each restart names the life it replaces (``_lives``), and a second caller for that life waits
-for the first (``_pending``).
+restarts run one at a time under the weights lock, each naming the life it replaces
+(``_lives``); a second caller for a life already replaced does nothing.
 """
 
 from __future__ import annotations
@@ -73,11 +73,9 @@ class ControllerSync:
         self._kept = KeptWeights(keep=max_restarts > 0 and any(can_restart(e) for e in self.engines))
         self._restart_lock = threading.Lock()
         self._failed: set[int] = set()  # engines whose update failed: restarted before their next use or sync
-        # Each engine's restarts so far, and the life each restart under way replaces: one death is one
-        # restart, whichever threads meet it (a stream's, a sync's start); the others wait for it.
+        # Each engine's restarts so far: one death is one restart, whichever threads meet it (a
+        # stream's, a sync's start); a restart asked for a life already replaced does nothing.
         self._lives = [0] * len(self.engines)
-        self._pending: dict[int, int] = {}
-        self._restarted = threading.Condition(self._restart_lock)
         self._transport = transport
 
     # ------------------------------------------------------------------ weights (RolloutEngine for sync_weights)
@@ -205,10 +203,14 @@ class ControllerSync:
             # The survivors are paused mid-update with partly loaded weights: a running stream's
             # requests to them would wait for their timeout (an hour), so their servers go now;
             # the stream's threads meet a dead engine, hand its prompts to the others and restart
-            # it (seen: a vLLM fleet hung after a member died during a broadcast).
-            for engine in self.engines:
-                with contextlib.suppress(Exception):  # already dead, or stopping anyway
-                    engine.shutdown()
+            # it (seen: a vLLM fleet hung after a member died during a broadcast). All at once: a
+            # server's stop may wait for its teardown (server_process.KILLED_EXIT_S).
+            stops = [threading.Thread(target=_stop_quietly, args=(e,), name=f"stop-{e.name}", daemon=True)
+                     for e in self.engines]
+            for thread in stops:
+                thread.start()
+            for thread in stops:
+                thread.join()
 
     def _can_restart(self, engine: RolloutEngine) -> bool:
         return can_restart(engine) and self.max_restarts > 0
@@ -216,63 +218,53 @@ class ControllerSync:
     def _restart(self, index: int, err: BaseException, *, life: int) -> None:
         """Replace engine `index` by a fresh one holding the current weights, or raise the final error.
 
-        ``life``: the engine's restart count when the caller met `err` (``_lives``). One caller per
-        life restarts it and spends the budget; another that meets the same death (a stream's
-        thread, a sync's start) waits for that restart and returns, and its caller goes on with the
-        fresh engine. A life already replaced returns at once."""
+        ``life``: the engine's restart count when the caller met `err` (``_lives``). Restarts run one
+        at a time, under the weights lock and never inside a sync, and each checks the life first:
+        of the callers that meet one death (a stream's thread, a sync's start) the first restarts
+        the engine and spends a unit of the budget, the others find the life replaced and return,
+        and their callers go on with the fresh engine. A restart that fails leaves the life as it
+        was: the next caller tries again, and spends another unit."""
         engine = self.engines[index]
         log = getattr(engine, "log_path", None)
         where = f"; its log: {log}" if log else ""
-        with self._restart_lock:
-            while self._pending.get(index) == life and not self._closing.is_set():
-                self._restarted.wait(timeout=1.0)
-            if self._lives[index] != life:
-                return
-            self._refuse_when_closing(engine, err)
-            if not self._can_restart(engine) or self.num_restarts >= self.max_restarts:
-                raise EngineRestartsExhausted(
-                    f"engine {engine.name} failed ({err}) after {self.num_restarts} restart(s) of engines in this run "
-                    f"(rollout.max_engine_restarts={self.max_restarts}){where}; the run stops here: rerun the same "
-                    "command to resume from the last checkpoint, and look at the engine's log for why it died"
-                ) from err
-            self.num_restarts += 1
-            self._pending[index] = life
-            logger.warning("engine %s failed (%s): restarting it in place, restart %d of at most %d%s", engine.name,
-                           err, self.num_restarts, self.max_restarts, where)
-        try:
-            self._replace(index, err)
-        finally:
-            with self._restart_lock:
-                del self._pending[index]
-                self._restarted.notify_all()
-
-    def _replace(self, index: int, err: BaseException) -> None:
-        """The restart itself (``_restart``'s one caller per life)."""
-        engine = self.engines[index]
         with self._kept.lock:
             self._kept.wait_for_sync(self._closing)  # never inside a sync (kept_weights.py says why)
-            if self._closing.is_set():  # shut down while this restart waited: it never began, nor counts
-                with self._restart_lock:
-                    self.num_restarts -= 1
+            with self._restart_lock:
+                if self._lives[index] != life:
+                    return
                 self._refuse_when_closing(engine, err)
-            engine.restart()  # type: ignore[attr-defined]
-            if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
-                with contextlib.suppress(Exception):
-                    engine.shutdown()
-                raise EngineError(f"engine {engine.name}: the rollout was shut down while it restarted") from err
-            if self._transport is not None:
-                self._transport.engine_replaced(index, engine)
-                if self._kept.buckets:  # the way a fleet's weights travel, to this server alone
-                    self._transport.reload(index, self._kept.buckets, self._kept.version)
-            elif self._kept.buckets:
-                for bucket in self._kept.buckets:
-                    engine.update_weights(bucket)
-                engine.finish_weight_update(version=self._kept.version)
-            if self._kept.adapter is not None:  # its base is the checkpoint it starts from
-                engine.load_adapter(*self._kept.adapter)  # type: ignore[attr-defined]
-            with self._restart_lock:  # together: restart_failed_engines reads both under this lock
-                self._failed.discard(index)
-                self._lives[index] += 1
+                if not self._can_restart(engine) or self.num_restarts >= self.max_restarts:
+                    raise EngineRestartsExhausted(
+                        f"engine {engine.name} failed ({err}) after {self.num_restarts} restart(s) of engines in this "
+                        f"run (rollout.max_engine_restarts={self.max_restarts}){where}; the run stops here: rerun the "
+                        "same command to resume from the last checkpoint, and look at the engine's log for why it died"
+                    ) from err
+                self.num_restarts += 1
+                logger.warning("engine %s failed (%s): restarting it in place, restart %d of at most %d%s",
+                               engine.name, err, self.num_restarts, self.max_restarts, where)
+            self._replace(index, err)
+
+    def _replace(self, index: int, err: BaseException) -> None:
+        """The restart itself (``_restart``'s, under the weights lock)."""
+        engine = self.engines[index]
+        engine.restart()  # type: ignore[attr-defined]
+        if self._closing.is_set():  # shutdown() ran during the relaunch: the fresh server goes too
+            with contextlib.suppress(Exception):
+                engine.shutdown()
+            raise EngineError(f"engine {engine.name}: the rollout was shut down while it restarted") from err
+        if self._transport is not None:
+            self._transport.engine_replaced(index, engine)
+            if self._kept.buckets:  # the way a fleet's weights travel, to this server alone
+                self._transport.reload(index, self._kept.buckets, self._kept.version)
+        elif self._kept.buckets:
+            for bucket in self._kept.buckets:
+                engine.update_weights(bucket)
+            engine.finish_weight_update(version=self._kept.version)
+        if self._kept.adapter is not None:  # its base is the checkpoint it starts from
+            engine.load_adapter(*self._kept.adapter)  # type: ignore[attr-defined]
+        with self._restart_lock:  # together: restart_failed_engines reads both under this lock
+            self._failed.discard(index)
+            self._lives[index] += 1
 
     def _refuse_when_closing(self, engine: RolloutEngine, err: BaseException) -> None:
         if self._closing.is_set():
@@ -291,3 +283,8 @@ class ControllerSync:
             if marked:  # not restarted by another thread meanwhile
                 self._restart(index, EngineError(f"engine {self.engines[index].name}: its weight update failed"),
                               life=life)
+
+
+def _stop_quietly(engine: RolloutEngine) -> None:
+    with contextlib.suppress(Exception):  # already dead, or stopping anyway
+        engine.shutdown()

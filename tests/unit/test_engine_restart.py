@@ -308,11 +308,14 @@ class _Slow(_Member):
         super().restart()
 
 
-def test_a_death_met_by_a_stream_and_a_syncs_start_is_one_restart_and_spends_the_budget_once(new_weights):
+@pytest.mark.parametrize("start", ["before the export", "at the first bucket"])
+def test_a_death_met_by_a_stream_and_a_syncs_start_is_one_restart_and_spends_the_budget_once(new_weights, start):
     """Review of the fix above: the stream's thread and the sync's start both restart a marked
     member. Each took a unit of the budget before either restart ended, so with
     max_restarts=2 and two deaths the second taker raised EngineRestartsExhausted although two
-    restarts were all that happened. One caller per life restarts now; the other waits for it."""
+    restarts were all that happened. Then (a second review) the first bucket's restart, holding
+    the weights lock, waited for the stream's, which waited for that lock: a deadlock. Restarts
+    now run one at a time under the weights lock, and a life already replaced is left alone."""
     from megatron_dapo.rollout.engine import EngineRestartsExhausted
 
     go = [threading.Event(), threading.Event()]
@@ -327,7 +330,12 @@ def test_a_death_met_by_a_stream_and_a_syncs_start_is_one_restart_and_spends_the
         except BaseException as err:  # the test reads it
             errors.append(err)
 
-    sync_start = threading.Thread(target=run, args=(controller.restart_failed_engines,), daemon=True)
+    def first_bucket():  # the next sync: its first piece restarts what is still marked
+        controller.update_weights(new_weights[:1])
+        controller.finish_weight_update(version=8)
+
+    entry = controller.restart_failed_engines if start == "before the export" else first_bucket
+    sync_start = threading.Thread(target=run, args=(entry,), daemon=True)
     sync_start.start()
     assert members[0].restarting.wait(timeout=30)  # the sync's start is restarting fake0
     stream = threading.Thread(target=run, args=(lambda: controller._restart(1, EngineError("fake1 died"), life=0),),
@@ -491,9 +499,11 @@ def test_a_restart_queued_behind_another_is_not_started_after_shutdown():
         assert time.monotonic() < deadline, "no relaunch began"
         time.sleep(0.01)
     running, queued = (first, second) if first.relaunching.is_set() else (second, first)
-    while controller.num_restarts < 2:  # the other engine's restart is counted, then waits for the lock
-        assert time.monotonic() < deadline, "the second engine's restart was not asked for"
+    while not queued.lost:  # the other engine died too: its thread asks for a restart and waits for the lock
+        assert time.monotonic() < deadline, "the second engine did not die"
         time.sleep(0.01)
+    time.sleep(0.2)
+    assert controller.num_restarts == 1  # counted under the lock, once its turn comes: not yet
     controller.shutdown(timeout_s=10)
     running.relaunched.set()
     queued.relaunched.set()  # were it relaunched anyway, it would not block the test
