@@ -326,11 +326,12 @@ class ServerProcess:
                 # Waited for the grace alone, a loaded CPU's teardown outlasted it (seen 2026-12-04,
                 # a fleet's SGLang servers under six runs on two cores): the wait raised out of stop
                 # and the key files and /dev/shm leftovers stayed behind.
+                killed_wait_s = max(timeout_s, KILLED_EXIT_S)
                 try:
-                    self._popen.wait(timeout=max(timeout_s, KILLED_EXIT_S))
+                    self._popen.wait(timeout=killed_wait_s)
                 except subprocess.TimeoutExpired:  # the reaper and the files stay: it is not gone
                     raise EngineError(f"{self.kind} server {self.name} (pid {self._popen.pid}) did not exit within "
-                                      f"{max(timeout_s, KILLED_EXIT_S):g} s of its SIGKILL; log {self.log_path}") from None
+                                      f"{killed_wait_s:g} s of its SIGKILL; log {self.log_path}") from None
             except ProcessLookupError:
                 pass
             # The leader's exit does not end its group: a child it left is ended here, not orphaned.
